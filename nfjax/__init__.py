@@ -1,0 +1,1 @@
+"""nfjax: a throughput-first LLM serving engine on JAX/XLA."""

@@ -1,0 +1,38 @@
+"""`nfjax` command line: one subcommand per module, each exposing `add_parser(sub)` and `run(args)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "generate": "nfjax.commands.generate",
+    "convert": "nfjax.checkpoint.convert",
+    "train-tiny": "nfjax.train_tiny",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nfjax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, modname in SUBCOMMANDS.items():
+        mod = importlib.import_module(modname)
+        mod.add_parser(sub, name)
+        modules[name] = mod
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.command].run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except UserError as e:
+        print(f"nfjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, no traceback."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""One typed config tree: model, cache, scheduler, server. Plain frozen dataclasses, JSON-friendly."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that nfjax cannot run, with a message naming the offending field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3`); `linear` is also accepted."""
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
+        layer = attn + bias + 3 * d * i + 2 * d
+        head = 0 if self.tie_word_embeddings else d * v
+        return self.num_layers * layer + v * d + head + d
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ---- HF interop -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, src: str | Path | dict) -> "ModelConfig":
+        """Build from an HF `config.json` (a path to the file, its folder, or the parsed dict)."""
+        if not isinstance(src, dict):
+            p = Path(src)
+            p = p / "config.json" if p.is_dir() else p
+            try:
+                src = json.loads(p.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{p}: no such file") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        hf = src
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"config.json: unsupported model_type {mt!r}; nfjax supports "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+            kw = dict(vocab_size=int(hf["vocab_size"]), hidden_size=d,
+                      intermediate_size=int(hf["intermediate_size"]),
+                      num_layers=int(hf["num_hidden_layers"]), num_heads=h)
+        except KeyError as e:
+            raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
+        if mt == "mistral" and hf.get("sliding_window") not in (None, 0):
+            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
+                raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} is not supported yet "
+                                  "(nfjax attends to the full context); set it to null to run full attention")
+        if mt == "qwen2" and hf.get("use_sliding_window"):
+            raise ConfigError("config.json: use_sliding_window=true is not supported yet")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = "bfloat16" if hf.get("torch_dtype", hf.get("dtype")) == "bfloat16" else "float32"
+        return cls(
+            **kw,
+            num_kv_heads=int(hf.get("num_key_value_heads") or h),
+            head_dim=int(hf.get("head_dim") or d // h),
+            rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling_from_hf(hf),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", mt == "qwen2")),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            model_type=mt, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def _rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
+                           float(rs.get("high_freq_factor", 4.0)),
+                           int(rs.get("original_max_position_embeddings", 8192)))
+    if kind == "linear":
+        return RopeScaling("linear", float(rs["factor"]))
+    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (llama3, linear)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 512            # device KV pages (page 0 is reserved as a scratch page)
+    max_pages_per_seq: int = 64     # page-table width: max context = page_size * max_pages_per_seq
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    token_buckets: tuple[int, ...] = (64, 256)   # dense token budgets, one compiled step each
+    max_seqs: int = 32                            # sequences per step (decode + prefill)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)

@@ -1,0 +1,154 @@
+"""Llama-family decoder (Llama-2/3, Mistral, Qwen2, DeepSeek-67B) as Flax NNX modules with named ops."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from nfjax.config import ModelConfig
+from nfjax.kv.attention import paged_attention
+from nfjax.kv.cache import KVCache
+from nfjax.kv.metadata import AttentionMetadata
+from nfjax.models.ops import Resource, collect_ops, op, run_ops
+from nfjax.models.rope import apply_rope, inv_frequencies
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))   # [D]
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What every op of one layer may read besides its named inputs."""
+    layer: Int[Array, ""]            # layer index into the stacked KV cache
+    meta: AttentionMetadata
+    inv_freq: Float[Array, "D2"]
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder layer. Its ops, in order, are the plain forward."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        self.q_proj = _linear(d, cfg.q_size, cfg.qkv_bias, dt, rngs)
+        self.k_proj = _linear(d, cfg.kv_size, cfg.qkv_bias, dt, rngs)
+        self.v_proj = _linear(d, cfg.kv_size, cfg.qkv_bias, dt, rngs)
+        self.o_proj = _linear(cfg.q_size, d, False, dt, rngs)
+        self.post_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        self.gate_proj = _linear(d, cfg.intermediate_size, False, dt, rngs)
+        self.up_proj = _linear(d, cfg.intermediate_size, False, dt, rngs)
+        self.down_proj = _linear(cfg.intermediate_size, d, False, dt, rngs)
+
+    @op(Resource.MEMORY, ins=("x",), outs=("h",))
+    def attn_norm(self, ctx, x):
+        return self.input_norm(x)
+
+    @op(Resource.COMPUTE, ins=("h",), outs=("q", "k", "v"))
+    def kqv(self, ctx, h):
+        c = self.cfg
+        t = h.shape[0]
+        return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
+                self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
+                self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
+
+    @op(Resource.MEMORY, ins=("q", "k", "v", "kv", "positions", "slots"), outs=("q_rot", "kv"))
+    def rope_append(self, ctx, q, k, v, kv, positions, slots):
+        q = apply_rope(q, positions, ctx.inv_freq)
+        k = apply_rope(k, positions, ctx.inv_freq)
+        return q, kv.write(ctx.layer, slots, k, v)
+
+    @op(Resource.MEMORY, ins=("q_rot", "kv"), outs=("attn",))
+    def attention(self, ctx, q, kv):
+        out = paged_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5)
+        return out.reshape(q.shape[0], -1)
+
+    @op(Resource.COMPUTE, ins=("attn",), outs=("o",))
+    def o_proj_op(self, ctx, attn):
+        return self.o_proj(attn)
+
+    @op(Resource.MEMORY, ins=("x", "o"), outs=("x2", "h2"))
+    def ffn_norm(self, ctx, x, o):
+        x2 = x + o
+        return x2, self.post_norm(x2)
+
+    @op(Resource.COMPUTE, ins=("h2",), outs=("gate", "up"))
+    def up_gate(self, ctx, h2):
+        return self.gate_proj(h2), self.up_proj(h2)
+
+    @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))
+    def act(self, ctx, gate, up):
+        return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+
+    @op(Resource.COMPUTE, ins=("a",), outs=("d",))
+    def down(self, ctx, a):
+        return self.down_proj(a)
+
+    @op(Resource.MEMORY, ins=("x2", "d"), outs=("out",))
+    def residual(self, ctx, x2, d):
+        return x2 + d
+
+
+LAYER_OPS = collect_ops(DecoderLayer)
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(0.02))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(r):
+            return DecoderLayer(cfg, r)
+
+        self.layers = make_layers(rngs)       # params stacked on a leading layer axis
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dt,
+                                                                    rngs)
+
+    def __call__(self, tokens: Int[Array, "T"], kv: KVCache, meta: AttentionMetadata,
+                 layer_fn=None) -> tuple[Float[Array, "T D"], KVCache]:
+        """Run all layers over a flat token batch; returns final-normed hidden states and the updated cache.
+
+        `layer_fn(layer, ctx, env) -> env` executes one layer's ops (default: sequential `run_ops`).
+        """
+        layer_fn = layer_fn or (lambda layer, ctx, env: run_ops(LAYER_OPS, layer, ctx, env))
+        inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
+        x = self.embed(tokens)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, layer_state):
+            x, kv, i = carry
+            layer = nnx.merge(graphdef, layer_state)
+            ctx = LayerContext(i, meta, inv_freq)
+            env = layer_fn(layer, ctx, {"x": x, "kv": kv, "positions": meta.positions,
+                                        "slots": meta.slot_mapping})
+            return (env["out"], env["kv"], i + 1), None
+
+        (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked)
+        return self.norm(x), kv
+
+    def logits(self, h: Float[Array, "S D"]) -> Float[Array, "S V"]:
+        if self.lm_head is None:
+            return self.embed.attend(h).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)

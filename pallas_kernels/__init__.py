@@ -1,0 +1,1 @@
+"""Attention kernels over the paged KV cache, each beside a pure-jnp reference."""

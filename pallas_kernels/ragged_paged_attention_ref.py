@@ -1,0 +1,32 @@
+"""Pure-jnp reference: ragged paged attention for a mixed batch (decodes and prefill chunks together).
+
+Each token attends causally to its own sequence's cache positions [0, position]; K/V of the current step must
+already be written. Used on CPU and as the oracle for every kernel.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked padding rows stay NaN-free
+
+
+def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],
+                               v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
+                               token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
+                               seq_lens: Int[Array, "S"], scale: float) -> Float[Array, "T H D"]:
+    t, h, d = q.shape
+    _, ps, kh, _ = k_pages.shape
+    s, p = page_table.shape
+    k_seq = k_pages[page_table].reshape(s, p * ps, kh, d)      # [S, L, KH, D]
+    v_seq = v_pages[page_table].reshape(s, p * ps, kh, d)
+    kt, vt = k_seq[token_seq], v_seq[token_seq]                # [T, L, KH, D]
+    qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
+    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, kt.astype(jnp.float32)) * scale
+    j = jnp.arange(p * ps)
+    ok = (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[token_seq][:, None])
+    scores = jnp.where(ok[:, None, None, :], scores, MASK_VALUE)
+    w = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgl,tlkd->tkgd", w, vt.astype(jnp.float32))
+    return out.reshape(t, h, d).astype(q.dtype)
