@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from nfjax.errors import UserError
+
 SUBCOMMANDS = {
     "generate": "nfjax.commands.generate",
     "convert": "nfjax.checkpoint.convert",
@@ -28,10 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"nfjax {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """An error caused by the user's input: printed as one line, no traceback."""
 
 
 if __name__ == "__main__":

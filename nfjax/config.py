@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nfjax.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A config that nfjax cannot run, with a message naming the offending field."""
 
 

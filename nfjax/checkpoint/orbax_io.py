@@ -15,13 +15,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from nfjax.config import ModelConfig
+from nfjax.errors import UserError
 from nfjax.models.llama import LlamaModel
 
 CONFIG_FILE = "nfjax_config.json"
 PARAMS_DIR = "params"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint folder nfjax cannot read, with the file and field named."""
 
 
