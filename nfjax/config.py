@@ -160,6 +160,7 @@ class CacheConfig:
 class SchedulerConfig:
     token_buckets: tuple[int, ...] = (64, 256)   # dense token budgets, one compiled step each
     max_seqs: int = 32                            # sequences per step (decode + prefill)
+    predict_memory: bool = True                   # NanoFlow admission control; off = admit while pages are free
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""Hugging Face Llama-family tensor names -> nfjax parameter paths.
+
+HF stores one tensor per layer (`model.layers.{i}.self_attn.q_proj.weight`, Linear weights as [out, in]); nfjax
+stacks every per-layer parameter on a leading layer axis (`layers.q_proj.kernel` [L, in, out]). Llama-2/3,
+Mistral, Qwen2 and DeepSeek-67B (llama arch) all use the same names; Qwen2 adds q/k/v biases.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nfjax.config import ModelConfig
+
+# Buffers some checkpoints ship that are not parameters (nfjax recomputes RoPE frequencies from the config).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+# HF name (after `model.layers.{i}.`) -> (nfjax path under `layers`, transpose)
+_LAYER = {
+    "input_layernorm.weight": (("input_norm", "scale"), False),
+    "self_attn.q_proj.weight": (("q_proj", "kernel"), True),
+    "self_attn.k_proj.weight": (("k_proj", "kernel"), True),
+    "self_attn.v_proj.weight": (("v_proj", "kernel"), True),
+    "self_attn.q_proj.bias": (("q_proj", "bias"), False),
+    "self_attn.k_proj.bias": (("k_proj", "bias"), False),
+    "self_attn.v_proj.bias": (("v_proj", "bias"), False),
+    "self_attn.o_proj.weight": (("o_proj", "kernel"), True),
+    "post_attention_layernorm.weight": (("post_norm", "scale"), False),
+    "mlp.gate_proj.weight": (("gate_proj", "kernel"), True),
+    "mlp.up_proj.weight": (("up_proj", "kernel"), True),
+    "mlp.down_proj.weight": (("down_proj", "kernel"), True),
+}
+_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+_GLOBAL = {
+    EMBED: (("embed", "embedding"), False),
+    "model.norm.weight": (("norm", "scale"), False),
+    LM_HEAD: (("lm_head", "kernel"), True),
+}
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one HF tensor goes: `path` in the nfjax param dict, `layer` index into the stacked axis (None for
+    unstacked params), and whether the HF array is transposed ([out, in] -> [in, out])."""
+    path: tuple[str, ...]
+    layer: int | None
+    transpose: bool
+
+
+def is_ignored(name: str) -> bool:
+    return name.endswith(IGNORED_SUFFIXES)
+
+
+def parse(name: str) -> Target | None:
+    """The target of an HF tensor name, or None when nfjax has no such parameter (ignored names included)."""
+    if name in _GLOBAL:
+        path, tr = _GLOBAL[name]
+        return Target(path, None, tr)
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER:
+        path, tr = _LAYER[m.group(2)]
+        return Target(("layers",) + path, int(m.group(1)), tr)
+    return None
+
+
+def expected_names(cfg: ModelConfig) -> list[str]:
+    """Every HF tensor a checkpoint of `cfg` must hold, in a stable order (globals, then layer by layer).
+
+    `lm_head.weight` is left out for tied embeddings (such checkpoints may or may not ship it).
+    """
+    names = [EMBED, "model.norm.weight"] + ([] if cfg.tie_word_embeddings else [LM_HEAD])
+    suffixes = [s for s in _LAYER if cfg.qkv_bias or s not in _BIASES]
+    names += [f"model.layers.{i}.{s}" for i in range(cfg.num_layers) for s in suffixes]
+    return names
+
+
+def hf_shape(target: Target, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor shape that fills `target` of an nfjax parameter of shape `param_shape`."""
+    shape = param_shape[1:] if target.layer is not None else param_shape
+    return tuple(reversed(shape)) if target.transpose else tuple(shape)

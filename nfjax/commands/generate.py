@@ -1,0 +1,42 @@
+"""`nfjax generate PROMPT...`: stream one completion to the terminal, or run several prompts as a batch."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="generate text from prompts (default model: the shipped tiny model)")
+    p.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
+    p.add_argument("--model", default=None, help="nfjax checkpoint folder (see `nfjax convert`)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nfjax import Engine, SamplingParams
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, progress=sys.stderr.isatty())
+    print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    if len(args.prompts) == 1:
+        out = None
+        sys.stdout.write(args.prompts[0])
+        for out in engine.stream(args.prompts[0], params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if out is not None:
+            print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+        return 0
+    for prompt, out in zip(args.prompts, engine.generate(args.prompts, params)):
+        print(f"--- {prompt!r} [{len(out.token_ids)} tokens, {out.finish_reason}]\n{prompt}{out.text}")
+    return 0

@@ -1,0 +1,35 @@
+"""Per-request output text: incremental detokenization plus stop-string handling."""
+from __future__ import annotations
+
+from nfjax.engine.sampling_params import SamplingParams
+from nfjax.tokenizer import IncrementalDetokenizer
+
+
+class OutputText:
+    """Accumulates decoded text; releases it minus a tail that could still become a stop string."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> None:
+        if self.stopped:
+            return
+        self.text += self.detok.add(token_ids)
+        for s in self.stops:
+            # search only where a new match can start
+            i = self.text.find(s, max(0, self.released - len(s)))
+            if i >= 0:
+                self.text, self.stopped = self.text[:i], True
+
+    def release(self, final: bool) -> str:
+        if final and not self.stopped:
+            self.text += self.detok.finish()
+        end = len(self.text) if (final or self.stopped) else max(self.released, len(self.text) - self.hold)
+        out = self.text[self.released:end]
+        self.released = end
+        return out

@@ -1,0 +1,225 @@
+"""`Engine`: the user-facing API over scheduler + runner (continuous batching, async one-step-ahead loop)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
+from nfjax.engine.detok import OutputText
+from nfjax.engine.outputs import RequestOutput
+from nfjax.engine.request import Request, Status
+from nfjax.engine.runner import Runner, StepHandle
+from nfjax.engine.sampling_params import SamplingParams
+from nfjax.engine.scheduler import Scheduler
+from nfjax.engine.trace import StepTrace
+from nfjax.errors import UserError
+
+TINY_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig, progress: bool = False):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = config.model
+        self.runner = Runner(model, config.cache, config.scheduler)
+        self.runner.compile_all(progress=progress)
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_position_embeddings)
+        self.trace = StepTrace()
+        self._requests: dict[str, Request] = {}
+        self._texts: dict[str, OutputText] = {}
+        self._inflight: StepHandle | None = None
+        self._ids = itertools.count()
+        self._rng = random.Random()
+        self.preemptions = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None,
+                        page_size: int | None = None, num_pages: int | None = None,
+                        max_pages_per_seq: int | None = None, token_buckets: Iterable[int] | None = None,
+                        max_seqs: int | None = None, progress: bool = False) -> "Engine":
+        """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket."""
+        from nfjax.checkpoint.orbax_io import load_model
+        from nfjax.tokenizer import load_tokenizer
+        path = Path(path) if path is not None else TINY_MODEL
+        if not path.is_dir():
+            raise UserError(f"{path}: no such model folder")
+        model = load_model(path, dtype=dtype)
+        cache = CacheConfig()
+        cache = dataclasses.replace(cache, **{k: v for k, v in dict(
+            page_size=page_size, num_pages=num_pages, max_pages_per_seq=max_pages_per_seq).items() if v is not None})
+        sched = SchedulerConfig()
+        if token_buckets is not None:
+            sched = dataclasses.replace(sched, token_buckets=tuple(sorted(token_buckets)))
+        if max_seqs is not None:
+            sched = dataclasses.replace(sched, max_seqs=max_seqs)
+        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched), progress=progress)
+
+    # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise UserError(f"prompt token id {bad[0]} is out of range [0, {self.model_config.vocab_size})")
+        if not ids:
+            raise UserError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise UserError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                            "(prompt + at least one generated token)")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise UserError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        req = Request(rid, ids, params, seed)
+        self._requests[rid] = req
+        self._texts[rid] = OutputText(self.tokenizer, params)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+        self._texts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.swapped)
+
+    @property
+    def pages_used(self) -> int:
+        return self.scheduler.pages_used
+
+    @property
+    def pages_total(self) -> int:
+        return self.scheduler.allocator.capacity
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""
+        prev = self._inflight
+        slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
+        batch = self.scheduler.schedule(slots)
+        handle = None
+        if batch is not None:
+            for req, pages in batch.swap_out:
+                req.host_kv = self.runner.swap_out(pages)
+                self.preemptions += 1
+            for req in batch.swap_in:
+                self.runner.swap_in(req.host_kv, req.pages)
+                req.host_kv = None
+            now = time.perf_counter()
+            for sq in batch.seqs:
+                if sq.req.timings.first_scheduled is None:
+                    sq.req.timings.first_scheduled = now
+            handle = self.runner.launch(batch) if batch.seqs else None
+        self._inflight = handle
+        if prev is None:
+            return []
+        tokens = self.runner.read(prev)
+        self.trace.record(prev.batch, time.perf_counter() - prev.launched_at)
+        return self._process(prev, tokens)
+
+    def _process(self, handle: StepHandle, tokens) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outs = []
+        eos = set() if self.model_config.eos_token_ids is None else set(self.model_config.eos_token_ids)
+        for i, sq in enumerate(handle.batch.seqs):
+            req = sq.req
+            if not sq.samples or req.finished:
+                continue          # a mid-prompt chunk, or a token past EOS / abort (dropped)
+            tok = int(tokens[i])
+            req.output_ids.append(tok)
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            text = self._texts[req.request_id]
+            text.add([tok])
+            reason = None
+            p = req.params
+            if text.stopped or tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                req.timings.finished = now
+            outs.append(self._output(req, [tok]))
+        return outs
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        text = self._texts[req.request_id]
+        new_text = text.release(final=req.finished)
+        out = RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), text.text if req.finished
+                            else text.text[:text.released], new_ids, new_text, req.finished, req.finish_reason,
+                            req.timings.as_dict())
+        if req.finished:
+            self._requests.pop(req.request_id, None)
+            self._texts.pop(req.request_id, None)
+        return out
+
+    # ---- offline API ------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; one output per prompt, in order."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        plist = [prompts] if single else list(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
+        if len(params_list) != len(plist):
+            raise UserError(f"{len(params_list)} sampling params for {len(plist)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(plist, params_list)]
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        while self._inflight is not None:   # drain the one-step-late launch of finished requests
+            self.step()
+        if bar:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield outputs for one prompt as tokens arrive (other queued requests advance too)."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if rid in self._requests:
+                self.abort(rid)

@@ -1,0 +1,17 @@
+"""What the engine hands back: one RequestOutput per request per step it advanced, plus the final one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]            # generated ids so far (all of them)
+    text: str                       # generated text so far (stop strings removed)
+    new_token_ids: list[int]        # ids added by this step
+    new_text: str                   # text released by this step (UTF-8 safe; partial stop strings held back)
+    finished: bool
+    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
+    metrics: dict = field(default_factory=dict)   # arrival, ttft_s, e2e_s

@@ -1,0 +1,69 @@
+"""A request's lifecycle: waiting -> prefilling (chunks) -> decoding -> finished; may be swapped out on the way."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nfjax.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # admitted to the queue, no KV yet
+    RUNNING = "running"        # holds device pages; prefilling or decoding
+    SWAPPED = "swapped"        # preempted: KV pages live in host memory
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def as_dict(self) -> dict:
+        ttft = None if self.first_token is None else self.first_token - self.arrival
+        e2e = None if self.finished is None else self.finished - self.arrival
+        return {"arrival": self.arrival, "ttft_s": ttft, "e2e_s": e2e}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # resolved per-request seed
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)   # tokens seen on the host
+    pages: list[int] = field(default_factory=list)         # device pages, in position order
+    num_computed: int = 0        # tokens whose KV is written by launched steps (prompt and generated)
+    num_launched_outputs: int = 0  # outputs that launched steps will produce (host learns them one step late)
+    finish_reason: str | None = None
+    stop_pending: bool = False   # finished on the host; a launched step may still carry it
+    host_kv: object = None       # swapped-out KV (host arrays) while SWAPPED
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def total_len(self) -> int:
+        """Tokens the sequence will hold once all launched steps land."""
+        return self.prompt_len + self.num_launched_outputs
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_at(self, pos: int) -> int | None:
+        """Token id at `pos` if the host knows it (prompt or a generated token already read back)."""
+        if pos < self.prompt_len:
+            return self.prompt_ids[pos]
+        i = pos - self.prompt_len
+        return self.output_ids[i] if i < len(self.output_ids) else None

@@ -1,0 +1,154 @@
+"""Compiled step programs (one per token bucket, all compiled at start) and their asynchronous launch.
+
+The sampled tokens of a step stay on the device and feed the next step's decode inputs; the host reads a
+step's tokens only after the next step has been launched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int, UInt32
+
+from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.engine.sampler import sample
+from nfjax.engine.scheduler import Batch
+from nfjax.kv.cache import KVCache
+from nfjax.kv.metadata import AttentionMetadata, build_metadata
+from nfjax.models.llama import LlamaModel
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInput:
+    tokens: Int[Array, "T"]          # token ids known on the host (prompt chunks, decode inputs already read)
+    token_src: Int[Array, "T"]       # >= 0: take the token from that row of the previous step's samples
+    meta: AttentionMetadata
+    temperature: Float[Array, "S"]
+    top_k: Int[Array, "S"]
+    top_p: Float[Array, "S"]
+    seeds: UInt32[Array, "S"]
+    counters: Int[Array, "S"]        # outputs generated before this sample: the per-request key's step
+
+
+def _step(graphdef, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput):
+    model = nnx.merge(graphdef, state)
+    tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
+    h, kv = model(tokens, kv, inp.meta)
+    logits = model.logits(h[inp.meta.logits_index])
+    sampled = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
+    return sampled, kv
+
+
+@dataclass
+class StepHandle:
+    batch: Batch
+    sampled: jax.Array               # [S] on device
+    launched_at: float
+
+
+class Runner:
+    """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
+
+    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig):
+        self.cfg = model.cfg
+        self.cache_cfg = cache
+        self.sched = sched
+        self.graphdef, self.state = nnx.split(model)
+        self.kv = KVCache.create(model.cfg, cache)
+        self.max_seqs = sched.max_seqs
+        self._prev = jnp.zeros((self.max_seqs,), jnp.int32)
+        self._steps: dict[int, object] = {}
+        self._swap_out = None
+        self._swap_in = None
+        self.compile_seconds = 0.0
+
+    # ---- compilation ------------------------------------------------------------------------------
+    def _example_input(self, bucket: int) -> StepInput:
+        s, p, ps = self.max_seqs, self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
+        meta = build_metadata([], bucket, s, p, ps)
+        z = np.zeros(s, np.int32)
+        return self._to_device(StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta,
+                                         z.astype(np.float32), z, z.astype(np.float32) + 1, z.astype(np.uint32), z))
+
+    @staticmethod
+    def _to_device(inp: StepInput) -> StepInput:
+        return jax.tree.map(jnp.asarray, inp)
+
+    def compile_all(self, progress: bool = False) -> None:
+        t0 = time.perf_counter()
+        step = jax.jit(_step, static_argnums=0, donate_argnums=2)
+        buckets = sorted(self.sched.token_buckets)
+        it = buckets
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(buckets, desc="compiling buckets", unit="bucket")
+        for b in it:
+            self._steps[b] = step.lower(self.graphdef, self.state, self.kv, self._prev,
+                                        self._example_input(b)).compile()
+        pages = jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32)
+        self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg])).lower(self.kv, pages).compile()
+        blk = jax.ShapeDtypeStruct(self.kv.k[:, :pages.shape[0]].shape, self.kv.k.dtype)
+        self._swap_in = jax.jit(
+            lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k), kv.v.at[:, pg].set(v)),
+            donate_argnums=0).lower(self.kv, pages, blk, blk).compile()
+        self.compile_seconds = time.perf_counter() - t0
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._steps)
+
+    # ---- swapping ---------------------------------------------------------------------------------
+    def _padded_pages(self, pages: list[int]) -> jax.Array:
+        out = np.zeros(self.cache_cfg.max_pages_per_seq, np.int32)   # padding hits scratch page 0
+        out[:len(pages)] = pages
+        return jnp.asarray(out)
+
+    def swap_out(self, pages: list[int]):
+        k, v = self._swap_out(self.kv, self._padded_pages(pages))
+        n = len(pages)
+        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+
+    def swap_in(self, host_kv, pages: list[int]) -> None:
+        k, v = host_kv
+        pad = self.cache_cfg.max_pages_per_seq - k.shape[1]
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
+        dst = list(pages[:k.shape[1]])
+        self.kv = self._swap_in(self.kv, self._padded_pages(dst), np.pad(k, widths), np.pad(v, widths))
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def launch(self, batch: Batch) -> StepHandle:
+        s, p, ps = self.max_seqs, self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
+        t = batch.bucket
+        tokens = np.zeros(t, np.int32)
+        src = np.full(t, -1, np.int32)
+        temp = np.zeros(s, np.float32)
+        top_k = np.zeros(s, np.int32)
+        top_p = np.ones(s, np.float32)
+        seeds = np.zeros(s, np.uint32)
+        counters = np.zeros(s, np.int32)
+        off = 0
+        for i, sq in enumerate(batch.seqs):
+            r = sq.req
+            if sq.prev_slot is not None:
+                src[off] = sq.prev_slot
+            else:
+                tokens[off:off + sq.num_tokens] = [r.token_at(q) for q in range(sq.start, sq.start + sq.num_tokens)]
+            off += sq.num_tokens
+            temp[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+            seeds[i] = r.seed & 0xFFFFFFFF
+            counters[i] = r.num_launched_outputs - 1 if sq.samples else 0
+        meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
+                              num_decode=batch.num_decode)
+        inp = self._to_device(StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
+        sampled, self.kv = self._steps[t](self.state, self.kv, self._prev, inp)
+        self._prev = sampled
+        return StepHandle(batch, sampled, time.perf_counter())
+
+    @staticmethod
+    def read(handle: StepHandle) -> np.ndarray:
+        return np.asarray(handle.sampled)

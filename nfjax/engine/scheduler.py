@@ -1,0 +1,206 @@
+"""NanoFlow batch formation: a dense token budget per step, decodes first, then prefill chunks to fill it.
+
+Admission uses NanoFlow's memory prediction (the pages every running request will hold at its predicted end,
+using the average output length seen so far); when pages still run out, the newest running request is
+preempted: its KV pages move to host memory and come back later without recomputation.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.engine.request import Request, Status
+from nfjax.kv.allocator import PageAllocator
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    start: int                 # first position computed this step
+    num_tokens: int
+    samples: bool              # this chunk ends at the sequence's newest token, so a token is sampled
+    prev_slot: int | None      # decode input comes from the previous step's sampled row (not yet on host)
+
+
+@dataclass
+class Batch:
+    bucket: int                               # static token count of the compiled step
+    seqs: list[ScheduledSeq]                  # decodes first, then prefill chunks
+    num_decode: int
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, pages to copy out)
+    swap_in: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, max_model_len: int):
+        self.cfg = sched
+        self.cache = cache
+        self.budget = max(sched.token_buckets)
+        self.max_model_len = min(max_model_len, cache.page_size * cache.max_pages_per_seq)
+        self.allocator = PageAllocator(cache.num_pages)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # in arrival order
+        self.swapped: deque[Request] = deque()
+        self._finished_out_lens: list[int] = []
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished and release its pages (a launched step may still write them: stream order keeps that safe)."""
+        if req.finished:
+            return
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.host_kv = None
+        for q in (self.running, self.waiting, self.swapped):
+            if req in q:
+                q.remove(req)
+        if reason != "abort":
+            self._finished_out_lens.append(len(req.output_ids))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def pages_used(self) -> int:
+        return self.allocator.num_used
+
+    # ---- memory prediction ------------------------------------------------------------------------
+    def _expected_len(self, req: Request) -> int:
+        est = req.params.max_tokens
+        if self._finished_out_lens:
+            est = min(est, math.ceil(sum(self._finished_out_lens) / len(self._finished_out_lens)))
+        out = max(est, req.num_launched_outputs + 1)
+        return min(req.prompt_len + out, self.max_model_len)
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.cache.page_size)
+
+    def _predicted_peak(self, extra: list[Request]) -> int:
+        return sum(self._pages_for(self._expected_len(r)) for r in self.running + extra)
+
+    def _fits_prediction(self, req: Request) -> bool:
+        if not self.running:
+            return True        # always admit one request so the engine makes progress
+        if not self.cfg.predict_memory:
+            return self._pages_for(req.num_computed + 1) <= self.allocator.num_free
+        return self._predicted_peak([req]) <= self.allocator.capacity
+
+    # ---- pages ------------------------------------------------------------------------------------
+    def _grow(self, req: Request, upto: int) -> bool:
+        need = self._pages_for(upto) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt_newest(self, batch: Batch, protect: Request) -> bool:
+        """Swap out the newest running request other than `protect` and not already in this batch."""
+        busy = {id(s.req) for s in batch.seqs} | {id(r) for r in batch.swap_in}
+        for victim in reversed(self.running):
+            if victim is protect or id(victim) in busy:
+                continue
+            self.running.remove(victim)
+            victim.status = Status.SWAPPED
+            keep = self._pages_for(victim.num_computed)
+            if len(victim.pages) > keep:            # pages grown ahead hold nothing yet
+                self.allocator.free(victim.pages[keep:])
+                victim.pages = victim.pages[:keep]
+            # The runner copies these pages out before this step runs; freeing them now is safe because every
+            # later write to them is issued after that copy on the same device stream.
+            batch.swap_out.append((victim, victim.pages))
+            self.allocator.free(victim.pages)
+            victim.pages = []
+            self.swapped.appendleft(victim)
+            return True
+        return False
+
+    # ---- batch formation --------------------------------------------------------------------------
+    def schedule(self, prev_slots: dict[str, int]) -> Batch | None:
+        """Form the next step. `prev_slots` maps request ids to their sampled row in the step in flight."""
+        batch = Batch(bucket=0, seqs=[], num_decode=0)
+        self._swap_in(batch)
+        # 1) decodes: one token each for every running request past its prompt
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue   # preempted earlier in this loop
+            if req.in_prefill or len(batch.seqs) >= self.cfg.max_seqs:
+                continue
+            if req.num_launched_outputs >= req.params.max_tokens or req.total_len >= self.max_model_len:
+                continue   # its last token is in flight; the host finishes it when that lands
+            pos = req.num_computed
+            while not self._grow(req, pos + 1):
+                if not self._preempt_newest(batch, protect=req):
+                    break
+            if not self._grow(req, pos + 1):
+                continue
+            known = req.token_at(pos)
+            slot = None if known is not None else prev_slots.get(req.request_id)
+            if known is None and slot is None:
+                continue   # input token not available (cannot happen in steady state)
+            batch.seqs.append(ScheduledSeq(req, pos, 1, True, slot))
+        batch.num_decode = len(batch.seqs)
+        # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
+        left = self.budget - batch.num_tokens
+        for req in [r for r in self.running if r.in_prefill]:
+            if left <= 0 or len(batch.seqs) >= self.cfg.max_seqs:
+                break
+            left -= self._add_chunk(batch, req, left)
+        while self.waiting and left > 0 and len(batch.seqs) < self.cfg.max_seqs and not batch.swap_out:
+            req = self.waiting[0]
+            if not self._fits_prediction(req):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            took = self._add_chunk(batch, req, left)
+            if took == 0:       # no pages even for one chunk: put it back
+                self.running.remove(req)
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+                break
+            left -= took
+        if not batch.seqs and not batch.swap_out and not batch.swap_in:
+            return None
+        n = batch.num_tokens
+        batch.bucket = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
+        for s in batch.seqs:
+            s.req.num_computed += s.num_tokens
+            if s.samples:
+                s.req.num_launched_outputs += 1
+        return batch
+
+    def _add_chunk(self, batch: Batch, req: Request, left: int) -> int:
+        n = min(req.prompt_len - req.num_computed, left)
+        while n > 0 and not self._grow(req, req.num_computed + n):
+            n = min(n, (len(req.pages) + self.allocator.num_free) * self.cache.page_size - req.num_computed)
+        if n <= 0:
+            return 0
+        end = req.num_computed + n
+        batch.seqs.append(ScheduledSeq(req, req.num_computed, n, end == req.prompt_len, None))
+        return n
+
+    def _swap_in(self, batch: Batch) -> None:
+        while self.swapped:
+            req = self.swapped[0]
+            need = self._pages_for(req.num_computed + 1)
+            if need > self.allocator.num_free or not self._fits_prediction(req):
+                return
+            self.swapped.popleft()
+            req.pages = self.allocator.allocate(need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            self.running.sort(key=lambda r: r.timings.arrival)
+            batch.swap_in.append(req)

@@ -1,0 +1,35 @@
+"""Step-level trace: per step, decode tokens, prefill tokens, padding and wall time (for benches and plots)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    bucket: int
+    decode_tokens: int
+    prefill_tokens: int
+    padding: int
+    num_seqs: int
+    seconds: float       # launch -> tokens on host (overlaps the next step's launch)
+
+
+@dataclass
+class StepTrace:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def record(self, batch, seconds: float) -> None:
+        dec = batch.num_decode
+        tot = batch.num_tokens
+        self.steps.append(StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds))
+
+    def summary(self) -> dict:
+        n = len(self.steps)
+        return {"steps": n,
+                "decode_tokens": sum(s.decode_tokens for s in self.steps),
+                "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
+                "padding_tokens": sum(s.padding for s in self.steps)}
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(s) for s in self.steps])

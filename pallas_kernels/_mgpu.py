@@ -1,0 +1,174 @@
+"""Shared Mosaic GPU (Pallas) building blocks for the paged attention kernels.
+
+Both kernels (paged_decode_attention.py, paged_prefill_attention.py) run the same inner loop: one warpgroup
+holds a 64-row query tile in shared memory (rows are (token, query head) pairs of ONE kv head), streams that
+kv head's K/V out of the paged cache block by block with TMA copies `num_stages` deep, and keeps an online
+softmax (base-2, f32) with the output accumulator in registers. Differences are only in how work items map to
+(query tile, kv head, sequence, kv range) and in the epilogue; each kernel file owns that part.
+
+Cache layout: k/v [L, N_pages, page_size, kv_heads, head_dim]. One TMA copy moves one page's rows of one kv
+head (a strided [page_size, head_dim] box) into a [block_kv, head_dim] tile (or part of a page when
+page_size > block_kv). The layer index and page ids are scalars read from global memory inside the kernel,
+so the stacked cache is never sliced or copied per layer.
+
+Interpret mode (CPU, tests): the Mosaic GPU interpreter of jax 0.10.2 cannot run wgmma with a transposed SMEM
+operand or a register operand and has no CPU rule for layout casts, so `Ops(interpret=True)` swaps those three
+things for plain jnp on SMEM tiles loaded into values. Everything else (work mapping, page lookups, TMA copies,
+barriers and their phases, masks, online softmax, epilogue stores) is the code that runs on the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+MASK_VALUE = -1e30          # finite: exp2(MASK - m) underflows to 0, and never makes inf - inf = NaN
+LOG2E = math.log2(math.e)
+ROWS = 64                   # wgmma M: query rows per tile (one warpgroup)
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def smem_tile_transforms(dtype) -> tuple:
+    """Tiling + swizzle for a [rows, head_dim] 16-bit operand tile (128-byte swizzle)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
+
+
+class Ops:
+    """The few in-kernel operations whose GPU form the CPU interpreter cannot run (see module doc)."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def wgmma_layout(self, x):
+        return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+    def row_layout(self, x):
+        return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+    def iota(self, shape, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def qk(self, q_s, k_s):
+        """[ROWS, D] x [BKV, D]^T -> [ROWS, BKV] f32 (both operands in SMEM)."""
+        if self.interpret:
+            return jnp.dot(q_s[...], k_s[...].T, preferred_element_type=jnp.float32)
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, k_s.transpose((1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC((q_s.shape[0], k_s.shape[0]), jnp.float32))
+
+    def pv(self, acc, p, v_s):
+        """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""
+        if self.interpret:
+            return acc + jnp.dot(p, v_s[...], preferred_element_type=jnp.float32)
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_s)
+        return pl.run_state(f)(plgpu.ACC.init(acc))
+
+
+def bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_hbm, layer, seq, kh,
+                     kv_lo, kv_hi, scale: float, causal_pos0=None, group: int = 1):
+    """Online-softmax attention of the query tile in `q_s` over cache positions [kv_lo, kv_hi) of row `seq`
+    of the page table, kv head `kh`. Returns (acc [ROWS, D] f32 unnormalised, m [ROWS] base-2 max, l [ROWS]).
+
+    k_s/v_s: SMEM [num_stages, block_kv, D]; k_bar/v_bar: one barrier per stage whose arrival count is the
+    number of copies per block. kv_lo must be a multiple of block_kv. With `causal_pos0`, row r (query token
+    r // group at position causal_pos0 + r // group) sees only positions <= its own.
+    Every copy issued here is waited for here, so barrier phases stay consistent across calls.
+    """
+    num_stages, block_kv, _ = k_s.shape
+    page_size = k_hbm.shape[2]
+    max_pages = pt_hbm.shape[1]
+    rows, d = q_s.shape
+    n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
+
+    def issue(i, slot):
+        tok0 = kv_lo + i * block_kv
+        if block_kv >= page_size:
+            per = block_kv // page_size
+            first = lax.div(tok0, page_size)
+            for j in range(per):
+                page = pt_hbm[seq, jnp.minimum(first + j, max_pages - 1)]
+                dk = k_s.at[slot] if per == 1 else k_s.at[slot, pl.ds(j * page_size, page_size)]
+                dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
+                plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
+        else:
+            page = pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)]
+            off = lax.rem(tok0, page_size)
+            plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, pl.ds(off, block_kv), kh], k_s.at[slot],
+                                    k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, pl.ds(off, block_kv), kh], v_s.at[slot],
+                                    v_bar.at[slot])
+
+    for i in range(num_stages):
+        pl.when(i < n_blk)(lambda i=i: issue(i, i))
+
+    c = scale * LOG2E
+
+    def step(i, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = ops.qk(q_s, k_s.at[slot]) * c
+        if masked:
+            col = ops.iota((rows, block_kv), 1)
+            tok = col + (kv_lo + i * block_kv)
+            ok = tok < kv_hi
+            if causal_pos0 is not None:
+                row = ops.iota((rows, block_kv), 0)
+                ok = ok & ((tok - causal_pos0) * group <= row)
+            s = jnp.where(ok, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - bcast_rows(m_new, s.shape))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * bcast_rows(alpha, acc.shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        acc = ops.pv(acc, p.astype(v_s.dtype), v_s.at[slot])
+        # Both wgmmas on this slot are complete (their results were read), so the slot can be refilled.
+        pl.when(i + num_stages < n_blk)(lambda: issue(i + num_stages, slot))
+        return acc, m_new, l
+
+    acc = ops.wgmma_layout(jnp.zeros((rows, d), jnp.float32))
+    m = ops.row_layout(jnp.full((rows,), MASK_VALUE, jnp.float32))
+    l = ops.row_layout(jnp.zeros((rows,), jnp.float32))
+    # Blocks whose every position is visible to every row need no mask: those wholly below the first query
+    # position (causal) or wholly below kv_hi (decode).
+    last_free = (causal_pos0 + 1) if causal_pos0 is not None else kv_hi
+    n_free = jnp.clip(lax.div(jnp.maximum(last_free - kv_lo, 0), block_kv), 0, n_blk)
+    carry = lax.fori_loop(0, n_free, lambda i, cr: step(i, cr, masked=False), (acc, m, l))
+    return lax.fori_loop(n_free, n_blk, lambda i, cr: step(i, cr, masked=True), carry)
+
+
+def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int):
+    """SMEM K and V stage buffers and their barriers (arrivals = copies per block)."""
+    per = max(1, block_kv // page_size)
+    tf = smem_tile_transforms(dtype)
+    return [plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=tf),
+            plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=tf),
+            plgpu.Barrier(num_arrivals=per, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=per, num_barriers=num_stages)]
+
+
+def check_block(block_kv: int, page_size: int):
+    if block_kv % 64 and block_kv not in (16, 32):
+        raise ValueError(f"block_kv={block_kv} must be 16, 32 or a multiple of 64")
+    if block_kv % page_size and page_size % block_kv:
+        raise ValueError(f"block_kv={block_kv} and page_size={page_size}: one must divide the other")

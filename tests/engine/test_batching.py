@@ -1,0 +1,78 @@
+"""Continuous batching: batch invariance under chunked prefill and forced preemption, page accounting, no
+recompiles after warm-up, and the step trace."""
+import random
+
+import jax
+import pytest
+
+from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.engine import SamplingParams
+
+from tests.engine.conftest import make_engine
+
+
+@pytest.fixture(scope="module")
+def tight_engine():
+    # 40 usable pages of 8 tokens for 64 requests of up to ~100 tokens each, admitted while any page is free
+    # (memory prediction off): running requests outgrow the pool, so preemption is certain
+    return make_engine(CacheConfig(page_size=8, num_pages=41, max_pages_per_seq=16),
+                       SchedulerConfig(token_buckets=(16, 64), max_seqs=16, predict_memory=False))
+
+
+def _workload(n=64, seed=0):
+    rng = random.Random(seed)
+    words = "the of and to in is you that it he was for on are as with his they at be this have from".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+    lens = [rng.randint(4, 24) for _ in range(n)]
+    return prompts, lens
+
+
+class CompileCounter:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, *args, **kw):
+        if "backend_compile" in event:
+            self.count += 1
+
+
+def test_batch_invariance_with_preemption_and_no_recompiles(tight_engine, roomy_engine_alone):
+    prompts, lens = _workload()
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in lens]
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        batched = tight_engine.generate(prompts, params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.count == 0, "a step compiled after warm-up"
+    steps = tight_engine.trace.steps
+    assert any(s.decode_tokens and s.prefill_tokens for s in steps), "no mixed prefill/decode step"
+    assert tight_engine.preemptions > 0, "the tiny page pool forced no preemption"
+    assert tight_engine.pages_used == 0
+    for p, sp, out in zip(prompts, params, batched):
+        alone = roomy_engine_alone.generate(p, sp)[0]
+        assert out.token_ids == alone.token_ids, p
+        assert len(out.token_ids) == sp.max_tokens
+    assert roomy_engine_alone.pages_used == 0
+
+
+@pytest.fixture(scope="module")
+def roomy_engine_alone():
+    # same weights (seed 0) and buckets as tight_engine, roomy cache: each request runs alone
+    return make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
+                       SchedulerConfig(token_buckets=(16, 64), max_seqs=16))
+
+
+def test_trace_accounts_every_token(tight_engine):
+    tight_engine.trace.steps.clear()
+    prompts, lens = _workload(8, seed=1)
+    tight_engine.generate(prompts, [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in lens])
+    s = tight_engine.trace.summary()
+    prompt_tokens = sum(len(tight_engine.tokenizer.encode(p)) for p in prompts)
+    assert s["prefill_tokens"] == prompt_tokens
+    # each request's first token comes from its prefill; the rest from decode steps (plus dropped extras: none,
+    # since max_tokens is known ahead)
+    assert s["decode_tokens"] == sum(lens) - len(prompts)
+    for st in tight_engine.trace.steps:
+        assert st.decode_tokens + st.prefill_tokens + st.padding == st.bucket

@@ -1,0 +1,109 @@
+"""Engine behaviour on a tiny random model: correctness vs a plain greedy loop, sampling options, streaming."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nfjax.config import CacheConfig
+from nfjax.engine import SamplingParams
+from nfjax.errors import UserError
+from nfjax.kv.cache import KVCache
+from nfjax.kv.metadata import build_metadata
+
+
+def naive_greedy(engine, prompt_ids, n):
+    """Greedy decoding by re-running the whole sequence every token (no cache reuse, no batching)."""
+    from flax import nnx
+    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    ids = list(prompt_ids)
+    for _ in range(n):
+        L = len(ids)
+        ps = 8
+        npg = -(-L // ps)
+        kv = KVCache.create(model.cfg, CacheConfig(page_size=ps, num_pages=npg + 1, max_pages_per_seq=npg))
+        meta = build_metadata([(list(range(1, npg + 1)), 0, L)], L, 1, npg, ps).to_device()
+        h, _ = model(jnp.asarray(ids), kv, meta)
+        ids.append(int(jnp.argmax(model.logits(h[-1:])[0])))
+    return ids[len(prompt_ids):]
+
+
+def test_greedy_matches_naive_loop_for_ragged_batch(roomy_engine):
+    prompts = ["Hello", "The quick brown fox jumps over", "a" * 70, "x"]
+    outs = roomy_engine.generate(prompts, SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == naive_greedy(roomy_engine, roomy_engine.tokenizer.encode(p), 12), p
+        assert o.finish_reason == "length" and len(o.token_ids) == 12
+    assert roomy_engine.pages_used == 0
+
+
+def test_token_id_prompts_and_single_prompt(roomy_engine):
+    ids = roomy_engine.tokenizer.encode("Hello")
+    a = roomy_engine.generate(ids, SamplingParams.greedy(max_tokens=5, ignore_eos=True))
+    b = roomy_engine.generate("Hello", SamplingParams.greedy(max_tokens=5, ignore_eos=True))
+    assert len(a) == len(b) == 1 and a[0].token_ids == b[0].token_ids
+    assert a[0].text == roomy_engine.tokenizer.decode(a[0].token_ids)
+
+
+def test_seeded_sampling_is_batch_invariant_and_seed_dependent(roomy_engine):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = roomy_engine.generate("Sampling test", sp)[0].token_ids
+    crowd = roomy_engine.generate(["other prompt"] * 5 + ["Sampling test"],
+                                  [SamplingParams(temperature=1.0, seed=i, max_tokens=7) for i in range(5)] + [sp])
+    assert crowd[-1].token_ids == alone
+    other = roomy_engine.generate("Sampling test", SamplingParams(temperature=1.0, seed=99, max_tokens=10,
+                                                                  ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+def test_top_k_one_is_greedy(roomy_engine):
+    g = roomy_engine.generate("abc", SamplingParams.greedy(max_tokens=8, ignore_eos=True))[0].token_ids
+    k1 = roomy_engine.generate("abc", SamplingParams(temperature=2.0, top_k=1, seed=3, max_tokens=8,
+                                                     ignore_eos=True))[0].token_ids
+    assert g == k1
+
+
+def test_stop_token_and_stop_string(roomy_engine):
+    full = roomy_engine.generate("stop here", SamplingParams.greedy(max_tokens=16, ignore_eos=True))[0]
+    tok = full.token_ids[5]
+    first = full.token_ids.index(tok)
+    o = roomy_engine.generate("stop here", SamplingParams.greedy(max_tokens=16, ignore_eos=True,
+                                                                 stop_token_ids=(tok,)))[0]
+    assert o.finish_reason == "stop" and o.token_ids == full.token_ids[:first + 1]
+    text = full.text
+    stop = text[6:8]
+    assert stop
+    o = roomy_engine.generate("stop here", SamplingParams.greedy(max_tokens=16, ignore_eos=True, stop=(stop,)))[0]
+    assert o.finish_reason == "stop" and o.text == text[:text.index(stop)]
+
+
+def test_streaming_deltas_add_up(roomy_engine):
+    sp = SamplingParams.greedy(max_tokens=20, ignore_eos=True)
+    final = roomy_engine.generate("stream me", sp)[0]
+    outs = list(roomy_engine.stream("stream me", sp))
+    assert outs[-1].finished and "".join(o.new_text for o in outs) == final.text
+    assert sum((o.new_token_ids for o in outs), []) == final.token_ids
+
+
+def test_abort_frees_pages(roomy_engine):
+    rid = roomy_engine.add_request("abort me please", SamplingParams.greedy(max_tokens=50))
+    for _ in range(3):
+        roomy_engine.step()
+    assert roomy_engine.pages_used > 0
+    roomy_engine.abort(rid)
+    while roomy_engine.has_unfinished():
+        roomy_engine.step()
+    assert roomy_engine.pages_used == 0
+
+
+@pytest.mark.parametrize("kw,field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                      (dict(max_tokens=0), "max_tokens"), (dict(top_k=-2), "top_k")])
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(UserError, match=field):
+        SamplingParams(**kw)
+
+
+def test_prompt_too_long_and_bad_ids(roomy_engine):
+    with pytest.raises(UserError, match="context"):
+        roomy_engine.add_request("x" * 1000)
+    with pytest.raises(UserError, match="out of range"):
+        roomy_engine.add_request([1, 2, 99999])
