@@ -104,6 +104,9 @@ class ModelConfig:
                                   "(nfjax attends to the full context); set it to null to run full attention")
         if mt == "qwen2" and hf.get("use_sliding_window"):
             raise ConfigError("config.json: use_sliding_window=true is not supported yet")
+        for flag in ("mlp_bias",) + (("attention_bias",) if mt != "qwen2" else ()):
+            if hf.get(flag):
+                raise ConfigError(f"config.json: {flag}=true is not supported (o_proj/MLP biases)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         eos = hf.get("eos_token_id")

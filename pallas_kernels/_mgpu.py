@@ -35,6 +35,12 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def compiler_params():
+    """Lane lowering semantics pinned: it is 0.10.2's default (what CPU cross-lowering checks) but 0.11
+    defaults to Warpgroup semantics; approx_math lets exp2/log2 use the fast hardware approximations."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True)
+
+
 def smem_tile_transforms(dtype) -> tuple:
     """Tiling + swizzle for a [rows, head_dim] 16-bit operand tile (128-byte swizzle)."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -167,8 +173,10 @@ def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: 
             plgpu.Barrier(num_arrivals=per, num_barriers=num_stages)]
 
 
-def check_block(block_kv: int, page_size: int):
-    if block_kv % 64 and block_kv not in (16, 32):
-        raise ValueError(f"block_kv={block_kv} must be 16, 32 or a multiple of 64")
+def check_block(block_kv: int, page_size: int, head_dim: int):
+    if head_dim % 64:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+    if block_kv % 64:   # it is the contraction dim of p @ v: wgmma with 128-byte swizzle needs multiples of 64
+        raise ValueError(f"block_kv={block_kv} must be a multiple of 64")
     if block_kv % page_size and page_size % block_kv:
         raise ValueError(f"block_kv={block_kv} and page_size={page_size}: one must divide the other")

@@ -25,8 +25,9 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, kv_scratch, paged_flash_loop, \
-    smem_tile_transforms
+from nfjax.compat import mosaic_gpu_interpret_params
+from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
+    paged_flash_loop, smem_tile_transforms
 
 
 def paged_decode_attention_ref(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
@@ -118,7 +119,7 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
     g = h // kvh
     if g * kvh != h or g > ROWS:
         raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
-    check_block(block_kv, ps)
+    check_block(block_kv, ps, d)
     gp = cdiv(g, 8) * 8
     ns = num_splits or choose_num_splits(b * kvh, num_programs)
     qr = q.reshape(b, kvh, g, d)
@@ -128,7 +129,6 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     items = b * kvh * ns
 
-    from nfjax.compat import mosaic_gpu_interpret_params
     body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
                              group_pad=gp, scale=scale, interpret=interpret)
     o, lse = plgpu.kernel(
@@ -140,7 +140,7 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
                        plgpu.SMEM((ROWS,), jnp.float32),
                        plgpu.Barrier(num_barriers=1),
                        *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps)],
-        grid=(num_programs,), grid_names=("p",),
+        grid=(num_programs,), grid_names=("p",), compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
     return combine_splits(o, lse, b, kvh, ns, g).astype(q.dtype)

@@ -30,7 +30,7 @@ def save_model(model: LlamaModel, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(model.cfg.to_json(), indent=2))
-    pure = nnx.state(model, nnx.Param).to_pure_dict()
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((out / PARAMS_DIR).absolute(), pure)
 
@@ -62,7 +62,7 @@ def load_model(path: str | Path, dtype: str | None = None,
     model = abstract_model(cfg)
     state = nnx.state(model, nnx.Param)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
 
     def target(p, x):
         keys = tuple(str(getattr(k, "key", k)) for k in p)

@@ -8,8 +8,10 @@ from nfjax.tokenizer import IncrementalDetokenizer
 class OutputText:
     """Accumulates decoded text; releases it minus a tail that could still become a stop string."""
 
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids=()):
+        # the prompt's tail is decode context, so the first token's leading space comes out right
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                            context_ids=prompt_ids)
         self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""

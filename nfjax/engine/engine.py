@@ -91,7 +91,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(rid, ids, params, seed)
         self._requests[rid] = req
-        self._texts[rid] = OutputText(self.tokenizer, params)
+        self._texts[rid] = OutputText(self.tokenizer, params, ids)
         self.scheduler.add(req)
         return rid
 

@@ -33,3 +33,19 @@ class KVCache:
         page, off = slots // ps, slots % ps
         return KVCache(self.k.at[layer, page, off].set(k.astype(self.k.dtype)),
                        self.v.at[layer, page, off].set(v.astype(self.v.dtype)))
+
+
+def bytes_per_token(model: ModelConfig, dtype=None) -> int:
+    """KV bytes one token holds across all layers (K and V)."""
+    dt = jnp.dtype(dtype or model.dtype)
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dt.itemsize
+
+
+def pages_that_fit(model: ModelConfig, page_size: int, fraction: float = 0.9, device=None) -> int:
+    """How many KV pages fit in `fraction` of the device memory still free (weights already placed)."""
+    dev = device or jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    if free <= 0:
+        raise RuntimeError(f"{dev}: no memory statistics; pass num_pages explicitly")
+    return max(2, int(free * fraction) // (bytes_per_token(model) * page_size))

@@ -3,16 +3,17 @@
 Files read from the checkpoint folder (all but `tokenizer.json` optional):
 - `tokenizer.json`: vocabulary, merges, added/special tokens, normalizer, decoder, post-processor.
 - `tokenizer_config.json`: `bos_token`/`eos_token`/`unk_token`/`pad_token` (strings or `{"content": ...}`),
-  `add_bos_token`/`add_eos_token`, `chat_template` (a string, or a list of `{"name", "template"}`: "default"
-  is used); `special_tokens_map.json` fills special tokens it lacks.
+  `chat_template` (a string, or a list of `{"name", "template"}`: "default" is used);
+  `special_tokens_map.json` fills special tokens it lacks.
 - `chat_template.jinja`: the newer place for the chat template (wins over `tokenizer_config.json`).
 - `generation_config.json`, `config.json`, `nfjax_config.json`: more eos ids (e.g. Llama-3's `<|eot_id|>`)
   and a bos id when the tokenizer config names none.
 
-Special tokens on encode follow transformers 5: when `tokenizer_config.json` sets `add_bos_token` or
-`add_eos_token` (or `tokenizer.json` has no post-processor), BOS/EOS are added per those flags; otherwise the
-post-processor in `tokenizer.json` decides. Decode never applies `clean_up_tokenization_spaces` (transformers 5
-ignores it for BPE tokenizers, i.e. for every model nfjax runs).
+Special tokens added by `encode(..., add_special_tokens=True)` are exactly what the post-processor in
+`tokenizer.json` adds (e.g. Llama's BOS); `add_bos_token`/`add_eos_token` in `tokenizer_config.json` are not
+consulted, which is what transformers 5.23 does when it loads a `tokenizer.json` (tests compare the two).
+Decode never applies `clean_up_tokenization_spaces` (transformers 5 ignores it for BPE tokenizers, i.e. for
+every model nfjax runs).
 """
 from __future__ import annotations
 
@@ -69,17 +70,11 @@ def _pick_chat_template(value: Any, path: Path) -> str | None:
 
 class HFTokenizer(Tokenizer):
     def __init__(self, tokenizer, special_tokens: dict[str, str] | None = None, chat_template: str | None = None,
-                 add_bos_token: bool | None = None, add_eos_token: bool | None = None,
                  extra_eos_token_ids: tuple[int, ...] = (), fallback_bos_token_id: int | None = None):
-        """`tokenizer` is a `tokenizers.Tokenizer`. `add_bos_token`/`add_eos_token` None: the post-processor
-        in `tokenizer.json` decides (unless there is none, then nothing is added)."""
+        """`tokenizer` is a `tokenizers.Tokenizer`; `special_tokens` maps roles (`bos_token`, ...) to strings."""
         self._tok = tokenizer
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.chat_template = chat_template
-        explicit = add_bos_token is not None or add_eos_token is not None or tokenizer.post_processor is None
-        self._manual_specials = explicit
-        self._add_bos = bool(add_bos_token)
-        self._add_eos = bool(add_eos_token)
 
         bos = self._special.get("bos_token")
         self._bos_id = tokenizer.token_to_id(bos) if bos is not None else None
@@ -89,10 +84,6 @@ class HFTokenizer(Tokenizer):
         eos_ids = [tokenizer.token_to_id(eos)] if eos is not None else []
         eos_ids += list(extra_eos_token_ids)
         self._eos_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
-        if self._manual_specials and self._add_bos and self._bos_id is None:
-            self._add_bos = False
-        if self._manual_specials and self._add_eos and not self._eos_ids:
-            self._add_eos = False
         self._special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if getattr(t, "special", False))
 
@@ -124,20 +115,11 @@ class HFTokenizer(Tokenizer):
                           + _ids(nf_cfg.get("eos_token_ids")))
         bos_fallback = next((b for b in (gen.get("bos_token_id"), hf_cfg.get("bos_token_id"),
                                          nf_cfg.get("bos_token_id")) if isinstance(b, int)), None)
-        return cls(raw, special, template, tc.get("add_bos_token"), tc.get("add_eos_token"), extra_eos,
-                   bos_fallback)
+        return cls(raw, special, template, extra_eos, bos_fallback)
 
     # ---- Tokenizer ----------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not self._manual_specials:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens:
-            if self._add_bos:
-                ids = [self._bos_id] + ids
-            if self._add_eos:
-                ids = ids + [self._eos_ids[0]]
-        return ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -40,7 +40,8 @@ def bpe_dir(tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-        "eos_token": {"content": "</s>", "special": True}, "chat_template": CHATML}))
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True}, "chat_template": CHATML}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("</s>"),
                                                                            tok.token_to_id("<|im_end|>")]}))
     return d

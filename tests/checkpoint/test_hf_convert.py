@@ -83,6 +83,25 @@ def test_convert_writes_params_config_and_tokenizer(tiny_hf, tmp_path, one_cli, 
     np.testing.assert_array_equal(model.lm_head.kernel[...], hf["lm_head.weight"].T)
 
 
+def test_load_restores_into_given_shardings(tiny_hf, tmp_path):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    conv.convert(tiny_hf, tmp_path / "out", progress=False)
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+    asked = {}
+
+    def sharding_fn(path, x):       # column-parallel q_proj, everything else replicated
+        asked[path] = x.shape
+        spec = P(None, None, "tp") if path == ("layers", "q_proj", "kernel") else P()
+        return NamedSharding(mesh, spec)
+
+    model = load_model(tmp_path / "out", sharding_fn=sharding_fn)
+    assert asked[("layers", "q_proj", "kernel")] == (2, 32, 32) and ("lm_head", "kernel") in asked
+    assert model.layers.q_proj.kernel[...].sharding == NamedSharding(mesh, P(None, None, "tp"))
+    assert model.norm.scale[...].sharding == NamedSharding(mesh, P())
+
+
 def test_bfloat16_checkpoint_keeps_dtype_unless_asked(save_hf, tmp_path):
     hf_model = save_hf(tmp_path / "hf", dtype="bfloat16")
     ref = hf_model.model.layers[1].mlp.up_proj.weight.float().detach().numpy().T

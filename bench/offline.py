@@ -1,0 +1,114 @@
+"""Offline throughput: the engine on a random-weight model shape, fixed 1024/512 and ShareGPT-shaped
+workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params)); the HF
+transformers continuous-batching peer side by side in the same call.
+
+usage: python bench/offline.py --shape llama3-8b --workloads 1024x512,sharegpt --num-requests 512 \
+           --peer-requests 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+
+def run_peer(args, workload: str, n: int) -> dict:
+    """The peer runs first, in its own process, so torch and JAX never hold the GPU at once."""
+    cmd = [sys.executable, "bench/hf_peer.py", "--shape", args.shape, "--workload", workload,
+           "--num-requests", str(n)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        return json.loads(line[-1]) if line else {"error": p.stderr[-1500:]}
+    except subprocess.TimeoutExpired:
+        return {"error": f"peer timed out after {args.peer_timeout}s"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--workloads", default="1024x512,sharegpt")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--peer-requests", type=int, default=32, help="0 = skip the HF peer")
+    ap.add_argument("--peer-timeout", type=int, default=240)
+    ap.add_argument("--buckets", default="256,512,1024,2048")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    ap.add_argument("--name", default="offline")
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    peers = {w: run_peer(args, w, args.peer_requests) for w in workloads} if args.peer_requests else {}
+
+    import jax
+
+    from bench.common import device_name, measure_gemm_tflops, print_table, write_results
+    from bench.workloads import parse
+    from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nfjax.engine import Engine, SamplingParams
+    from nfjax.kv.cache import pages_that_fit
+    from nfjax.models.random_init import SHAPES, random_model
+    from nfjax.tokenizer.silent import SilentTokenizer
+
+    cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    gemm = measure_gemm_tflops()
+    params = cfg.num_params()
+    optimal = gemm * 1e12 / (2 * params)
+    model = random_model(cfg)
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    longest = max(len(p) + o for w in workloads for p, o in parse(w, 64, cfg.vocab_size))
+    pages_per_seq = -(-max(2048 + 512, longest) // args.page_size)
+    num_pages = pages_that_fit(cfg, args.page_size, args.kv_fraction)
+    cache = CacheConfig(page_size=args.page_size, num_pages=num_pages, max_pages_per_seq=pages_per_seq)
+    sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
+    t = time.perf_counter()
+    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched))
+    compile_s = time.perf_counter() - t
+    rows, results = [], {}
+    for w in workloads:
+        work = parse(w, args.num_requests, cfg.vocab_size, seed=1)
+        engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))  # warm
+        engine.trace.steps.clear()
+        sps = [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for _, o in work]
+        t = time.perf_counter()
+        outs = engine.generate([p for p, _ in work], sps)
+        dt = time.perf_counter() - t
+        prompt = sum(len(p) for p, _ in work)
+        gen = sum(len(o.token_ids) for o in outs)
+        tot = (prompt + gen) / dt
+        tr = engine.trace.summary()
+        res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
+               "total_tok_s": tot, "pct_optimal": 100 * tot / optimal, "trace": tr,
+               "mean_step_ms": 1e3 * sum(s.seconds for s in engine.trace.steps) / max(1, len(engine.trace.steps)),
+               "peer": peers.get(w)}
+        results[w] = res
+        peer_tok = (peers.get(w) or {}).get("total_tok_s")
+        rows.append([w, len(work), f"{tot:,.0f}", f"{res['pct_optimal']:.1f}%",
+                     f"{peer_tok:,.0f}" if peer_tok else "n/a",
+                     f"{100 * peer_tok / optimal:.1f}%" if peer_tok else "n/a",
+                     f"{tot / peer_tok:.1f}x" if peer_tok else "n/a"])
+    summary = {"compile_s_all_buckets": compile_s, "gemm_tflops": gemm, "optimal_tok_s": optimal}
+    if "1024x512" in results:
+        summary["total_tok_s_1024_512"] = results["1024x512"]["total_tok_s"]
+        summary["pct_optimal_1024_512"] = results["1024x512"]["pct_optimal"]
+    if "sharegpt" in results:
+        summary["total_tok_s_sharegpt"] = results["sharegpt"]["total_tok_s"]
+        summary["pct_optimal_sharegpt"] = results["sharegpt"]["pct_optimal"]
+    print_table(["workload", "requests", "nfjax tok/s", "nfjax %opt", "HF tok/s", "HF %opt", "nfjax/HF"], rows)
+    print(f"device {device_name()}  gemm {gemm:.0f} TFLOP/s  params {params / 1e9:.2f}B  optimal {optimal:,.0f} tok/s"
+          f"  compile {compile_s:.1f}s ({len(buckets)} buckets)  kv pages {num_pages}")
+    write_results(args.name, summary, {"args": vars(args), "config": cfg.to_json(), "results": results,
+                                       "buckets": buckets, "num_pages": num_pages})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Random-weight models built straight on the device (benchmarks of 8B/70B shapes need no checkpoint)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nfjax.config import ModelConfig
+from nfjax.models.llama import LlamaModel
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=8192, dtype="bfloat16", eos_token_ids=(128001,))
+LLAMA3_70B = LLAMA3_8B.replace(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn=None) -> LlamaModel:
+    """A model whose weights are N(0, std) (norm scales 1), generated on the device one array at a time.
+
+    `sharding_fn(param_path, abstract) -> Sharding` places each array (default: the default device).
+    """
+    model = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
+    out = []
+    for i, (path, x) in enumerate(leaves):
+        keys = tuple(str(getattr(k, "key", k)) for k in path)
+        sh = sharding_fn(keys, x) if sharding_fn else None
+        is_norm = keys[-1] == "scale"
+        is_bias = keys[-1] == "bias"
+
+        def make(k, shape=x.shape, dtype=x.dtype, norm=is_norm, bias=is_bias):
+            if norm:
+                return jnp.ones(shape, dtype)
+            if bias:
+                return jnp.zeros(shape, dtype)
+            return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+
+        out.append(jax.jit(make, out_shardings=sh)(jax.random.key(seed * 1000 + i)))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, out))
+    nnx.update(model, state)
+    return model

@@ -1,0 +1,164 @@
+"""Paged prefill attention for chunked prefill (ragged, several sequences per call, GQA). Pallas Mosaic GPU.
+
+Sequence s contributes the query tokens [query_start[s], query_start[s+1]) at the LAST q_len positions of its
+seq_lens[s] cached positions (its K/V for this chunk are already in the pages); each token attends causally to
+every earlier position of its own sequence plus itself.
+
+Tiling: a 64-row query tile holds TPT = 64 // G consecutive tokens of one sequence times the G query heads of
+one kv head (row r = token r // G, head r % G), so one K/V stream serves the whole GQA group. The wrapper
+plans tiles with jnp (no host sync): tile -> (sequence, first token, first position), gathers the query
+tiles into [tiles * KH, 64, D], runs one program per (tile, kv head) — the hardware block scheduler balances
+the ragged causal work — and gathers the output back to token order. Blocks wholly below a tile's first
+position run unmasked; the rest apply the causal / length mask.
+
+Same finite-cache assumption as the decode kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from nfjax.compat import mosaic_gpu_interpret_params
+from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
+    paged_flash_loop, smem_tile_transforms
+
+
+def paged_prefill_attention_ref(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
+                                v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
+                                page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
+                                query_start: Int[Array, "S1"], first_seq: Int[Array, ""],
+                                scale: float) -> Float[Array, "T H D"]:
+    """Pure-jnp reference (f32 math). Tokens of sequences < first_seq and tokens outside
+    [query_start[0], query_start[S]) give 0."""
+    t, h, d = q.shape
+    _, _, ps, kh, _ = k_cache.shape
+    s, p = page_table.shape
+    tok = jnp.arange(t)
+    seq = jnp.clip(jnp.searchsorted(query_start[1:], tok, side="right"), 0, s - 1)
+    live = (tok >= query_start[0]) & (tok < query_start[s]) & (seq >= first_seq)
+    q_len = query_start[seq + 1] - query_start[seq]
+    pos = seq_lens[seq] - q_len + (tok - query_start[seq])
+    k = k_cache[layer][page_table[seq]].reshape(t, p * ps, kh, d).astype(jnp.float32)
+    v = v_cache[layer][page_table[seq]].reshape(t, p * ps, kh, d).astype(jnp.float32)
+    qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
+    sc = jnp.einsum("tkgd,tlkd->tkgl", qg, k) * scale
+    ok = jnp.arange(p * ps)[None, :] <= pos[:, None]
+    w = jax.nn.softmax(jnp.where(ok[:, None, None, :], sc, -1e30), -1)
+    out = jnp.einsum("tkgl,tlkd->tkgd", w, v).reshape(t, h, d)
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_tile: int):
+    """Static-shape tile plan. Returns (num_tiles, info [3, NT] int32 = (seq, first position, kv_hi),
+    tile_tok0 [NT], tile_start [S] (first tile of each sequence), live_len [S] (q tokens of live seqs)).
+    Tiles past the last live one get kv_hi = 0 and cost one early exit."""
+    s = seq_lens.shape[0]
+    q_len = query_start[1:] - query_start[:-1]
+    live_len = jnp.where(jnp.arange(s) >= first_seq, q_len, 0)
+    n_tiles = (live_len + tokens_per_tile - 1) // tokens_per_tile
+    cum = jnp.cumsum(n_tiles)
+    start = cum - n_tiles
+    nt = cdiv(num_tokens, tokens_per_tile) + s          # sum ceil(len / TPT) <= T / TPT + S
+    t = jnp.arange(nt)
+    seq = jnp.clip(jnp.searchsorted(cum, t, side="right"), 0, s - 1)
+    local = t - start[seq]
+    tok0 = query_start[seq] + local * tokens_per_tile
+    pos0 = seq_lens[seq] - q_len[seq] + local * tokens_per_tile
+    ntok = jnp.minimum(tokens_per_tile, live_len[seq] - local * tokens_per_tile)
+    valid = t < cum[-1]
+    kv_hi = jnp.where(valid, jnp.minimum(seq_lens[seq], pos0 + ntok), 0)
+    info = jnp.stack([seq, jnp.where(valid, pos0, 0), kv_hi]).astype(jnp.int32)
+    return nt, info, tok0, start, live_len
+
+
+def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar, k_s, v_s, k_bar, v_bar, *,
+            num_kv_heads, group, num_programs, scale, interpret):
+    ops = Ops(interpret)
+    num_items = info_hbm.shape[1] * num_kv_heads
+    pid = lax.axis_index("p")
+    layer = params_hbm[0]
+
+    def item(k, carry):
+        w = pid + k * num_programs
+        tile = lax.div(w, num_kv_heads)
+        kh = lax.rem(w, num_kv_heads)
+        seq, pos0, kv_hi = info_hbm[0, tile], info_hbm[1, tile], info_hbm[2, tile]
+
+        @pl.when(kv_hi > 0)
+        def _():
+            plgpu.wait_smem_to_gmem(0)          # q_s doubles as the output buffer of the previous item
+            plgpu.copy_gmem_to_smem(q_hbm.at[w], q_s, q_bar.at[0])
+            plgpu.barrier_wait(q_bar.at[0])
+            acc, m, l = paged_flash_loop(ops, q_s=q_s, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, k_hbm=k_hbm,
+                                         v_hbm=v_hbm, pt_hbm=pt_hbm, layer=layer, seq=seq, kh=kh,
+                                         kv_lo=jnp.int32(0), kv_hi=kv_hi, scale=scale, causal_pos0=pos0,
+                                         group=group)
+            o = acc / bcast_rows(jnp.maximum(l, 1e-30), acc.shape)
+            q_s[...] = o.astype(q_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, o_hbm.at[w])
+        return carry
+
+    n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
+    lax.fori_loop(0, n_mine, item, None)
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "block_kv", "num_stages", "interpret"))
+def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
+                            v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
+                            page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
+                            query_start: Int[Array, "S1"], first_seq: Int[Array, ""], *, scale: float,
+                            num_programs: int | None = None, block_kv: int = 64, num_stages: int = 3,
+                            interpret: bool = False) -> Float[Array, "T H D"]:
+    """Causal attention of each live sequence's query chunk over its cached positions (see module doc).
+    `num_programs=None` launches one program per (tile, kv head); an int makes the grid persistent."""
+    t, h, d = q.shape
+    _, _, ps, kvh, _ = k_cache.shape
+    s = page_table.shape[0]
+    g = h // kvh
+    if g * kvh != h or g > ROWS:
+        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
+    check_block(block_kv, ps, d)
+    tpt = ROWS // g
+    seq_lens, query_start = seq_lens.astype(jnp.int32), query_start.astype(jnp.int32)
+    nt, info, tok0, start, live_len = plan_tiles(seq_lens, query_start, first_seq, t, tpt)
+
+    # Query tiles [NT * KH, 64, D]: row r = token r // G, head r % G of kv head kh.
+    idx = jnp.clip(tok0[:, None] + jnp.arange(tpt)[None, :], 0, t - 1)
+    qt = q.reshape(t, kvh, g, d)[idx]                              # [NT, TPT, KH, G, D]
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(nt, kvh, tpt * g, d)
+    if tpt * g != ROWS:
+        qt = jnp.pad(qt, ((0, 0), (0, 0), (0, ROWS - tpt * g), (0, 0)))
+    qt = qt.reshape(nt * kvh, ROWS, d)
+    items = nt * kvh
+    progs = items if num_programs is None else min(num_programs, items)
+    params = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_programs=progs, scale=scale,
+                             interpret=interpret)
+    ot = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((items, ROWS, d), q.dtype),
+        scratch_types=[plgpu.SMEM((ROWS, d), q.dtype, transforms=smem_tile_transforms(q.dtype)),
+                       plgpu.Barrier(num_barriers=1),
+                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps)],
+        grid=(progs,), grid_names=("p",), compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(params, info, page_table.astype(jnp.int32), qt, k_cache, v_cache)
+
+    # Back to token order. Tiles that were skipped (kv_hi == 0) hold garbage, but no live token maps to them.
+    ot = ot.reshape(nt, kvh, ROWS, d)[:, :, :tpt * g].reshape(nt, kvh, tpt, g, d)
+    tok = jnp.arange(t)
+    seq = jnp.clip(jnp.searchsorted(query_start[1:], tok, side="right"), 0, s - 1)
+    local = tok - query_start[seq]
+    live = (tok >= query_start[0]) & (tok < query_start[s]) & (local < live_len[seq])
+    tile = jnp.clip(start[seq] + local // tpt, 0, nt - 1)
+    out = ot[tile, :, local % tpt]                                 # [T, KH, G, D]
+    return jnp.where(live[:, None, None, None], out, 0).reshape(t, h, d).astype(q.dtype)
