@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "generate": "nfjax.commands.generate",
     "convert": "nfjax.checkpoint.convert",
     "train-tiny": "nfjax.train_tiny",
+    "serve": "nfjax.commands.serve",
 }
 
 

@@ -169,8 +169,27 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_queue: int = 256
+    port: int = 8000                  # 0 = any free port (the server prints the address it bound)
+    max_queue: int = 256              # requests waiting for a batch slot; more -> HTTP 429
+    served_model_name: str | None = None   # None: the checkpoint folder's name ("nfjax-tiny" for the default)
+    max_body_bytes: int = 8 << 20     # larger request bodies -> HTTP 413
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish this long, then are aborted
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1          # tensor-parallel degree (devices on the `tp` mesh axis)
 
 
 @dataclass(frozen=True)
@@ -179,3 +198,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

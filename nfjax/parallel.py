@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from nfjax.config import ModelConfig
 from nfjax.errors import UserError
@@ -28,7 +28,8 @@ def make_mesh(tp: int) -> Mesh:
     devs = jax.devices()
     if tp < 1 or tp > len(devs):
         raise UserError(f"tp={tp} needs {tp} devices; {len(devs)} {devs[0].platform} device(s) are visible")
-    return jax.make_mesh((tp,), (TP_AXIS,), devices=devs[:tp])
+    # Auto axes: GSPMD propagates shardings outside the explicit shard_map bodies
+    return jax.make_mesh((tp,), (TP_AXIS,), axis_types=(AxisType.Auto,), devices=devs[:tp])
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -47,15 +48,16 @@ def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg.replace(num_kv_heads=tp) if tp > cfg.num_kv_heads else cfg
 
 
-def param_spec(keys: tuple[str, ...], ndim: int) -> P:
+def param_spec(keys: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
     """PartitionSpec of one weight, from its path in the model state (e.g. ('layers', 'q_proj', 'kernel'))."""
     owner, leaf = (keys[-2], keys[-1]) if len(keys) >= 2 else ("", keys[-1])
+    ndim = len(shape)
     if owner in _COLUMN:
         return P(*([None] * (ndim - 1)), TP_AXIS)              # kernel [L, D, out] / bias [L, out]
     if owner in _ROW and leaf == "kernel":
         return P(*([None] * (ndim - 2)), TP_AXIS, None)        # kernel [L, in, D]
-    if owner == "lm_head" and leaf == "kernel":
-        return P(None, TP_AXIS)                                 # [D, V]
+    if owner == "lm_head" and leaf == "kernel" and shape[-1] % tp == 0:
+        return P(None, TP_AXIS)                                 # [D, V]; replicated if V does not split
     return P()
 
 
@@ -63,15 +65,18 @@ def kv_spec() -> P:
     return P(None, None, None, TP_AXIS, None)                   # [L, pages, page_size, kv_heads, head_dim]
 
 
-def state_specs(state) -> object:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: param_spec(tuple(str(getattr(k, "key", k)) for k in path if not hasattr(k, "name")),
-                                   x.ndim), state)
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path if not hasattr(k, "name"))
+
+
+def state_specs(state, tp: int) -> object:
+    return jax.tree_util.tree_map_with_path(lambda path, x: param_spec(_keys(path), x.shape, tp), state)
 
 
 def sharding_fn(mesh: Mesh):
     """For `load_model(..., sharding_fn=...)`: each weight restored straight into its shard layout."""
-    return lambda keys, x: NamedSharding(mesh, param_spec(keys, len(x.shape)))
+    tp = mesh.shape[TP_AXIS]
+    return lambda keys, x: NamedSharding(mesh, param_spec(keys, tuple(x.shape), tp))
 
 
 def replicate_kv_heads(model, tp: int, mesh: Mesh) -> None:
@@ -89,7 +94,7 @@ def replicate_kv_heads(model, tp: int, mesh: Mesh) -> None:
             shp = w.shape[:-1]
             w = np.repeat(w.reshape(*shp, cfg.num_kv_heads, hd), rep, axis=-2).reshape(*shp, tp * hd)
             keys = ("layers", name, leaf)
-            var[...] = jax.device_put(jnp.asarray(w), NamedSharding(mesh, param_spec(keys, w.ndim)))
+            var.set_value(jax.device_put(jnp.asarray(w), NamedSharding(mesh, param_spec(keys, w.shape, tp))))
     model.cfg = cfg.replace(num_kv_heads=tp)
     for layer_cfg_holder in (model.layers,):
         layer_cfg_holder.cfg = model.cfg
@@ -98,5 +103,5 @@ def replicate_kv_heads(model, tp: int, mesh: Mesh) -> None:
 def shard_model(model, mesh: Mesh) -> None:
     """Move every weight of an in-memory model to its TP sharding (tests, random-weight benches)."""
     state = nnx.state(model, nnx.Param)
-    specs = state_specs(state)
+    specs = state_specs(state, mesh.shape[TP_AXIS])
     nnx.update(model, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs))

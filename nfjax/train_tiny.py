@@ -136,7 +136,7 @@ def dense_forward(model: LlamaModel, tokens) -> jax.Array:
     def body(carry, layer_state):
         x, i = carry
         layer = nnx.merge(graphdef, layer_state)
-        ctx = LayerContext(i, None, inv_freq)
+        ctx = LayerContext(layer=i, meta=None, inv_freq=inv_freq)
         env = {"x": x, "kv": _DenseKV(), "positions": positions, "slots": slots}
         for spec in LAYER_OPS:
             if spec is _ATTN:
@@ -241,7 +241,7 @@ def train(tc: TrainConfig, mc: ModelConfig, log: Callable[[str], None] = print,
     def step_fn(params, opt_state, rows):
         loss, grads = jax.value_and_grad(loss_fn)(params, rows)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     rng = np.random.default_rng(tc.seed)
     hist = {"loss": [], "steps": 0, "tokens": 0}
@@ -291,11 +291,12 @@ def save_tiny(model: LlamaModel, out_dir: str | Path, dtype: str = "bfloat16") -
     if model.cfg.dtype != dtype:
         cast = nnx.eval_shape(lambda: LlamaModel(model.cfg.replace(dtype=dtype), nnx.Rngs(0)))
         state = nnx.state(cast, nnx.Param)
-        pure = jax.tree.map(lambda a: jnp.asarray(a, jnp.dtype(dtype)), nnx.state(model, nnx.Param).to_pure_dict())
+        pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        pure = jax.tree.map(lambda a: jnp.asarray(a, jnp.dtype(dtype)), pure)
         nnx.replace_by_pure_dict(state, pure)
         nnx.update(cast, state)
         model = cast
-    if (out / "params").exists():
+    if (out / "params").exists():      # `run` only lets this happen to an earlier train-tiny output
         import shutil
         shutil.rmtree(out / "params")
     save_model(model, out)
@@ -392,10 +393,12 @@ def run(args) -> int:
     mc = tiny_model_config(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                            num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                            head_dim=args.head_dim, max_position_embeddings=max(1024, args.seq_len))
+    out = Path(args.out)
+    if (out / "params").exists() and not (out / "nfjax_tokenizer.json").exists():
+        raise UserError(f"--out {out} holds a checkpoint that train-tiny did not write; refusing to overwrite it")
     log = lambda s: print(s, flush=True)   # noqa: E731
     data = load_corpus()
     model, hist = train(tc, mc, log, data)
-    out = Path(args.out)
     save_tiny(model, out, args.save_dtype)
     log(f"saved {out}")
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
+from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput
 from nfjax.engine.request import Request, Status
@@ -24,11 +24,19 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, progress: bool = False):
+    def __init__(self, model, tokenizer, config: EngineConfig, progress: bool = False, mesh=None):
+        """`model` may live anywhere: its weights are moved to their TP shardings here if not already."""
+        from nfjax.parallel import make_mesh, replicate_kv_heads, shard_model, tp_config
+        tp = config.parallel.tp
+        mesh = mesh or make_mesh(tp)
+        tp_config(model.cfg, tp)                      # clear error for head counts tp cannot split
+        if tp > model.cfg.num_kv_heads:
+            replicate_kv_heads(model, tp, mesh)
+        shard_model(model, mesh)
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = config.model
-        self.runner = Runner(model, config.cache, config.scheduler)
+        self.runner = Runner(model, config.cache, config.scheduler, mesh)
         self.runner.compile_all(progress=progress)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_position_embeddings)
         self.trace = StepTrace()
@@ -43,14 +51,20 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None,
                         page_size: int | None = None, num_pages: int | None = None,
                         max_pages_per_seq: int | None = None, token_buckets: Iterable[int] | None = None,
-                        max_seqs: int | None = None, progress: bool = False) -> "Engine":
-        """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket."""
-        from nfjax.checkpoint.orbax_io import load_model
+                        max_seqs: int | None = None, tp: int = 1, progress: bool = False) -> "Engine":
+        """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket.
+
+        With tp > 1 the weights are restored straight into their shards on a `tp` mesh.
+        """
+        from nfjax.checkpoint.orbax_io import load_config, load_model
+        from nfjax.parallel import make_mesh, sharding_fn, tp_config
         from nfjax.tokenizer import load_tokenizer
         path = Path(path) if path is not None else TINY_MODEL
         if not path.is_dir():
             raise UserError(f"{path}: no such model folder")
-        model = load_model(path, dtype=dtype)
+        tp_config(load_config(path), tp)
+        mesh = make_mesh(tp)
+        model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
         cache = CacheConfig()
         cache = dataclasses.replace(cache, **{k: v for k, v in dict(
             page_size=page_size, num_pages=num_pages, max_pages_per_seq=max_pages_per_seq).items() if v is not None})
@@ -59,7 +73,8 @@ class Engine:
             sched = dataclasses.replace(sched, token_buckets=tuple(sorted(token_buckets)))
         if max_seqs is not None:
             sched = dataclasses.replace(sched, max_seqs=max_seqs)
-        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched), progress=progress)
+        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched, parallel=ParallelConfig(tp)),
+                   progress=progress, mesh=mesh)
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
     @property

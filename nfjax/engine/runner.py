@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, UInt32
 
 from nfjax.config import CacheConfig, SchedulerConfig
@@ -20,6 +22,7 @@ from nfjax.engine.scheduler import Batch
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.models.llama import LlamaModel
+from nfjax.parallel import TP_AXIS, kv_spec, state_specs
 
 
 @jax.tree_util.register_dataclass
@@ -35,11 +38,22 @@ class StepInput:
     counters: Int[Array, "S"]        # outputs generated before this sample: the per-request key's step
 
 
-def _step(graphdef, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput):
-    model = nnx.merge(graphdef, state)
+def forward_logits(graphdef, specs, mesh: Mesh, state, kv: KVCache, tokens: Int[Array, "T"],
+                   meta: AttentionMetadata) -> tuple[Float[Array, "S V"], KVCache]:
+    """All layers under one shard_map (per-device body: local weight shards, local KV heads), then the
+    vocab-sharded lm_head on each sequence's last token, outside it."""
+    def layers(state, kv, tokens, meta):
+        return nnx.merge(graphdef, state)(tokens, kv, meta, tp_axis=TP_AXIS)
+
+    kvs = KVCache(kv_spec(), kv_spec())
+    h, kv = jax.shard_map(layers, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs))(
+        state, kv, tokens, meta)
+    return nnx.merge(graphdef, state).logits(h[meta.logits_index]), kv
+
+
+def _step(graphdef, specs, mesh: Mesh, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput):
     tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
-    h, kv = model(tokens, kv, inp.meta)
-    logits = model.logits(h[inp.meta.logits_index])
+    logits, kv = forward_logits(graphdef, specs, mesh, state, kv, tokens, inp.meta)
     sampled = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
     return sampled, kv
 
@@ -54,14 +68,19 @@ class StepHandle:
 class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
-    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig):
+    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig, mesh: Mesh):
+        """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel)."""
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched
+        self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
-        self.kv = KVCache.create(model.cfg, cache)
+        self.specs = state_specs(self.state, mesh.shape[TP_AXIS])
+        self.replicated = NamedSharding(mesh, P())
+        self.kv_sharding = KVCache(NamedSharding(mesh, kv_spec()), NamedSharding(mesh, kv_spec()))
+        self.kv = KVCache.create(model.cfg, cache, sharding=self.kv_sharding.k)
         self.max_seqs = sched.max_seqs
-        self._prev = jnp.zeros((self.max_seqs,), jnp.int32)
+        self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self._steps: dict[int, object] = {}
         self._swap_out = None
         self._swap_in = None
@@ -75,27 +94,28 @@ class Runner:
         return self._to_device(StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta,
                                          z.astype(np.float32), z, z.astype(np.float32) + 1, z.astype(np.uint32), z))
 
-    @staticmethod
-    def _to_device(inp: StepInput) -> StepInput:
-        return jax.tree.map(jnp.asarray, inp)
+    def _to_device(self, inp: StepInput) -> StepInput:
+        return jax.device_put(inp, self.replicated)     # one batched host->device transfer
 
     def compile_all(self, progress: bool = False) -> None:
         t0 = time.perf_counter()
-        step = jax.jit(_step, static_argnums=0, donate_argnums=2)
+        step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh), donate_argnums=1,
+                       out_shardings=(self.replicated, self.kv_sharding))
         buckets = sorted(self.sched.token_buckets)
         it = buckets
         if progress:
             from tqdm import tqdm
             it = tqdm(buckets, desc="compiling buckets", unit="bucket")
         for b in it:
-            self._steps[b] = step.lower(self.graphdef, self.state, self.kv, self._prev,
-                                        self._example_input(b)).compile()
-        pages = jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32)
-        self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg])).lower(self.kv, pages).compile()
-        blk = jax.ShapeDtypeStruct(self.kv.k[:, :pages.shape[0]].shape, self.kv.k.dtype)
+            self._steps[b] = step.lower(self.state, self.kv, self._prev, self._example_input(b)).compile()
+        pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
+        blk_sh = self.kv_sharding.k
+        self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
+                                 out_shardings=(blk_sh, blk_sh)).lower(self.kv, pages).compile()
+        blk = jax.ShapeDtypeStruct(self.kv.k[:, :pages.shape[0]].shape, self.kv.k.dtype, sharding=blk_sh)
         self._swap_in = jax.jit(
             lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k), kv.v.at[:, pg].set(v)),
-            donate_argnums=0).lower(self.kv, pages, blk, blk).compile()
+            donate_argnums=0, out_shardings=self.kv_sharding).lower(self.kv, pages, blk, blk).compile()
         self.compile_seconds = time.perf_counter() - t0
 
     @property
@@ -106,7 +126,7 @@ class Runner:
     def _padded_pages(self, pages: list[int]) -> jax.Array:
         out = np.zeros(self.cache_cfg.max_pages_per_seq, np.int32)   # padding hits scratch page 0
         out[:len(pages)] = pages
-        return jnp.asarray(out)
+        return jax.device_put(out, self.replicated)
 
     def swap_out(self, pages: list[int]):
         k, v = self._swap_out(self.kv, self._padded_pages(pages))
@@ -118,7 +138,8 @@ class Runner:
         pad = self.cache_cfg.max_pages_per_seq - k.shape[1]
         widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
         dst = list(pages[:k.shape[1]])
-        self.kv = self._swap_in(self.kv, self._padded_pages(dst), np.pad(k, widths), np.pad(v, widths))
+        k, v = jax.device_put((np.pad(k, widths), np.pad(v, widths)), self.kv_sharding.k)
+        self.kv = self._swap_in(self.kv, self._padded_pages(dst), k, v)
 
     # ---- steps ------------------------------------------------------------------------------------
     def launch(self, batch: Batch) -> StepHandle:

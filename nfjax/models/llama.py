@@ -38,6 +38,7 @@ class LayerContext:
     layer: Int[Array, ""]            # layer index into the stacked KV cache
     meta: AttentionMetadata
     inv_freq: Float[Array, "D2"]
+    tp_axis: str | None = None       # mesh axis of the enclosing shard_map; None = not tensor-parallel
 
 
 class DecoderLayer(nnx.Module):
@@ -63,11 +64,10 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("h",), outs=("q", "k", "v"))
     def kqv(self, ctx, h):
-        c = self.cfg
-        t = h.shape[0]
-        return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
-                self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
-                self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
+        t, hd = h.shape[0], self.cfg.head_dim
+        # head counts come from the (possibly tensor-parallel local) weight shapes
+        return (self.q_proj(h).reshape(t, -1, hd), self.k_proj(h).reshape(t, -1, hd),
+                self.v_proj(h).reshape(t, -1, hd))
 
     @op(Resource.MEMORY, ins=("q", "k", "v", "kv", "positions", "slots"), outs=("q_rot", "kv"))
     def rope_append(self, ctx, q, k, v, kv, positions, slots):
@@ -80,9 +80,13 @@ class DecoderLayer(nnx.Module):
         out = paged_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5)
         return out.reshape(q.shape[0], -1)
 
-    @op(Resource.COMPUTE, ins=("attn",), outs=("o",))
+    @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):
         return self.o_proj(attn)
+
+    @op(Resource.NETWORK, ins=("o_partial",), outs=("o",))
+    def attn_reduce(self, ctx, o_partial):
+        return _tp_sum(o_partial, ctx)
 
     @op(Resource.MEMORY, ins=("x", "o"), outs=("x2", "h2"))
     def ffn_norm(self, ctx, x, o):
@@ -97,9 +101,13 @@ class DecoderLayer(nnx.Module):
     def act(self, ctx, gate, up):
         return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
 
-    @op(Resource.COMPUTE, ins=("a",), outs=("d",))
+    @op(Resource.COMPUTE, ins=("a",), outs=("d_partial",))
     def down(self, ctx, a):
         return self.down_proj(a)
+
+    @op(Resource.NETWORK, ins=("d_partial",), outs=("d",))
+    def mlp_reduce(self, ctx, d_partial):
+        return _tp_sum(d_partial, ctx)
 
     @op(Resource.MEMORY, ins=("x2", "d"), outs=("out",))
     def residual(self, ctx, x2, d):
@@ -107,6 +115,11 @@ class DecoderLayer(nnx.Module):
 
 
 LAYER_OPS = collect_ops(DecoderLayer)
+
+
+def _tp_sum(x, ctx: LayerContext):
+    """The row-parallel all-reduce, explicit so a schedule can issue it per nano-batch."""
+    return x if ctx.tp_axis is None else jax.lax.psum(x, ctx.tp_axis)
 
 
 class LlamaModel(nnx.Module):
@@ -127,10 +140,11 @@ class LlamaModel(nnx.Module):
                                                                     rngs)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVCache, meta: AttentionMetadata,
-                 layer_fn=None) -> tuple[Float[Array, "T D"], KVCache]:
+                 layer_fn=None, tp_axis: str | None = None) -> tuple[Float[Array, "T D"], KVCache]:
         """Run all layers over a flat token batch; returns final-normed hidden states and the updated cache.
 
         `layer_fn(layer, ctx, env) -> env` executes one layer's ops (default: sequential `run_ops`).
+        Under a shard_map, `tp_axis` names the mesh axis the row-parallel outputs are summed over.
         """
         layer_fn = layer_fn or (lambda layer, ctx, env: run_ops(LAYER_OPS, layer, ctx, env))
         inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
@@ -140,7 +154,7 @@ class LlamaModel(nnx.Module):
         def body(carry, layer_state):
             x, kv, i = carry
             layer = nnx.merge(graphdef, layer_state)
-            ctx = LayerContext(i, meta, inv_freq)
+            ctx = LayerContext(i, meta, inv_freq, tp_axis)
             env = layer_fn(layer, ctx, {"x": x, "kv": kv, "positions": meta.positions,
                                         "slots": meta.slot_mapping})
             return (env["out"], env["kv"], i + 1), None

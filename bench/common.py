@@ -1,0 +1,179 @@
+"""Shared bench helpers: timing, the two device ceilings (copy bandwidth, bf16 GEMM rate), tables, plots and
+the result JSON every bench script writes.
+
+Each bench writes `<dir>/<name>-<YYYYMMDD>.json` holding the command, device, date, a flat `summary` of
+headline figures and the full numbers. <dir> is bench/results unless `out_dir` (or the BENCH_RESULTS_DIR
+variable) names another (a device call writes under its own output folder; copy the files back here).
+Imports only jax, numpy and (for plots) matplotlib, all on the GPU image.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_name() -> str:
+    import jax
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+def device_info() -> dict:
+    import jax
+    d = jax.devices()[0]
+    return {"name": device_name(), "count": jax.device_count(), "backend": jax.default_backend(),
+            "num_sms": getattr(d, "core_count", None), "jax": jax.__version__, "python": sys.version.split()[0]}
+
+
+def block(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn: Callable, *args, iters: int = 20, reps: int = 5, warmup: int = 2,
+            arg_sets: Sequence[tuple] | None = None) -> dict:
+    """Median seconds per call of `fn`, from `reps` batches of `iters` back-to-back asynchronous calls
+    (one sync per batch, so host dispatch overlaps device work). `arg_sets` rotates inputs between calls
+    (defeats L2 reuse); otherwise every call gets `args`. Returns median/min/max seconds per call."""
+    sets = list(arg_sets) if arg_sets else [args]
+    for i in range(warmup):
+        block(fn(*sets[i % len(sets)]))
+    per = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*sets[i % len(sets)])
+        block(out)
+        per.append((time.perf_counter() - t0) / iters)
+    return {"median_s": statistics.median(per), "min_s": min(per), "max_s": max(per), "iters": iters,
+            "reps": reps}
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30, **kw) -> dict:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (random uint32 data,
+    two buffers rotated)."""
+    import jax
+    import jax.numpy as jnp
+    n = nbytes // 4
+    xs = [jax.random.bits(jax.random.key(i), (n,), jnp.uint32) for i in range(2)]
+    f = jax.jit(lambda x: x ^ jnp.uint32(0x9E3779B9))     # one read + one write per element; not elidable
+    t = time_fn(f, arg_sets=[(x,) for x in xs], **kw)
+    del xs
+    return {"bytes_per_s": 2 * nbytes / t["median_s"], "bytes": nbytes, **t}
+
+
+def measure_gemm_tflops(n: int = 8192, dtype: str = "bfloat16", **kw) -> float:
+    """Measured n x n x n matmul rate (TFLOP/s) on random data, f32 accumulation."""
+    return measure_gemm(n, dtype, **kw)["tflops"]
+
+
+def measure_gemm(n: int = 8192, dtype: str = "bfloat16", **kw) -> dict:
+    import jax
+    import jax.numpy as jnp
+    dt = jnp.dtype(dtype)
+    a = [jax.random.normal(jax.random.key(i), (n, n), dt) for i in range(2)]
+    b = [jax.random.normal(jax.random.key(10 + i), (n, n), dt) for i in range(2)]
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dt))
+    kw.setdefault("iters", 10)
+    t = time_fn(f, arg_sets=[(a[0], b[0]), (a[1], b[1])], **kw)
+    return {"tflops": 2 * n ** 3 / t["median_s"] / 1e12, "n": n, "dtype": dtype, **t}
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
+    """Plain fixed-width table (also returned as a string)."""
+    cells = [[str(h) for h in headers]] + [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [title] if title else []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def result_path(name: str, out_dir: str | None = None, date: datetime.date | None = None) -> str:
+    d = out_dir or os.environ.get("BENCH_RESULTS_DIR") or RESULTS_DIR
+    date = date or datetime.datetime.now(datetime.timezone.utc).date()
+    return os.path.join(d, f"{name}-{date:%Y%m%d}.json")
+
+
+def write_results(name: str, summary: dict, data: dict, out_dir: str | None = None) -> str:
+    """Write the result JSON (command, device, date, flat summary, full data); returns its path."""
+    bad = [k for k, v in summary.items() if isinstance(v, (dict, list))]
+    if bad:
+        raise ValueError(f"summary must be flat; nested values under {bad}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = result_path(name, out_dir, now.date())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        dev = device_info()
+    except Exception as e:  # noqa: BLE001 - results still get written
+        dev = {"error": repr(e)}
+    doc = {"name": name, "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+           "device": dev, "date": now.isoformat(timespec="seconds"), "summary": summary, "data": data}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    return repr(o)
+
+
+def save_plot(path: str, panels: Sequence[dict]) -> str | None:
+    """One PNG with a subplot per panel: {"title", "xlabel", "ylabel", "series": {label: (xs, ys)},
+    optional "hlines": {label: y}, "logx": bool}. Returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        for label, (xs, ys) in p["series"].items():
+            ax.plot(xs, ys, marker="o", label=label)
+        for label, y in p.get("hlines", {}).items():
+            ax.axhline(y, linestyle="--", color="gray")
+            ax.annotate(label, (0.01, y), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+        if p.get("logx"):
+            ax.set_xscale("log", base=2)
+        ax.set_title(p.get("title", ""))
+        ax.set_xlabel(p.get("xlabel", ""))
+        ax.set_ylabel(p.get("ylabel", ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return path

@@ -1,0 +1,81 @@
+"""Tensor parallelism on 8 forced host devices: TP = 2/4/8 match TP = 1 in greedy tokens and logits."""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nfjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from nfjax.engine import Engine, SamplingParams
+from nfjax.engine.runner import forward_logits
+from nfjax.errors import UserError
+from nfjax.kv.metadata import build_metadata
+from nfjax.models.random_init import random_model
+from nfjax.tokenizer.byte import ByteTokenizer
+
+LLAMA3 = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                     num_kv_heads=2, head_dim=8, rope_theta=500000.0, max_position_embeddings=256,
+                     eos_token_ids=(257,))
+QWEN2 = LLAMA3.replace(model_type="qwen2", num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
+                       tie_word_embeddings=True)
+PROMPTS = ["Hello there", "tensor parallel", "a", "The quick brown fox jumps"]
+CACHE = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=8)
+SCHED = SchedulerConfig(token_buckets=(64,), max_seqs=4)
+
+
+def engine_for(cfg, tp):
+    model = random_model(cfg, seed=1, std=0.2)     # wide logit margins: token equality tests TP, not rounding
+    return Engine(model, ByteTokenizer(), EngineConfig(cfg, CACHE, SCHED, parallel=ParallelConfig(tp)))
+
+
+def prompt_logits(engine):
+    """Logits of each prompt's last token, through the engine's own sharded forward."""
+    r = engine.runner
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    seqs, page = [], 1
+    for x in ids:
+        n = -(-len(x) // CACHE.page_size)
+        seqs.append((list(range(page, page + n)), 0, len(x)))
+        page += n
+    toks = np.zeros(64, np.int32)
+    toks[:sum(map(len, ids))] = np.concatenate(ids)
+    meta = build_metadata(seqs, 64, 4, CACHE.max_pages_per_seq, CACHE.page_size)
+    fn = jax.jit(partial(forward_logits, r.graphdef, r.specs, r.mesh))
+    logits, _ = fn(r.state, r.kv, jax.device_put(toks, r.replicated), jax.device_put(meta, r.replicated))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("cfg,tps", [(LLAMA3, (2, 4, 8)), (QWEN2, (2, 4))], ids=["llama3-gqa", "qwen2-bias"])
+def test_tp_matches_tp1(cfg, tps):
+    sp = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    base = engine_for(cfg, 1)
+    ref_tokens = [o.token_ids for o in base.generate(PROMPTS, sp)]
+    ref_logits = prompt_logits(base)
+    for tp in tps:
+        eng = engine_for(cfg, tp)
+        assert eng.runner.kv.k.sharding.spec[3] == "tp"
+        if tp > cfg.num_kv_heads:      # fewer KV heads than devices: heads replicated, one per device
+            assert eng.runner.kv.k.shape[3] == tp
+        got = prompt_logits(eng)
+        np.testing.assert_allclose(got, ref_logits, rtol=2e-2, atol=2e-2 * np.abs(ref_logits).max())
+        assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == ref_tokens, f"tp={tp}"
+        assert eng.pages_used == 0
+
+
+def test_weights_are_sharded_not_replicated():
+    eng = engine_for(LLAMA3, 4)
+    q = eng.runner.state["layers"]["q_proj"]["kernel"]
+    o = eng.runner.state["layers"]["o_proj"]["kernel"]
+    q = q.value if hasattr(q, "value") else q
+    o = o.value if hasattr(o, "value") else o
+    assert q.sharding.spec[-1] == "tp" and q.addressable_shards[0].data.shape[-1] == q.shape[-1] // 4
+    assert o.sharding.spec[-2] == "tp" and o.addressable_shards[0].data.shape[-2] == o.shape[-2] // 4
+
+
+def test_bad_tp_is_a_clear_error():
+    with pytest.raises(UserError, match="num_attention_heads"):
+        engine_for(LLAMA3.replace(num_heads=6, num_kv_heads=2), 4)
+    with pytest.raises(UserError, match="devices"):
+        engine_for(LLAMA3, 16)
