@@ -112,7 +112,8 @@ def check_dispatch(rng, ps=16):
     for (a, n), k in zip(specs, pages_needed):
         seqs.append((perm[off:off + k].tolist(), a, n))
         off += k
-    meta = build_metadata(seqs, num_tokens, max_seqs, max_pages, ps, num_decode=3).to_device()
+    nd = next(i for i, (_, n) in enumerate(specs) if n != 1)
+    meta = build_metadata(seqs, num_tokens, max_seqs, max_pages, ps, num_decode=nd).to_device()
     q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (num_tokens, H, D), DT)
     kv = KVCache(kc, vc)
     f = jax.jit(functools.partial(paged_attention, scale=D ** -0.5), static_argnames=("use_kernels", "interpret"))
@@ -395,7 +396,7 @@ def main():
     path = write_results(args.name, summary, data, out_dir=args.out)
     panels = [{"title": "decode bandwidth (default config)", "xlabel": "context", "ylabel": "TB/s", "logx": True,
                "series": {f"{who} b={b}": ([r["ctx"] for r in decode if r["batch"] == b],
-                                           [r[who].get("bytes_per_s", float('nan')) / 1e12 if who != "kernel" else
+                                           [r.get(who, {}).get("bytes_per_s", float('nan')) / 1e12 if who != "kernel" else
                                             r["kernel"]["default"].get("bytes_per_s", float('nan')) / 1e12
                                             for r in decode if r["batch"] == b])
                           for b in sorted({r["batch"] for r in decode}) for who in ("kernel", "xla", "cudnn")},

