@@ -123,16 +123,19 @@ def check_dispatch(rng, ps=16):
     return relerr(out[:n_live].astype(jnp.float32), ref[:n_live].astype(jnp.float32))
 
 
-def run_checks(quick):
+def run_checks(quick, kinds):
     rng = np.random.default_rng(0)
     rows, res = [], {}
     cases = [("decode", 16, 4, {}), ("decode", 64, 4, {"num_splits": 3}), ("decode", 16, 1, {"num_programs": 40}),
-             ("decode", 64, 8, {"block_kv": 128, "num_stages": 2}), ("prefill", 16, 4, {}),
-             ("prefill", 64, 8, {"num_programs": 100}), ("prefill", 16, 1, {"block_kv": 128, "num_stages": 2}),
-             ("dispatch", 16, 4, {})]
+             ("decode", 64, 8, {"block_kv": 64, "num_stages": 4}), ("prefill", 16, 4, {}),
+             ("prefill", 64, 8, {"num_programs": 100, "num_warpgroups": 1}),
+             ("prefill", 16, 1, {"block_kv": 64, "num_stages": 3}), ("prefill", 16, 4, {"pingpong": True}),
+             ("prefill", 64, 8, {"pingpong": True, "num_stages": 3}), ("dispatch", 16, 4, {})]
     if quick:
-        cases = cases[:2] + cases[4:5] + cases[-1:]
+        cases = cases[:2] + cases[4:5] + cases[7:8] + cases[-1:]
     for kind, ps, g, kw in cases:
+        if kind not in kinds:
+            continue
         name = f"{kind} ps={ps} G={g} {kw}"
         try:
             if kind == "decode":
@@ -306,18 +309,24 @@ def main():
     quick = args.quick
     ps = args.page_size
 
-    checks = run_checks(quick)
+    checks = run_checks(quick, ("decode",))
     copy = measure_copy_bandwidth((2 << 30) if not KW else (1 << 20), iters=10, reps=5)
     gemm = measure_gemm(8192 if not KW else 256, iters=10, reps=3)
     cbw = copy["bytes_per_s"]
     log(f"copy {cbw / 1e12:.2f} TB/s (read+write)  gemm {gemm['tflops']:.0f} TFLOP/s  [{time.perf_counter() - t_start:.0f}s]")
 
     default = {"num_programs": nsm}
-    configs = {"default": default}
-    if quick:
-        configs.update({"bkv128_s2": dict(default, block_kv=128, num_stages=2),
-                        "bkv64_s3": dict(default, num_stages=3),
-                        "2x_programs_s2": dict(default, num_programs=2 * nsm, num_stages=2)})
+    configs = {"default": default,
+               "bkv64_s4": dict(default, block_kv=64, num_stages=4),
+               "bkv64_s3": dict(default, block_kv=64, num_stages=3),
+               "2x_programs_bkv64_s2": dict(default, num_programs=2 * nsm, block_kv=64, num_stages=2)}
+    partial = {}
+
+    def save():
+        data = {"checks": checks, "copy": copy, "gemm": gemm, **partial,
+                "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "bfloat16"},
+                "wall_s": time.perf_counter() - t_start}
+        return write_results(args.name, {"partial": True}, data, out_dir=args.out)
     decode = []
     shapes = [(4, 256)] if KW else [(64, 4096), (256, 1024)] if quick else [(64, 1024), (64, 4096), (64, 16384), (256, 1024),
                                                           (256, 4096), (256, 16384)]
@@ -332,16 +341,28 @@ def main():
             + f"  cudnn={r.get('cudnn', {}).get('bytes_per_s', 0) / 1e12:.2f}  [{time.perf_counter() - t_start:.0f}s]")
         if "error" in r.get("cudnn", {}):
             log("  cudnn:", r["cudnn"]["error"][:300])
+        partial["decode"] = decode
+        save()
+    if not KW:      # the same headline shape with 64-position pages
+        r = decode_case(64, 4096, 64, {"default": default}, with_xla=False, with_cudnn=False, iters=20)
+        r["note"] = "page_size 64"
+        decode_ps64 = r
+        log(f"decode b=64 ctx=4096 page 64: {r['kernel']['default'].get('bytes_per_s', 0) / 1e12:.2f} TB/s")
+    else:
+        decode_ps64 = None
 
     programs = [2, 4] if KW else [8, 16, 33, 66, 99, 132] if quick else [4, 8, 16, 24, 33, 48, 66, 88, 99, 112, 122, 132, 2 * nsm]
     programs = sorted({min(p, 2 * nsm) for p in programs} | {nsm})
     sweep = {f"b{b}_ctx{ctx}": program_sweep(b, ctx, ps, programs, dict(default), iters=10)
              for b, ctx in ([(4, 256)] if KW else [(64, 4096)] if quick else [(64, 4096), (256, 4096)])}
     log(f"program sweep done [{time.perf_counter() - t_start:.0f}s]")
+    partial["program_sweep"] = sweep
+    save()
+    checks.update(run_checks(quick, ("prefill", "dispatch")))
+    save()
 
-    pre_cfgs = {"default": {}}
-    if quick:
-        pre_cfgs["bkv128_s2"] = {"block_kv": 128, "num_stages": 2}
+    pre_cfgs = {"default": {}, "pingpong": {"pingpong": True}, "pingpong_s3": {"pingpong": True, "num_stages": 3},
+                "2wg_s3": {"num_stages": 3}, "1wg": {"num_warpgroups": 1}}
     pshapes = [(2, 64, 64)] if KW else [(4, 1024, 3072), (1, 4096, 0)] if quick else [(4, 1024, 3072), (1, 4096, 0), (8, 512, 0),
                                                                (2, 2048, 2048), (16, 256, 1024)]
     prefill = []
@@ -351,6 +372,8 @@ def main():
             r["config"] = cname
             prefill.append(r)
             log(f"prefill {nseq}x{chunk}@{ctx} {cname}: {r.get('tflops', 0):.0f} TFLOP/s  [{time.perf_counter() - t_start:.0f}s]")
+            partial["prefill"] = prefill
+        save()
 
     # ---- tables
     rows = []
@@ -390,7 +413,8 @@ def main():
         "quick": quick,
     }
     log("\nsummary", summary)
-    data = {"checks": checks, "copy": copy, "gemm": gemm, "decode": decode, "program_sweep": sweep,
+    data = {"checks": checks, "copy": copy, "gemm": gemm, "decode": decode, "decode_page64": decode_ps64,
+            "program_sweep": sweep,
             "prefill": prefill, "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "bfloat16"},
             "wall_s": time.perf_counter() - t_start}
     path = write_results(args.name, summary, data, out_dir=args.out)

@@ -39,3 +39,20 @@ def num_sms(default: int = 132) -> int:
         return int(n) if n else default
     except Exception:   # noqa: BLE001 - no device / attribute: fall back
         return default
+
+
+def on_stream(fn, stream: int):
+    """`fn` placed on the extra GPU stream `stream` (>= 1) inside the enclosing jitted program: XLA wraps its
+    ops in an async call carrying `_xla_stream_annotation`. Other backends compile the annotation away.
+
+    0.11 names the function form `compute_on(f, compute_type=..., out_memory_spaces=...)`; in 0.10 `compute_on`
+    is a context manager and the same function form is `compute_on2`.
+    """
+    from jax.experimental import compute_on as _co
+    deco = _co.compute_on if JAX_VERSION >= (0, 11) else _co.compute_on2
+    return deco(compute_type=f"gpu_stream:{int(stream)}", out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
+# XLA's dot merger fuses the GEMMs of sibling nano-batches back into one (undoing a split); split schedules
+# compile with it off. A DebugOptions field: accepted per compile on both versions and ignored off GPU.
+NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}

@@ -192,6 +192,64 @@ class ParallelConfig:
     tp: int = 1          # tensor-parallel degree (devices on the `tp` mesh axis)
 
 
+STRATEGY_KINDS = ("sequential", "nanobatch", "comm_overlap", "dual_batch", "fused_reduce_norm", "nanoflow")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """One precompiled step variant (see nfjax/schedule/strategies.py for the kinds)."""
+    kind: str = "sequential"
+    split: tuple[float, ...] = (1, 1)   # relative nano-batch sizes (not for nanoflow: its plan sets them)
+    align: int = 8                      # nano-batch boundaries on multiples of this many tokens
+    plan: str | None = None             # nanoflow: a plan file, or its name under plans/
+    min_bucket: int = 0                 # compiled only for token buckets >= this
+    min_tokens: int = 0                 # chosen only for batches with at least this many real tokens
+    min_decode: int = 0                 # ... and at least this many decode tokens
+    name: str | None = None             # label in stats and `Runner.pin_strategy` (default: derived)
+
+    def __post_init__(self):
+        if self.kind not in STRATEGY_KINDS:
+            raise ConfigError(f"schedule.strategies: kind must be one of {', '.join(STRATEGY_KINDS)}, "
+                              f"got {self.kind!r}")
+        if (self.plan is None) == (self.kind == "nanoflow"):
+            raise ConfigError(f"schedule.strategies[{self.label}]: plan is required for kind nanoflow and only "
+                              "for it")
+        if not self.split or any(w <= 0 for w in self.split):
+            raise ConfigError(f"schedule.strategies[{self.label}]: split weights must be positive, got {self.split}")
+        if self.kind == "dual_batch" and len(self.split) != 2:
+            raise ConfigError(f"schedule.strategies[{self.label}]: dual_batch needs a split of 2, got {self.split}")
+        for f in ("align",):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"schedule.strategies[{self.label}]: {f} must be >= 1")
+        for f in ("min_bucket", "min_tokens", "min_decode"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"schedule.strategies[{self.label}]: {f} must be >= 0")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.kind == "sequential":
+            return "sequential"
+        if self.kind == "nanoflow":
+            return f"nanoflow:{Path(str(self.plan)).stem}"
+        return f"{self.kind}:" + "-".join(f"{w:g}" for w in self.split)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How a step's layers run: variants compiled per bucket, chosen per batch (first eligible in order;
+    `sequential` is always compiled as the fallback)."""
+    strategies: tuple[StrategyConfig, ...] = ()
+    streams: bool | None = None         # put ops on the GPU streams a schedule names (None: only on GPU)
+
+    def __post_init__(self):
+        labels = [s.label for s in self.strategies]
+        dup = next((x for x in labels if labels.count(x) > 1), None)
+        if dup:
+            raise ConfigError(f"schedule.strategies: two variants are labelled {dup!r}; set name= on one")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -199,3 +257,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

@@ -10,7 +10,7 @@ linear warmup then a cosine decay to `--min-lr-ratio`. The decay follows `progre
 elapsed / --seconds)`, so a wall-clock cap still ends the schedule at its low learning rate.
 
 Training forward: the model's own decoder-layer ops (`LAYER_OPS`: norms, projections, RoPE, MLP, residuals)
-run over the whole batch; only the `attention` op is swapped for a dense causal attention (no paged cache),
+run over the whole batch; only the attention ops are swapped for one dense causal attention (no paged cache),
 and the `rope_append` op writes its K/V into a dense stand-in instead of cache pages. So training and paged
 inference share the same math (a test checks their logits agree).
 """
@@ -42,8 +42,9 @@ from nfjax.tokenizer.byte import BOS_ID, EOS_ID
 DEFAULT_OUT = Path(__file__).parent / "assets" / "tiny"
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
-_ATTN = next(s for s in LAYER_OPS if s.name == "attention")
-assert _ATTN.ins == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update train_tiny"
+_ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
+_ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
+assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update train_tiny"
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -139,6 +140,8 @@ def dense_forward(model: LlamaModel, tokens) -> jax.Array:
         ctx = LayerContext(layer=i, meta=None, inv_freq=inv_freq)
         env = {"x": x, "kv": _DenseKV(), "positions": positions, "slots": slots}
         for spec in LAYER_OPS:
+            if spec is _ATTN_DECODE:
+                continue            # dense training has no decode rows: _ATTN covers every token
             if spec is _ATTN:
                 kv = env["kv"]
                 env["attn"] = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)

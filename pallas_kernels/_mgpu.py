@@ -64,13 +64,19 @@ class Ops:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
-    def qk(self, q_s, k_s):
-        """[ROWS, D] x [BKV, D]^T -> [ROWS, BKV] f32 (both operands in SMEM)."""
+    def qk(self, q_s, k_s, after_issue=None):
+        """[ROWS, D] x [BKV, D]^T -> [ROWS, BKV] f32 (both operands in SMEM). `after_issue` runs after the
+        wgmma is issued and before its result is awaited."""
         if self.interpret:
-            return jnp.dot(q_s[...], k_s[...].T, preferred_element_type=jnp.float32)
+            out = jnp.dot(q_s[...], k_s[...].T, preferred_element_type=jnp.float32)
+            if after_issue:
+                after_issue()
+            return out
 
         def f(acc_ref):
             plgpu.wgmma(acc_ref, q_s, k_s.transpose((1, 0)))
+            if after_issue:
+                after_issue()
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((q_s.shape[0], k_s.shape[0]), jnp.float32))
 
@@ -89,7 +95,8 @@ def bcast_rows(x, shape):
 
 
 def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_hbm, layer, seq, kh,
-                     kv_lo, kv_hi, scale: float, causal_pos0=None, group: int = 1):
+                     kv_lo, kv_hi, scale: float, causal_pos0=None, group: int = 1, wg=None, consumed=None,
+                     sched=None):
     """Online-softmax attention of the query tile in `q_s` over cache positions [kv_lo, kv_hi) of row `seq`
     of the page table, kv head `kh`. Returns (acc [ROWS, D] f32 unnormalised, m [ROWS] base-2 max, l [ROWS]).
 
@@ -97,6 +104,16 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     number of copies per block. kv_lo must be a multiple of block_kv. With `causal_pos0`, row r (query token
     r // group at position causal_pos0 + r // group) sees only positions <= its own.
     Every copy issued here is waited for here, so barrier phases stay consistent across calls.
+
+    Several warpgroups sharing the K/V stream (`wg` = this warpgroup's index, each with its own 64-row
+    `q_s`; `consumed` = one barrier per stage with one arrival per warpgroup): warpgroup 0 issues every copy
+    and refills a stage only after all warpgroups arrived on its `consumed` barrier. The arrivals of the last
+    stages are drained by warpgroup 0 at the end. Row r of warpgroup w is row w * 64 + r of the whole tile for
+    the causal mask.
+
+    `sched` (a barrier with one arrival per warpgroup, two warpgroups, no `consumed`) staggers them
+    ("ping-pong"): each meets the other once after issuing q @ k and once after its softmax, and warpgroup 1
+    starts half a step late, so one warpgroup's softmax runs while the other's matmuls use the tensor cores.
     """
     num_stages, block_kv, _ = k_s.shape
     page_size = k_hbm.shape[2]
@@ -104,7 +121,17 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     rows, d = q_s.shape
     n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
 
+    # With ping-pong, warpgroup 1 (always behind) issues the copies: once it is done with a stage, warpgroup
+    # 0 is too (the meetings order them), so no `consumed` barrier is needed.
+    leader = 1 if sched is not None else 0
+
     def issue(i, slot):
+        if wg is None:
+            issue_now(i, slot)
+        else:
+            pl.when(wg == leader)(lambda: issue_now(i, slot))
+
+    def issue_now(i, slot):
         tok0 = kv_lo + i * block_kv
         if block_kv >= page_size:
             per = block_kv // page_size
@@ -132,13 +159,15 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = ops.qk(q_s, k_s.at[slot]) * c
+        s = ops.qk(q_s, k_s.at[slot], after_issue=meet if sched is not None else None) * c
         if masked:
             col = ops.iota((rows, block_kv), 1)
             tok = col + (kv_lo + i * block_kv)
             ok = tok < kv_hi
             if causal_pos0 is not None:
                 row = ops.iota((rows, block_kv), 0)
+                if wg is not None:
+                    row = row + wg * rows
                 ok = ok & ((tok - causal_pos0) * group <= row)
             s = jnp.where(ok, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -146,12 +175,30 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         p = jnp.exp2(s - bcast_rows(m_new, s.shape))
         l = l * alpha + p.sum(axis=1)
         acc = acc * bcast_rows(alpha, acc.shape)
+        if sched is not None:
+            plgpu.barrier_arrive(sched)         # softmax done
         plgpu.barrier_wait(v_bar.at[slot])
+        if sched is not None:
+            plgpu.barrier_wait(sched)           # the other warpgroup is out of the tensor cores
         acc = ops.pv(acc, p.astype(v_s.dtype), v_s.at[slot])
         # Both wgmmas on this slot are complete (their results were read), so the slot can be refilled.
-        pl.when(i + num_stages < n_blk)(lambda: issue(i + num_stages, slot))
+        if consumed is None:
+            pl.when(i + num_stages < n_blk)(lambda: issue(i + num_stages, slot))
+        else:
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when((i + num_stages < n_blk) & (wg == 0))
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+                issue_now(i + num_stages, slot)
         return acc, m_new, l
 
+    def meet():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    if sched is not None:
+        pl.when(wg == 1)(meet)                  # warpgroup 1 starts half a step behind
     acc = ops.wgmma_layout(jnp.zeros((rows, d), jnp.float32))
     m = ops.row_layout(jnp.full((rows,), MASK_VALUE, jnp.float32))
     l = ops.row_layout(jnp.zeros((rows,), jnp.float32))
@@ -160,7 +207,17 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     last_free = (causal_pos0 + 1) if causal_pos0 is not None else kv_hi
     n_free = jnp.clip(lax.div(jnp.maximum(last_free - kv_lo, 0), block_kv), 0, n_blk)
     carry = lax.fori_loop(0, n_free, lambda i, cr: step(i, cr, masked=False), (acc, m, l))
-    return lax.fori_loop(n_free, n_blk, lambda i, cr: step(i, cr, masked=True), carry)
+    carry = lax.fori_loop(n_free, n_blk, lambda i, cr: step(i, cr, masked=True), carry)
+    if sched is not None:
+        pl.when(wg == 0)(meet)                  # ... and warpgroup 0 ends with the matching meeting
+    if consumed is not None:
+        # Observe the `consumed` completions of the last stages, which no refill waited for: keeps every
+        # barrier phase matched (the interpreter checks this; on the GPU it makes items independent).
+        def drain(i, c):
+            plgpu.barrier_wait(consumed.at[lax.rem(i, num_stages)])
+            return c
+        pl.when(wg == 0)(lambda: lax.fori_loop(jnp.maximum(n_blk - num_stages, 0), n_blk, drain, None))
+    return carry
 
 
 def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int):

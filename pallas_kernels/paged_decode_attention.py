@@ -110,8 +110,8 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
 def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                            v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                            page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
-                           num_programs: int = 132, num_splits: int | None = None, block_kv: int = 64,
-                           num_stages: int = 4, interpret: bool = False) -> Float[Array, "B H D"]:
+                           num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
+                           num_stages: int = 2, interpret: bool = False) -> Float[Array, "B H D"]:
     """Decode attention over the paged cache for layer `layer` (a traced scalar; the stacked cache is not
     sliced). Sequences with seq_lens == 0 produce 0. `num_splits=None` picks one for `num_programs`."""
     b, h, d = q.shape

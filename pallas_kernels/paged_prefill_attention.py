@@ -54,6 +54,12 @@ def paged_prefill_attention_ref(q: Float[Array, "T H D"], k_cache: Float[Array, 
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
 
+def _bucket(edges, x):
+    """searchsorted(edges, x, side="right") as one compare-and-count fusion: jnp's default 'scan' method is a
+    while loop, which on the GPU costs a host round trip per step; S is small, so S x N compares are cheap."""
+    return jnp.searchsorted(edges, x, side="right", method="compare_all")
+
+
 def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_tile: int):
     """Static-shape tile plan. Returns (num_tiles, info [3, NT] int32 = (seq, first position, kv_hi),
     tile_tok0 [NT], tile_start [S] (first tile of each sequence), live_len [S] (q tokens of live seqs)).
@@ -66,7 +72,7 @@ def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_til
     start = cum - n_tiles
     nt = cdiv(num_tokens, tokens_per_tile) + s          # sum ceil(len / TPT) <= T / TPT + S
     t = jnp.arange(nt)
-    seq = jnp.clip(jnp.searchsorted(cum, t, side="right"), 0, s - 1)
+    seq = jnp.clip(_bucket(cum, t), 0, s - 1)
     local = t - start[seq]
     tok0 = query_start[seq] + local * tokens_per_tile
     pos0 = seq_lens[seq] - q_len[seq] + local * tokens_per_tile
@@ -77,11 +83,12 @@ def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_til
     return nt, info, tok0, start, live_len
 
 
-def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar, k_s, v_s, k_bar, v_bar, *,
-            num_kv_heads, group, num_programs, scale, interpret):
+def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar, k_s, v_s, k_bar, v_bar,
+            *extra, num_kv_heads, group, num_programs, num_wgs, pingpong, scale, interpret):
     ops = Ops(interpret)
     num_items = info_hbm.shape[1] * num_kv_heads
     pid = lax.axis_index("p")
+    wg = lax.axis_index("wg") if num_wgs > 1 else None
     layer = params_hbm[0]
 
     def item(k, carry):
@@ -92,17 +99,21 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
 
         @pl.when(kv_hi > 0)
         def _():
-            plgpu.wait_smem_to_gmem(0)          # q_s doubles as the output buffer of the previous item
-            plgpu.copy_gmem_to_smem(q_hbm.at[w], q_s, q_bar.at[0])
-            plgpu.barrier_wait(q_bar.at[0])
-            acc, m, l = paged_flash_loop(ops, q_s=q_s, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, k_hbm=k_hbm,
+            mine = q_s.at[0] if wg is None else q_s.at[wg]
+            plgpu.wait_smem_to_gmem(0)              # q_s doubles as the previous item's output buffer
+            i = 0 if wg is None else wg
+            plgpu.copy_gmem_to_smem(q_hbm.at[w, i], mine, q_bar.at[i])   # each warpgroup loads its half
+            plgpu.barrier_wait(q_bar.at[i])
+            acc, m, l = paged_flash_loop(ops, q_s=mine, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, k_hbm=k_hbm,
                                          v_hbm=v_hbm, pt_hbm=pt_hbm, layer=layer, seq=seq, kh=kh,
                                          kv_lo=jnp.int32(0), kv_hi=kv_hi, scale=scale, causal_pos0=pos0,
-                                         group=group)
+                                         group=group, wg=wg,
+                                         consumed=extra[0] if extra and not pingpong else None,
+                                         sched=extra[0].at[0] if pingpong else None)
             o = acc / bcast_rows(jnp.maximum(l, 1e-30), acc.shape)
-            q_s[...] = o.astype(q_s.dtype)
+            mine[...] = o.astype(q_s.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_s, o_hbm.at[w])
+            plgpu.copy_smem_to_gmem(mine, o_hbm.at[w, 0] if wg is None else o_hbm.at[w, wg])
         return carry
 
     n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
@@ -110,23 +121,34 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "block_kv", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "block_kv", "num_stages", "num_warpgroups",
+                                             "pingpong", "interpret"))
 def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
                             v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                             page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
                             query_start: Int[Array, "S1"], first_seq: Int[Array, ""], *, scale: float,
-                            num_programs: int | None = None, block_kv: int = 64, num_stages: int = 3,
+                            num_programs: int | None = None, block_kv: int = 128, num_stages: int = 2,
+                            num_warpgroups: int = 2, pingpong: bool = False,
                             interpret: bool = False) -> Float[Array, "T H D"]:
     """Causal attention of each live sequence's query chunk over its cached positions (see module doc).
-    `num_programs=None` launches one program per (tile, kv head); an int makes the grid persistent."""
+    `num_programs=None` launches one program per (tile, kv head); an int makes the grid persistent (one
+    warpgroup only). `num_warpgroups` 64-row halves of a tile share one K/V stream."""
     t, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     s = page_table.shape[0]
     g = h // kvh
-    if g * kvh != h or g > ROWS:
-        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
+    if g * kvh != h:
+        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group")
     check_block(block_kv, ps, d)
-    tpt = ROWS // g
+    nw = num_warpgroups
+    if nw > 1 and num_programs is not None:
+        raise ValueError("a persistent grid (num_programs) needs num_warpgroups=1")
+    if pingpong and nw != 2:
+        raise ValueError("pingpong needs num_warpgroups=2")
+    rows = ROWS * nw
+    if g > rows:
+        raise ValueError(f"query group of {g} heads exceeds the {rows}-row tile")
+    tpt = rows // g
     seq_lens, query_start = seq_lens.astype(jnp.int32), query_start.astype(jnp.int32)
     nt, info, tok0, start, live_len = plan_tiles(seq_lens, query_start, first_seq, t, tpt)
 
@@ -134,29 +156,32 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     idx = jnp.clip(tok0[:, None] + jnp.arange(tpt)[None, :], 0, t - 1)
     qt = q.reshape(t, kvh, g, d)[idx]                              # [NT, TPT, KH, G, D]
     qt = qt.transpose(0, 2, 1, 3, 4).reshape(nt, kvh, tpt * g, d)
-    if tpt * g != ROWS:
-        qt = jnp.pad(qt, ((0, 0), (0, 0), (0, ROWS - tpt * g), (0, 0)))
-    qt = qt.reshape(nt * kvh, ROWS, d)
+    if tpt * g != rows:
+        qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - tpt * g), (0, 0)))
+    qt = qt.reshape(nt * kvh, nw, ROWS, d)
     items = nt * kvh
     progs = items if num_programs is None else min(num_programs, items)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_programs=progs, scale=scale,
-                             interpret=interpret)
+    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_programs=progs, num_wgs=nw,
+                             pingpong=pingpong, scale=scale, interpret=interpret)
+    threads = {"num_threads": nw, "thread_name": "wg"} if nw > 1 else {}
     ot = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((items, ROWS, d), q.dtype),
-        scratch_types=[plgpu.SMEM((ROWS, d), q.dtype, transforms=smem_tile_transforms(q.dtype)),
-                       plgpu.Barrier(num_barriers=1),
-                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps)],
+        out_type=jax.ShapeDtypeStruct((items, nw, ROWS, d), q.dtype),
+        scratch_types=[plgpu.SMEM((nw, ROWS, d), q.dtype, transforms=smem_tile_transforms(q.dtype)),
+                       plgpu.Barrier(num_barriers=nw),
+                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
+                       *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if pingpong else
+                         [plgpu.Barrier(num_arrivals=nw, num_barriers=num_stages)] if nw > 1 else [])],
         grid=(progs,), grid_names=("p",), compiler_params=compiler_params(),
-        interpret=mosaic_gpu_interpret_params() if interpret else None,
+        interpret=mosaic_gpu_interpret_params() if interpret else None, **threads,
     )(params, info, page_table.astype(jnp.int32), qt, k_cache, v_cache)
 
     # Back to token order. Tiles that were skipped (kv_hi == 0) hold garbage, but no live token maps to them.
-    ot = ot.reshape(nt, kvh, ROWS, d)[:, :, :tpt * g].reshape(nt, kvh, tpt, g, d)
+    ot = ot.reshape(nt, kvh, rows, d)[:, :, :tpt * g].reshape(nt, kvh, tpt, g, d)
     tok = jnp.arange(t)
-    seq = jnp.clip(jnp.searchsorted(query_start[1:], tok, side="right"), 0, s - 1)
+    seq = jnp.clip(_bucket(query_start[1:], tok), 0, s - 1)
     local = tok - query_start[seq]
     live = (tok >= query_start[0]) & (tok < query_start[s]) & (local < live_len[seq])
     tile = jnp.clip(start[seq] + local // tpt, 0, nt - 1)

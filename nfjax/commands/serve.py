@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (0: any free port; default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     p.add_argument("--token-buckets", type=_int_list, default=None, metavar="N,N,...",
                    help="dense token budgets, one compiled step each (e.g. 64,256)")
     p.add_argument("--max-seqs", type=int, default=None, help="sequences per step")
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, page_size=args.page_size,
                                     num_pages=args.num_pages, max_pages_per_seq=args.max_pages_per_seq,
-                                    token_buckets=args.token_buckets, max_seqs=args.max_seqs,
+                                    token_buckets=args.token_buckets, max_seqs=args.max_seqs, tp=args.tp,
                                     progress=sys.stderr.isatty())
     print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
     return serve(engine, cfg, cfg.served_model_name or model_name_for(args.model))

@@ -36,7 +36,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = config.model
-        self.runner = Runner(model, config.cache, config.scheduler, mesh)
+        self.runner = Runner(model, config.cache, config.scheduler, mesh, config.schedule)
         self.runner.compile_all(progress=progress)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_position_embeddings)
         self.trace = StepTrace()

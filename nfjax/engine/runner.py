@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, UInt32
 
-from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.scheduler import Batch
 from nfjax.kv.cache import KVCache
@@ -39,11 +39,12 @@ class StepInput:
 
 
 def forward_logits(graphdef, specs, mesh: Mesh, state, kv: KVCache, tokens: Int[Array, "T"],
-                   meta: AttentionMetadata) -> tuple[Float[Array, "S V"], KVCache]:
+                   meta: AttentionMetadata, layer_fn=None) -> tuple[Float[Array, "S V"], KVCache]:
     """All layers under one shard_map (per-device body: local weight shards, local KV heads), then the
-    vocab-sharded lm_head on each sequence's last token, outside it."""
+    vocab-sharded lm_head on each sequence's last token, outside it. `layer_fn` runs one layer's ops
+    (a schedule's program, see nfjax.schedule; None: the ops in order)."""
     def layers(state, kv, tokens, meta):
-        return nnx.merge(graphdef, state)(tokens, kv, meta, tp_axis=TP_AXIS)
+        return nnx.merge(graphdef, state)(tokens, kv, meta, layer_fn=layer_fn, tp_axis=TP_AXIS)
 
     kvs = KVCache(kv_spec(), kv_spec())
     h, kv = jax.shard_map(layers, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs))(
@@ -51,9 +52,9 @@ def forward_logits(graphdef, specs, mesh: Mesh, state, kv: KVCache, tokens: Int[
     return nnx.merge(graphdef, state).logits(h[meta.logits_index]), kv
 
 
-def _step(graphdef, specs, mesh: Mesh, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput):
+def _step(graphdef, specs, mesh: Mesh, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput, layer_fn=None):
     tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
-    logits, kv = forward_logits(graphdef, specs, mesh, state, kv, tokens, inp.meta)
+    logits, kv = forward_logits(graphdef, specs, mesh, state, kv, tokens, inp.meta, layer_fn)
     sampled = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
     return sampled, kv
 
@@ -68,8 +69,11 @@ class StepHandle:
 class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
-    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig, mesh: Mesh):
-        """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel)."""
+    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig, mesh: Mesh,
+                 schedule: ScheduleConfig | None = None):
+        """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel).
+        `schedule`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch."""
+        from nfjax.schedule.variants import Variants
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched
@@ -81,7 +85,10 @@ class Runner:
         self.kv = KVCache.create(model.cfg, cache, sharding=self.kv_sharding.k)
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
-        self._steps: dict[int, object] = {}
+        self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
+        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label) -> compiled step
+        self.pinned: str | None = None
+        self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
         self._swap_out = None
         self._swap_in = None
         self.compile_seconds = 0.0
@@ -99,20 +106,23 @@ class Runner:
 
     def compile_all(self, progress: bool = False) -> None:
         t0 = time.perf_counter()
-        step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh), donate_argnums=1,
-                       out_shardings=(self.replicated, self.kv_sharding))
-        buckets = sorted(self.sched.token_buckets)
-        it = buckets
+        todo = [(b, v) for b in sorted(self.sched.token_buckets) for v in self.variants.by_bucket[b].values()]
+        it = todo
         if progress:
             from tqdm import tqdm
-            it = tqdm(buckets, desc="compiling buckets", unit="bucket")
-        for b in it:
-            self._steps[b] = step.lower(self.state, self.kv, self._prev, self._example_input(b)).compile()
+            it = tqdm(todo, desc="compiling buckets", unit="program")
+        for b, v in it:
+            step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh,
+                                   layer_fn=v.layer_fn(self.variants.streams)), donate_argnums=1,
+                           out_shardings=(self.replicated, self.kv_sharding))
+            self._steps[(b, v.label)] = step.lower(self.state, self.kv, self._prev, self._example_input(b)).compile(
+                compiler_options=v.compiler_options() or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
                                  out_shardings=(blk_sh, blk_sh)).lower(self.kv, pages).compile()
-        blk = jax.ShapeDtypeStruct(self.kv.k[:, :pages.shape[0]].shape, self.kv.k.dtype, sharding=blk_sh)
+        shape = (self.kv.k.shape[0], pages.shape[0], *self.kv.k.shape[2:])     # one sequence's pages, padded
+        blk = jax.ShapeDtypeStruct(shape, self.kv.k.dtype, sharding=blk_sh)
         self._swap_in = jax.jit(
             lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k), kv.v.at[:, pg].set(v)),
             donate_argnums=0, out_shardings=self.kv_sharding).lower(self.kv, pages, blk, blk).compile()
@@ -121,6 +131,14 @@ class Runner:
     @property
     def num_compiled(self) -> int:
         return len(self._steps)
+
+    def pin_strategy(self, label: str | None) -> None:
+        """Run every step with strategy `label` where it is compiled for the bucket (else sequential);
+        None: back to the per-batch choice. For benchmarks and tests: no recompilation."""
+        known = {lb for vs in self.variants.by_bucket.values() for lb in vs}
+        if label is not None and label not in known:
+            raise ValueError(f"strategy {label!r} is not compiled; compiled: {', '.join(sorted(known))}")
+        self.pinned = label
 
     # ---- swapping ---------------------------------------------------------------------------------
     def _padded_pages(self, pages: list[int]) -> jax.Array:
@@ -166,7 +184,9 @@ class Runner:
         meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
                               num_decode=batch.num_decode)
         inp = self._to_device(StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
-        sampled, self.kv = self._steps[t](self.state, self.kv, self._prev, inp)
+        label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
+        self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
+        sampled, self.kv = self._steps[(t, label)](self.state, self.kv, self._prev, inp)
         self._prev = sampled
         return StepHandle(batch, sampled, time.perf_counter())
 

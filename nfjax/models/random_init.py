@@ -12,7 +12,9 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
                         max_position_embeddings=8192, dtype="bfloat16", eos_token_ids=(128001,))
 LLAMA3_70B = LLAMA3_8B.replace(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+SMOKE = LLAMA3_8B.replace(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=32, dtype="float32")     # CPU smoke runs of the benches
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "smoke": SMOKE}
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn=None) -> LlamaModel:

@@ -98,22 +98,25 @@ async def _sse_events(st: ServerState, req: GenerateRequest, stream: RequestStre
         if req.kind == "chat":
             yield event(protocol.chunk(req, name, None, role=True))
         while not finished:
-            items = await stream.get_batch()
-            text, final = [], None
+            items = await stream.get_batch()      # outputs of every step since the last chunk
+            text, new_tokens, final = [], 0, None
             for item in items:
                 if isinstance(item, APIError):
                     finished = True        # the server aborted it: no engine abort needed
-                    if text:
+                    if new_tokens:
                         yield event(protocol.chunk(req, name, "".join(text)))
                     yield event(item.body())
                     yield DONE
                     return
                 text.append(item.new_text)
+                new_tokens += len(item.new_token_ids)
                 if item.finished:
                     final = item
             delta = "".join(text)
+            # a chunk for every batch of new tokens, even when their text is held back (an incomplete UTF-8
+            # character, a possible stop-string prefix, a model without a tokenizer): clients see token timing
             if final is None:
-                if delta:
+                if new_tokens:
                     yield event(protocol.chunk(req, name, delta))
                 continue
             finished = True

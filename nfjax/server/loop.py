@@ -240,10 +240,11 @@ class EngineLoop:
             out.append((s, o))
 
     def _publish(self, out: list) -> None:
-        e = self.engine
-        self._waiting = e.num_waiting
-        self._running = e.num_running
-        self._pages_used = e.pages_used
+        if self.error is None:
+            e = self.engine
+            self._waiting = e.num_waiting
+            self._running = e.num_running
+            self._pages_used = e.pages_used
         if out:
             batch = list(out)
             out.clear()

@@ -144,7 +144,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _common(body: dict, kind: str) -> dict:
     """Validate the fields shared by both endpoints; returns keyword arguments for SamplingParams."""
-    _int(body, "n", 1, 1, 1)
+    if _int(body, "n", 1, 1) != 1:
+        raise bad("n", "'n' must be 1: this server returns one choice per request")
     _neutral(body, "presence_penalty", lambda v: v == 0, "only 0")
     _neutral(body, "frequency_penalty", lambda v: v == 0, "only 0")
     _neutral(body, "logit_bias", lambda v: v == {}, "only an empty object")
@@ -202,7 +203,8 @@ def _make_params(kw: dict, max_tokens: int, stop_token_ids=()) -> SamplingParams
 def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> GenerateRequest:
     _neutral(body, "echo", lambda v: v is False, "only false")
     _neutral(body, "suffix", lambda v: False, "suffixes are not supported")
-    _int(body, "best_of", 1, 1, 1)
+    if _int(body, "best_of", 1, 1) != 1:
+        raise bad("best_of", "'best_of' must be 1: this server returns one choice per request")
     kw = _common(body, "completion")
     stream, include_usage = _stream_flags(body)
     if "prompt" not in body or body["prompt"] is None:
@@ -211,7 +213,10 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int)
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]          # a batch of one
     if isinstance(p, str):
-        ids = tokenizer.encode(p)
+        try:
+            ids = tokenizer.encode(p)
+        except UserError as e:      # e.g. a model without a tokenizer: token ids only
+            raise bad("prompt", str(e)) from None
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad_ids = [t for t in p if not 0 <= t < vocab_size]
         if bad_ids:

@@ -1,0 +1,294 @@
+"""The scheduler API (DynaFlow style): a schedule is a Python program over nano-ops, recorded into a `Program`.
+
+A strategy subclasses `Scheduler` and implements `schedule(ctx)`, which calls
+  * `split(sizes)`         once, to cut the step's T tokens into contiguous nano-batches (token order);
+  * `get_ready_ops(i)`     the ops not yet run on nano-batch i whose inputs are ready (see `graph.py`);
+  * `execute(ops, stream=None, kernel=None, share=None)`
+        - one op on one nano-batch:           execute(nano_op)
+        - one op on adjacent nano-batches:    execute([op@i, op@i+1])      (merged: one call on their tokens)
+        - several ops by a fused kernel:      execute([a@i, b@i], kernel=k)
+      `stream` k >= 1 puts the op on extra GPU stream k (0 / None: the program's main stream); `share` is the
+      fraction of the GPU the op's kernel may take (its program count), read by kernels that support it.
+
+Nothing runs while `schedule` runs: `plan(ctx)` records the calls into a `Program` (validated: every op on
+every token exactly once, in dependency order), and the executor traces that program into the step function.
+Planning is pure Python on static sizes, so it is cheap and testable without compiling anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from nfjax.errors import UserError
+from nfjax.models.ops import GLOBAL_VALUES, Resource
+from nfjax.schedule.graph import OpGraph, OpNode
+
+
+class ScheduleError(UserError):
+    """A schedule that cannot run: names the op, nano-batch or argument at fault."""
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """What a schedule may look at: static facts of the step program being built."""
+    num_tokens: int               # the token bucket T
+    graph: OpGraph
+    tp: int = 1                   # tensor-parallel degree (network ops are identities at 1)
+
+
+@dataclass(frozen=True)
+class NanoBatch:
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class NanoOp:
+    """One op bound to one nano-batch."""
+    node: OpNode
+    nb: int
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def __repr__(self) -> str:
+        return f"{self.name}@{self.nb}"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused kernel standing in for several ops: `fn(layer, ctx, *ins) -> outs` (a tuple if several)."""
+    name: str
+    replaces: tuple[str, ...]
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    fn: Callable
+
+
+@dataclass(frozen=True)
+class Step:
+    """One recorded `execute`: ops (one unless fused) on the merged tokens [start, stop) of nano-batches nbs."""
+    ops: tuple[str, ...]
+    nbs: tuple[int, ...]
+    start: int
+    stop: int
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    fn: Callable                  # fn(layer, ctx, *ins) -> outs
+    resource: Resource
+    stream: int | None = None
+    kernel: str | None = None
+    share: float | None = None
+
+    def __repr__(self) -> str:
+        what = self.kernel or self.ops[0]
+        nbs = ",".join(map(str, self.nbs))
+        extra = "" if not self.stream else f" stream={self.stream}"
+        extra += "" if self.share is None else f" share={self.share:g}"
+        return f"{what}@{nbs}[{self.start}:{self.stop}]{extra}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """A validated schedule for one token bucket: what the executor traces."""
+    strategy: str
+    num_tokens: int
+    nano_batches: tuple[NanoBatch, ...]
+    steps: tuple[Step, ...]
+    buffered: frozenset[str] = field(default_factory=frozenset)   # values merged in place in one buffer
+
+    @property
+    def order(self) -> list[str]:
+        return [repr(s) for s in self.steps]
+
+    def describe(self) -> str:
+        nbs = " ".join(f"[{b.start}:{b.stop})" for b in self.nano_batches)
+        lines = [f"{self.strategy}: T={self.num_tokens} nano-batches {nbs}; merged in place: "
+                 f"{', '.join(sorted(self.buffered)) or '-'}"]
+        lines += [f"  {i:3d} {s!r}" for i, s in enumerate(self.steps)]
+        return "\n".join(lines)
+
+
+class _Trace:
+    def __init__(self, ctx: ScheduleContext):
+        self.ctx = ctx
+        self.nbs: tuple[NanoBatch, ...] | None = None
+        self.done: set[tuple[str, int]] = set()
+        self.steps: list[Step] = []
+
+
+class Scheduler:
+    """Base class of every strategy. Subclasses set `name` and implement `schedule(ctx)`."""
+    name = "scheduler"
+    splits = False        # does it cut the batch (then XLA's dot merger is turned off for it)
+
+    def eligible(self, ctx: ScheduleContext) -> str | None:
+        """None if the strategy can run on this bucket, else why not (then the bucket compiles without it)."""
+        return None
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        raise NotImplementedError
+
+    # ---- planning -------------------------------------------------------------------------------------
+    def plan(self, ctx: ScheduleContext) -> Program:
+        why = self.eligible(ctx)
+        if why:
+            raise ScheduleError(f"{self.name}: cannot run on a {ctx.num_tokens}-token bucket: {why}")
+        self._trace = _Trace(ctx)
+        try:
+            self.schedule(ctx)
+            tr = self._trace
+            if tr.nbs is None:
+                raise ScheduleError(f"{self.name}: schedule() executed nothing")
+            missing = [f"{n.name}@{b.index}" for b in tr.nbs for n in ctx.graph if (n.name, b.index) not in tr.done]
+            if missing:
+                raise ScheduleError(f"{self.name}: schedule() ended with ops never executed: "
+                                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            return Program(self.name, ctx.num_tokens, tr.nbs, tuple(tr.steps), _buffered(ctx, tr.steps))
+        finally:
+            self._trace = None
+
+    @property
+    def _tr(self) -> _Trace:
+        tr = getattr(self, "_trace", None)
+        if tr is None:
+            raise ScheduleError("split/get_ready_ops/execute are only valid inside schedule(), run by plan()")
+        return tr
+
+    # ---- the API schedules call -----------------------------------------------------------------------
+    def split(self, sizes: Sequence[int]) -> tuple[NanoBatch, ...]:
+        tr = self._tr
+        if tr.nbs is not None:
+            raise ScheduleError(f"{self.name}: split() was already called (merge nano-batches instead)")
+        sizes = [int(s) for s in sizes]
+        t = tr.ctx.num_tokens
+        if not sizes or any(s <= 0 for s in sizes) or sum(sizes) != t:
+            raise ScheduleError(f"{self.name}: split sizes {sizes} must be positive and sum to the bucket's {t} "
+                                "tokens")
+        out, lo = [], 0
+        for i, s in enumerate(sizes):
+            out.append(NanoBatch(i, lo, lo + s))
+            lo += s
+        tr.nbs = tuple(out)
+        return tr.nbs
+
+    @property
+    def nano_batches(self) -> tuple[NanoBatch, ...]:
+        tr = self._tr
+        if tr.nbs is None:
+            self.split([tr.ctx.num_tokens])
+        return tr.nbs
+
+    def nano_op(self, name: str, i: int) -> NanoOp:
+        """Op `name` bound to nano-batch i, ready or not (for fused kernels and plans)."""
+        if not 0 <= i < len(self.nano_batches):
+            raise ScheduleError(f"{self.name}: no nano-batch {i} (there are {len(self.nano_batches)})")
+        try:
+            return NanoOp(self._tr.ctx.graph[name], i)
+        except KeyError as e:
+            raise ScheduleError(f"{self.name}: {e.args[0]}") from None
+
+    def _deps_met(self, nop: NanoOp, done: set[tuple[str, int]]) -> str | None:
+        for v, prod in nop.node.deps:
+            if prod is None:
+                continue
+            need = range(nop.nb + 1) if v in GLOBAL_VALUES else (nop.nb,)
+            for j in need:
+                if (prod, j) not in done:
+                    return f"{prod}@{j}"
+        return None
+
+    def get_ready_ops(self, i: int) -> list[NanoOp]:
+        self.nano_batches
+        tr = self._tr
+        out = []
+        for node in tr.ctx.graph:
+            nop = NanoOp(node, i)
+            if (node.name, i) not in tr.done and self._deps_met(nop, tr.done) is None:
+                out.append(nop)
+        return out
+
+    def is_done(self, name: str, i: int) -> bool:
+        return (name, i) in self._tr.done
+
+    def is_ready(self, ops: NanoOp | Iterable[NanoOp]) -> bool:
+        """Could `execute(ops)` run now (as a merge or a fused group)?"""
+        ops = [ops] if isinstance(ops, NanoOp) else list(ops)
+        done = self._tr.done | {(o.name, o.nb) for o in ops}
+        return all((o.name, o.nb) not in self._tr.done and self._deps_met(o, done) is None for o in ops)
+
+    def execute(self, ops: NanoOp | Iterable[NanoOp], stream: int | None = None, kernel: Kernel | None = None,
+                share: float | None = None) -> None:
+        tr = self._tr
+        ops = [ops] if isinstance(ops, NanoOp) else list(ops)
+        if not ops:
+            raise ScheduleError(f"{self.name}: execute() got no ops")
+        nbs = sorted({o.nb for o in ops})
+        names = sorted({o.name for o in ops}, key=lambda n: tr.ctx.graph[n].index)
+        where = f"{self.name}: execute({ops})"
+        if nbs != list(range(nbs[0], nbs[-1] + 1)):
+            raise ScheduleError(f"{where}: merged nano-batches must be adjacent, got {nbs}")
+        if len(ops) != len(nbs) * len(names) or len({(o.name, o.nb) for o in ops}) != len(ops):
+            raise ScheduleError(f"{where}: every op must run on every merged nano-batch exactly once")
+        if kernel is None and len(names) > 1:
+            raise ScheduleError(f"{where}: several different ops need kernel= (a fused kernel replacing them)")
+        if kernel is not None and set(kernel.replaces) != set(names):
+            raise ScheduleError(f"{where}: kernel {kernel.name!r} replaces {list(kernel.replaces)}, not {names}")
+        for o in ops:
+            if (o.name, o.nb) in tr.done:
+                raise ScheduleError(f"{where}: {o!r} was already executed")
+        done = tr.done | {(o.name, o.nb) for o in ops}
+        for o in ops:
+            waits = self._deps_met(o, done)
+            if waits:
+                raise ScheduleError(f"{where}: {o!r} is not ready: it waits for {waits}")
+        nodes = [tr.ctx.graph[n] for n in names]
+        if stream not in (None, 0):
+            if not isinstance(stream, int) or stream < 0:
+                raise ScheduleError(f"{where}: stream must be an int >= 0, got {stream!r}")
+            bad = [n.name for n in nodes if n.writes_global or n.resource is Resource.NETWORK]
+            if bad:
+                raise ScheduleError(f"{where}: {bad[0]} must stay on the main stream (it writes the KV cache in "
+                                    "place, or is a collective, which XLA already runs asynchronously)")
+        if share is not None and not 0 < share <= 1:
+            raise ScheduleError(f"{where}: share must be in (0, 1], got {share}")
+        b = self.nano_batches
+        lo, hi = b[nbs[0]].start, b[nbs[-1]].stop
+        if kernel is None:
+            spec = nodes[0].spec
+            step = Step((spec.name,), tuple(nbs), lo, hi, spec.ins, spec.outs, spec.fn, spec.resource,
+                        stream or None, None, share)
+        else:
+            res = max((n.resource for n in nodes), key=lambda r: r is Resource.NETWORK)
+            step = Step(tuple(names), tuple(nbs), lo, hi, tuple(kernel.ins), tuple(kernel.outs), kernel.fn, res,
+                        stream or None, kernel.name, share)
+        tr.done |= {(o.name, o.nb) for o in ops}
+        tr.steps.append(step)
+
+
+def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
+    """Values some step reads across the boundary of two pieces written by different steps (a merge), and the
+    layer output when it is written in pieces: the executor writes all pieces of these into one buffer."""
+    t = ctx.num_tokens
+    pieces: dict[str, list[tuple[int, int]]] = {v: [(0, t)] for v in ctx.graph.inputs}
+    out: set[str] = set()
+
+    def covered(v, lo, hi):
+        return any(a <= lo and hi <= b for a, b in pieces.get(v, ()))
+
+    for s in steps:
+        for v in s.ins:
+            if v not in GLOBAL_VALUES and not covered(v, s.start, s.stop):
+                out.add(v)
+        for v in s.outs:
+            if v not in GLOBAL_VALUES:
+                pieces.setdefault(v, []).append((s.start, s.stop))
+    if not covered(ctx.graph.output, 0, t):
+        out.add(ctx.graph.output)
+    return frozenset(out)

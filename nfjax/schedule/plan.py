@@ -1,0 +1,243 @@
+"""NanoFlow plans: JSON files under `plans/` (one per model x GPU x TP x workload); fields in plans/README.md.
+
+A plan fixes, for a reference token bucket, the nano-batch sizes of each op group, the op order of each
+stream and the resource share of each op. It applies to any bucket >= `min_bucket` by scaling the sizes in
+proportion (boundaries on multiples of `align`). The MILP auto-search writes these files; hand-tuned ones
+ship now. Every error names the offending field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nfjax.errors import UserError
+
+FORMAT = 1
+PLANS_DIR = Path(__file__).resolve().parents[2] / "plans"
+
+
+class PlanError(UserError):
+    """A plan file nfjax cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class OpGroup:
+    name: str
+    ops: tuple[str, ...]
+    nano_batches: tuple[int, ...]      # token counts at the plan's bucket, in token order
+
+
+@dataclass(frozen=True)
+class StreamOrder:
+    stream: int                        # 0: the program's main stream; k >= 1: extra GPU stream k
+    order: tuple[str, ...]             # "GROUP:K" (all the group's ops) or "OP:K"; K = the group's nano-batch
+
+    def entries(self) -> list[tuple[str, int]]:
+        return [_entry(e, f"stream {self.stream}") for e in self.order]
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    bucket: int
+    groups: tuple[OpGroup, ...]
+    streams: tuple[StreamOrder, ...]
+    share: dict[str, float] = field(default_factory=dict)
+    min_bucket: int = 0
+    align: int = 8
+    model: str = ""
+    device: str = ""
+    tp: int = 1
+    source: str = ""
+    description: str = ""
+
+    # ---- lookup -----------------------------------------------------------------------------------------
+    def has_group(self, name: str) -> bool:
+        return any(g.name == name for g in self.groups)
+
+    def group(self, name: str) -> OpGroup:
+        return next(g for g in self.groups if g.name == name)
+
+    def scaled_sizes(self, g: OpGroup, num_tokens: int) -> list[int] | None:
+        from nfjax.schedule.strategies import split_sizes
+        return split_sizes(g.nano_batches, num_tokens, self.align)
+
+    # ---- JSON -------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "name": self.name, "description": self.description, "source": self.source,
+                "model": self.model, "device": self.device, "tp": self.tp, "bucket": self.bucket,
+                "min_bucket": self.min_bucket, "align": self.align,
+                "groups": [{"name": g.name, "ops": list(g.ops), "nano_batches": list(g.nano_batches)}
+                           for g in self.groups],
+                "streams": [{"stream": s.stream, "order": list(s.order)} for s in self.streams],
+                "share": dict(self.share)}
+
+    @classmethod
+    def from_json(cls, d, where: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        known = {"format", "name", "description", "source", "model", "device", "tp", "bucket", "min_bucket",
+                 "align", "groups", "streams", "share"}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise PlanError(f"{where}: unknown field {extra[0]!r}")
+        if d.get("format", FORMAT) != FORMAT:
+            raise PlanError(f"{where}.format: this nfjax reads format {FORMAT}, got {d['format']!r}")
+        req = lambda k: _get(d, k, where)                                         # noqa: E731
+        groups = []
+        for i, g in enumerate(_list(req("groups"), f"{where}.groups")):
+            w = f"{where}.groups[{i}]"
+            if not isinstance(g, dict):
+                raise PlanError(f"{w}: expected an object")
+            groups.append(OpGroup(_str(_get(g, "name", w), f"{w}.name"),
+                                  tuple(_str(o, f"{w}.ops[{j}]") for j, o in enumerate(_list(_get(g, "ops", w),
+                                                                                              f"{w}.ops"))),
+                                  tuple(_int(n, f"{w}.nano_batches[{j}]", 1) for j, n in
+                                        enumerate(_list(_get(g, "nano_batches", w), f"{w}.nano_batches")))))
+        streams = []
+        for i, s in enumerate(_list(req("streams"), f"{where}.streams")):
+            w = f"{where}.streams[{i}]"
+            if not isinstance(s, dict):
+                raise PlanError(f"{w}: expected an object")
+            streams.append(StreamOrder(_int(_get(s, "stream", w), f"{w}.stream", 0),
+                                       tuple(_str(e, f"{w}.order[{j}]") for j, e in
+                                             enumerate(_list(_get(s, "order", w), f"{w}.order")))))
+        share = d.get("share", {})
+        if not isinstance(share, dict):
+            raise PlanError(f"{where}.share: expected an object mapping op names to fractions")
+        for k, v in share.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise PlanError(f"{where}.share.{k}: must be a number in (0, 1], got {v!r}")
+        return cls(name=_str(req("name"), f"{where}.name"), bucket=_int(req("bucket"), f"{where}.bucket", 1),
+                   groups=tuple(groups), streams=tuple(streams), share={k: float(v) for k, v in share.items()},
+                   min_bucket=_int(d.get("min_bucket", 0), f"{where}.min_bucket", 0),
+                   align=_int(d.get("align", 8), f"{where}.align", 1), model=str(d.get("model", "")),
+                   device=str(d.get("device", "")), tp=_int(d.get("tp", 1), f"{where}.tp", 1),
+                   source=str(d.get("source", "")), description=str(d.get("description", "")))
+
+    # ---- meaning ------------------------------------------------------------------------------------------
+    def validate(self, graph, where: str = "plan") -> "Plan":
+        """Check the plan against the layer's op graph (structure only; deadlocks show when it is planned)."""
+        from nfjax.models.ops import Resource
+        seen: dict[str, str] = {}
+        names = set()
+        for i, g in enumerate(self.groups):
+            w = f"{where}.groups[{i}]"
+            if g.name in names or g.name in graph:
+                raise PlanError(f"{w}.name: {g.name!r} is already a group or op name")
+            names.add(g.name)
+            if not g.ops:
+                raise PlanError(f"{w}.ops: a group needs at least one op")
+            for j, op in enumerate(g.ops):
+                if op not in graph:
+                    raise PlanError(f"{w}.ops[{j}]: unknown op {op!r}; the layer's ops are "
+                                    f"{', '.join(graph.names)}")
+                if op in seen:
+                    raise PlanError(f"{w}.ops[{j}]: op {op!r} is already in group {seen[op]!r}")
+                seen[op] = g.name
+            if not g.nano_batches:
+                raise PlanError(f"{w}.nano_batches: a group needs at least one nano-batch")
+            if sum(g.nano_batches) != self.bucket:
+                raise PlanError(f"{w}.nano_batches: sizes must sum to bucket={self.bucket}, got "
+                                f"{sum(g.nano_batches)}")
+        lost = [op for op in graph.names if op not in seen]
+        if lost:
+            raise PlanError(f"{where}.groups: op {lost[0]!r} is in no group")
+        if not self.streams:
+            raise PlanError(f"{where}.streams: at least one stream order is needed")
+        ids = [s.stream for s in self.streams]
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"{where}.streams: stream ids must be distinct, got {ids}")
+        placed: dict[tuple[str, int], str] = {}
+        for i, s in enumerate(self.streams):
+            for j, e in enumerate(s.order):
+                w = f"{where}.streams[{i}].order[{j}]"
+                name, k = _entry(e, w)
+                if self.has_group(name):
+                    g, ops = self.group(name), self.group(name).ops
+                elif name in graph:
+                    g, ops = self.group(seen[name]), (name,)
+                else:
+                    raise PlanError(f"{w}: {name!r} is neither a group nor an op")
+                if k >= len(g.nano_batches):
+                    raise PlanError(f"{w}: group {g.name!r} has {len(g.nano_batches)} nano-batches, no {k}")
+                for op in ops:
+                    node = graph[op]
+                    if s.stream and (node.writes_global or node.resource is Resource.NETWORK):
+                        raise PlanError(f"{w}: {op!r} must be on stream 0 (it writes the KV cache in place or "
+                                        "is a collective, which XLA already runs asynchronously)")
+                    if (op, k) in placed:
+                        raise PlanError(f"{w}: {op}:{k} is already ordered at {placed[(op, k)]}")
+                    placed[(op, k)] = w
+        for g in self.groups:
+            for op in g.ops:
+                for k in range(len(g.nano_batches)):
+                    if (op, k) not in placed:
+                        raise PlanError(f"{where}.streams: {op}:{k} (group {g.name!r}) is in no stream order")
+        for k in self.share:
+            if k not in graph:
+                raise PlanError(f"{where}.share.{k}: unknown op {k!r}")
+        return self
+
+
+def _entry(e: str, where: str) -> tuple[str, int]:
+    name, sep, k = e.rpartition(":")
+    if not sep or not name or not k.isdigit():
+        raise PlanError(f"{where}: expected 'GROUP:K' or 'OP:K' (K a nano-batch index), got {e!r}")
+    return name, int(k)
+
+
+def _get(d: dict, k: str, where: str):
+    if k not in d:
+        raise PlanError(f"{where}: missing field {k!r}")
+    return d[k]
+
+
+def _list(v, where: str) -> list:
+    if not isinstance(v, list):
+        raise PlanError(f"{where}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _str(v, where: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise PlanError(f"{where}: expected a non-empty string, got {v!r}")
+    return v
+
+
+def _int(v, where: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise PlanError(f"{where}: expected an integer >= {lo}, got {v!r}")
+    return v
+
+
+def plan_path(name_or_path: str | Path) -> Path:
+    """A plan file: a path, or a name under plans/ (with or without .json)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    for cand in (PLANS_DIR / p.name, PLANS_DIR / f"{p.name}.json"):
+        if cand.exists():
+            return cand
+    raise PlanError(f"plan {str(name_or_path)!r}: no such file (looked in {PLANS_DIR})")
+
+
+def load_plan(name_or_path: str | Path, graph=None) -> Plan:
+    p = plan_path(name_or_path)
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{p}: not valid JSON ({e})") from None
+    plan = Plan.from_json(d, where=p.name)
+    if graph is None:
+        from nfjax.schedule.graph import layer_graph
+        graph = layer_graph()
+    return plan.validate(graph, where=p.name)
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    return p

@@ -1,0 +1,236 @@
+"""Strategies: schedules over the layer's op graph, all written against the `Scheduler` API.
+
+  Sequential        every op once on the whole batch (the plain forward).
+  NanoBatchOnly     split, then each op on each nano-batch in turn, nothing overlapped (NanoFlow's overhead
+                    baseline: what splitting alone costs).
+  CommOverlap       split; a nano-batch's TP collective is issued right after its producer GEMM, before the
+                    next nano-batch's GEMM (with async collectives: GEMM1 -> AR1 start -> GEMM2 -> AR1 done).
+  DualBatchOverlap  two nano-batches one stage apart (stages end at network ops: attention block, MLP block):
+                    nano-batch 1's attention block is issued together with nano-batch 0's MLP block, each
+                    nano-batch on its own GPU stream.
+  FusedReduceNorm   CommOverlap with attn_reduce + ffn_norm replaced by one kernel: reduce-scatter, the
+                    model's own ffn_norm op on the local 1/tp of the tokens, one all-gather of (x2, h2).
+  NanoFlow(plan)    a plan file: nano-batch sizes per op group, op order per stream, resource share per op
+                    (`nfjax.schedule.plan`); streams are interleaved by list scheduling in dependency order.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nfjax.models.ops import Resource
+from nfjax.schedule.api import Kernel, NanoOp, ScheduleContext, ScheduleError, Scheduler
+
+
+def split_sizes(weights, num_tokens: int, align: int) -> list[int] | None:
+    """Cut `num_tokens` in proportion to `weights`, boundaries on multiples of `align`; None if a nano-batch
+    would come out empty."""
+    weights = [float(w) for w in weights]
+    total, cum, bounds = sum(weights), 0.0, [0]
+    for w in weights[:-1]:
+        cum += w
+        bounds.append(int(round(num_tokens * cum / total / align)) * align)
+    bounds.append(num_tokens)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    return sizes if all(s > 0 for s in sizes) else None
+
+
+class Sequential(Scheduler):
+    name = "sequential"
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        self.split([ctx.num_tokens])
+        for node in ctx.graph:
+            self.execute(self.nano_op(node.name, 0))
+
+
+class _Split(Scheduler):
+    """Base of the strategies that cut the batch by relative `split` weights (boundaries aligned)."""
+    splits = True
+
+    def __init__(self, split=(1, 1), align: int = 8, name: str | None = None):
+        if len(split) < 1 or any(w <= 0 for w in split):
+            raise ScheduleError(f"split weights must be positive, got {tuple(split)}")
+        if align < 1:
+            raise ScheduleError(f"align must be >= 1, got {align}")
+        self.weights = tuple(split)
+        self.align = align
+        if name:
+            self.name = name
+
+    def sizes(self, ctx: ScheduleContext) -> list[int] | None:
+        return split_sizes(self.weights, ctx.num_tokens, self.align)
+
+    def eligible(self, ctx: ScheduleContext) -> str | None:
+        if self.sizes(ctx) is None:
+            return f"split {self.weights} at {self.align}-token alignment leaves an empty nano-batch"
+        return None
+
+    def _op_major(self, ctx: ScheduleContext, eager_network: bool, kernels: dict[str, Kernel] | None = None):
+        """Each op over all nano-batches, in graph order; optionally issue every ready network op (or fused
+        kernel containing one) of a nano-batch as soon as it becomes ready."""
+        kernels = kernels or {}
+        nbs = self.split(self.sizes(ctx))
+
+        def run(nop: NanoOp):
+            k = kernels.get(nop.name)
+            if k is None:
+                self.execute(nop)
+            else:
+                self.execute([self.nano_op(n, nop.nb) for n in k.replaces], kernel=k)
+
+        for node in ctx.graph:
+            for b in nbs:
+                if self.is_done(node.name, b.index):
+                    continue
+                run(self.nano_op(node.name, b.index))
+                while eager_network:
+                    net = [o for o in self.get_ready_ops(b.index) if o.node.resource is Resource.NETWORK]
+                    if not net:
+                        break
+                    run(net[0])
+
+
+class NanoBatchOnly(_Split):
+    name = "nanobatch"
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        self._op_major(ctx, eager_network=False)
+
+
+class CommOverlap(_Split):
+    name = "comm_overlap"
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        self._op_major(ctx, eager_network=True)
+
+
+def _reduce_norm(layer, ctx, o_partial, x):
+    """attn_reduce + ffn_norm as one kernel. Under TP: reduce-scatter the row-parallel partial sums over the
+    tokens, run the model's own ffn_norm op on this device's 1/tp of the tokens, all-gather (x2, h2) together.
+    Without TP, or when the rows do not split evenly, psum then ffn_norm."""
+    from nfjax.models.llama import DecoderLayer
+    norm = DecoderLayer.ffn_norm.__opspec__.fn
+    ax = ctx.tp_axis
+    t, d = o_partial.shape
+    n = 1 if ax is None else lax.axis_size(ax)
+    if n == 1 or t % n:
+        o = o_partial if ax is None else lax.psum(o_partial, ax)
+        return norm(layer, ctx, x, o)
+    o = lax.psum_scatter(o_partial, ax, scatter_dimension=0, tiled=True)          # [t / n, d]
+    rows = t // n
+    xs = lax.dynamic_slice_in_dim(x, lax.axis_index(ax) * rows, rows, axis=0)
+    x2, h2 = norm(layer, ctx, xs, o)
+    both = lax.all_gather(jnp.concatenate([x2, h2], axis=-1), ax, axis=0, tiled=True)   # [t, 2d]
+    return both[:, :d], both[:, d:]
+
+
+REDUCE_NORM = Kernel("reduce_norm", replaces=("attn_reduce", "ffn_norm"), ins=("o_partial", "x"),
+                     outs=("x2", "h2"), fn=_reduce_norm)
+
+
+class FusedReduceNorm(_Split):
+    name = "fused_reduce_norm"
+
+    def __init__(self, split=(1,), align: int = 8, name: str | None = None):
+        super().__init__(split, align, name)
+        self.splits = len(self.weights) > 1
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        missing = [n for n in REDUCE_NORM.replaces if n not in ctx.graph]
+        if missing:
+            raise ScheduleError(f"{self.name}: the layer has no op {missing[0]!r} to fuse")
+        self._op_major(ctx, eager_network=True, kernels={n: REDUCE_NORM for n in REDUCE_NORM.replaces})
+
+
+class DualBatchOverlap(_Split):
+    name = "dual_batch"
+
+    def __init__(self, split=(1, 1), align: int = 8, name: str | None = None):
+        super().__init__(split, align, name)
+        if len(self.weights) != 2:
+            raise ScheduleError(f"dual_batch splits into exactly 2 nano-batches, got split {self.weights}")
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        nbs = self.split(self.sizes(ctx))
+        stages = ctx.graph.stages()
+        for wave in range(len(stages) + len(nbs) - 1):
+            chains = [[(name, b.index) for name in stages[wave - b.index]]
+                      for b in nbs if 0 <= wave - b.index < len(stages)]
+            for k in range(max(len(c) for c in chains)):
+                for c in chains:
+                    if k < len(c):
+                        name, i = c[k]
+                        node = ctx.graph[name]
+                        own = not node.writes_global and node.resource is not Resource.NETWORK
+                        self.execute(self.nano_op(name, i), stream=i + 1 if own else None)
+
+
+class NanoFlow(Scheduler):
+    """Runs a `Plan`: the finest common refinement of the groups' nano-batches is the split; a group's
+    nano-batch is a merge of the fine ones it spans. Each stream's order is kept; streams are interleaved one
+    op per stream per round, an op waiting until its dependencies (possibly on another stream) ran."""
+    splits = True
+
+    def __init__(self, plan, name: str | None = None):
+        from nfjax.schedule.graph import layer_graph
+        self.plan = plan
+        self.name = name or f"nanoflow:{plan.name}"
+        plan.validate(layer_graph())
+
+    def _bounds(self, ctx: ScheduleContext):
+        per_group = {}
+        for g in self.plan.groups:
+            sizes = self.plan.scaled_sizes(g, ctx.num_tokens)
+            if sizes is None:
+                return None
+            b, acc = [0], 0
+            for s in sizes:
+                acc += s
+                b.append(acc)
+            per_group[g.name] = b
+        return per_group
+
+    def eligible(self, ctx: ScheduleContext) -> str | None:
+        if ctx.num_tokens < self.plan.min_bucket:
+            return f"plan {self.plan.name!r} is for buckets >= {self.plan.min_bucket}"
+        if self._bounds(ctx) is None:
+            return f"plan {self.plan.name!r} scaled to {ctx.num_tokens} tokens leaves an empty nano-batch"
+        return None
+
+    def schedule(self, ctx: ScheduleContext) -> None:
+        per_group = self._bounds(ctx)
+        fine = sorted({x for b in per_group.values() for x in b})
+        self.split([b - a for a, b in zip(fine, fine[1:])])
+        group_of = {op: g for g in self.plan.groups for op in g.ops}
+
+        def nbs_of(op: str, k: int) -> tuple[int, ...]:
+            b = per_group[group_of[op].name]
+            return tuple(range(fine.index(b[k]), fine.index(b[k + 1])))
+
+        queues = []
+        for st in self.plan.streams:
+            q = []
+            for name, k in st.entries():
+                ops = self.plan.group(name).ops if self.plan.has_group(name) else (name,)
+                for op in sorted(ops, key=lambda o: ctx.graph[o].index):
+                    q.append((op, nbs_of(op, k), st.stream))
+            queues.append(q)
+        heads = [0] * len(queues)
+        while any(h < len(q) for h, q in zip(heads, queues)):
+            progressed = False
+            for s, q in enumerate(queues):
+                if heads[s] >= len(q):
+                    continue
+                op, nbs, stream = q[heads[s]]
+                nops = [self.nano_op(op, i) for i in nbs]
+                if self.is_ready(nops):
+                    self.execute(nops, stream=stream or None, share=self.plan.share.get(op))
+                    heads[s] += 1
+                    progressed = True
+            if not progressed:
+                waiting = [f"stream {self.plan.streams[s].stream}: {q[h][0]} on nano-batches {list(q[h][1])}"
+                           for s, (h, q) in enumerate(zip(heads, queues)) if h < len(q)]
+                raise ScheduleError(f"{self.name}: the stream orders deadlock; every stream waits: "
+                                    + "; ".join(waiting))

@@ -1,0 +1,80 @@
+"""Step variants: which strategies compile for which bucket, and the per-batch choice among them at run time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nfjax.compat import NO_DOT_MERGER, on_gpu
+from nfjax.config import ScheduleConfig, StrategyConfig
+from nfjax.schedule.api import Program, ScheduleContext, Scheduler
+from nfjax.schedule.executor import program_layer_fn
+from nfjax.schedule.graph import layer_graph
+from nfjax.schedule.strategies import (CommOverlap, DualBatchOverlap, FusedReduceNorm, NanoBatchOnly, NanoFlow,
+                                       Sequential)
+
+SEQUENTIAL = "sequential"
+
+
+def build_scheduler(sc: StrategyConfig) -> Scheduler:
+    if sc.kind == "sequential":
+        s = Sequential()
+        s.name = sc.label
+        return s
+    if sc.kind == "nanoflow":
+        from nfjax.schedule.plan import load_plan
+        return NanoFlow(load_plan(sc.plan), name=sc.label)
+    cls = {"nanobatch": NanoBatchOnly, "comm_overlap": CommOverlap, "dual_batch": DualBatchOverlap,
+           "fused_reduce_norm": FusedReduceNorm}[sc.kind]
+    return cls(sc.split, sc.align, name=sc.label)
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    config: StrategyConfig
+    program: Program
+    splits: bool
+
+    def layer_fn(self, streams: bool):
+        return program_layer_fn(self.program, streams)
+
+    def compiler_options(self) -> dict:
+        return dict(NO_DOT_MERGER) if self.splits else {}
+
+
+class Variants:
+    """The variants of every bucket (planned now; compiled by the runner) and the per-batch choice."""
+
+    def __init__(self, cfg: ScheduleConfig, buckets, tp: int):
+        self.cfg = cfg
+        self.streams = on_gpu() if cfg.streams is None else cfg.streams
+        graph = layer_graph()
+        confs = list(cfg.strategies)
+        if SEQUENTIAL not in [c.label for c in confs]:
+            confs.append(StrategyConfig())                      # the fallback, compiled for every bucket
+        self.order = [c.label for c in confs]
+        self.by_bucket: dict[int, dict[str, Variant]] = {}
+        self.skipped: dict[tuple[int, str], str] = {}           # (bucket, label) -> why it does not compile
+        for b in sorted(buckets):
+            ctx = ScheduleContext(b, graph, tp)
+            vs = {}
+            for c in confs:
+                if b < c.min_bucket:
+                    self.skipped[(b, c.label)] = f"bucket < min_bucket={c.min_bucket}"
+                    continue
+                s = build_scheduler(c)
+                why = s.eligible(ctx)
+                if why:
+                    self.skipped[(b, c.label)] = why
+                    continue
+                vs[c.label] = Variant(c.label, c, s.plan(ctx), s.splits)
+            self.by_bucket[b] = vs
+
+    def choose(self, bucket: int, num_tokens: int, num_decode: int, pinned: str | None = None) -> str:
+        vs = self.by_bucket[bucket]
+        if pinned is not None:
+            return pinned if pinned in vs else SEQUENTIAL
+        for label in self.order:
+            v = vs.get(label)
+            if v and num_tokens >= v.config.min_tokens and num_decode >= v.config.min_decode:
+                return label
+        return SEQUENTIAL
