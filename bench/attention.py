@@ -129,8 +129,8 @@ def run_checks(quick, kinds):
     cases = [("decode", 16, 4, {}), ("decode", 64, 4, {"num_splits": 3}), ("decode", 16, 1, {"num_programs": 40}),
              ("decode", 64, 8, {"block_kv": 64, "num_stages": 4}), ("prefill", 16, 4, {}),
              ("prefill", 64, 8, {"num_programs": 100, "num_warpgroups": 1}),
-             ("prefill", 16, 1, {"block_kv": 64, "num_stages": 3}), ("prefill", 16, 4, {"pingpong": True}),
-             ("prefill", 64, 8, {"pingpong": True, "num_stages": 3}), ("dispatch", 16, 4, {})]
+             ("prefill", 16, 1, {"block_kv": 64, "num_stages": 3}), ("prefill", 16, 4, {"pingpong": False}),
+             ("prefill", 64, 8, {"num_stages": 3}), ("dispatch", 16, 4, {})]
     if quick:
         cases = cases[:2] + cases[4:5] + cases[7:8] + cases[-1:]
     for kind, ps, g, kw in cases:
@@ -361,8 +361,8 @@ def main():
     checks.update(run_checks(quick, ("prefill", "dispatch")))
     save()
 
-    pre_cfgs = {"default": {}, "pingpong": {"pingpong": True}, "pingpong_s3": {"pingpong": True, "num_stages": 3},
-                "2wg_s3": {"num_stages": 3}, "1wg": {"num_warpgroups": 1}}
+    pre_cfgs = {"default": {}, "2wg_no_pingpong": {"pingpong": False}, "pingpong_s3": {"num_stages": 3},
+                "1wg": {"num_warpgroups": 1}}
     pshapes = [(2, 64, 64)] if KW else [(4, 1024, 3072), (1, 4096, 0)] if quick else [(4, 1024, 3072), (1, 4096, 0), (8, 512, 0),
                                                                (2, 2048, 2048), (16, 256, 1024)]
     prefill = []

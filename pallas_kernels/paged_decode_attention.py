@@ -11,6 +11,11 @@ blocks `num_stages` deep (pallas_kernels/_mgpu.py), scores and the accumulator a
 Each item writes its normalised partial output (f32) and base-2 log-sum-exp; a small XLA reduction combines
 splits (skipped when num_splits == 1).
 
+Measured on H100 (bench/results/attention-20261122.json; 32q/8kv heads, head_dim 128, pages of 16, bf16):
+2.76 TB/s at batch 64 x 4k context = 94% of the measured device copy (2.94 TB/s read+write), 99% at batch
+256 x 4k; cuDNN paged attention 2.75 / 2.97 TB/s, plain XLA 0.87 / 0.91 TB/s. Short contexts pay a per-item
+ramp (Q load, pipeline fill, epilogue): 74-78% of copy at 1k.
+
 Assumes the cache holds finite values everywhere (zeros at creation, real K/V after): masked positions get
 weight exactly 0, but 0 * NaN would still poison the output.
 """

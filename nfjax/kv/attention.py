@@ -1,17 +1,23 @@
 """Attention dispatch over the paged cache: Pallas kernels on GPU, pure-jnp references elsewhere.
 
-On GPU a step's flat token batch (decode tokens first, then prefill chunks, then padding) is split statically,
-because `num_decode` is a traced value:
-  * the decode kernel runs over the first min(S, T) token rows as if each were a decode query; rows at or past
-    num_decode get sequence length 0, so their work items exit at once (no K/V read);
-  * the prefill kernel plans its query tiles on device over sequences >= num_decode only; its tile bound is
-    static (T / tokens_per_tile + max_prefill_seqs) and tiles past the live ones exit at once;
-  * the result takes row t from the decode output if t < num_decode, else from the prefill output.
-What padding costs: one early-exit CTA per empty work item and the prefill query-tile gather, which is
-proportional to the static tile bound; pass `max_prefill_seqs` (the scheduler's cap on prefill chunks per
-step) to shrink it. Kernels read the stacked cache with the layer index inside the kernel: no per-layer copy.
+Three entry points, all taking the step's flat token batch (decode tokens first, then prefill chunks, then
+padding) and its AttentionMetadata:
+  * `decode_attention`: the decode rows only. The decode kernel runs over the first min(S, T) rows as if each
+    were a decode query; rows at or past num_decode (a traced value) get sequence length 0, so their work
+    items exit at once without reading K/V. Returns min(S, T) rows.
+  * `prefill_attention`: the prefill rows only. The prefill kernel plans its query tiles on device over the
+    sequences >= num_decode; its tile bound is static (T / tokens_per_tile + max_prefill_seqs) and tiles past
+    the live ones exit at once. Rows that are not prefill tokens come back 0 (kernels) or don't-care (ref).
+  * `paged_attention`: both, row t taken from the decode output if t < num_decode, else from the prefill one.
+What padding costs on GPU: one early-exit CTA per empty work item, plus the prefill query-tile gather, which
+is proportional to the static tile bound; `max_prefill_seqs` (the scheduler's cap on prefill chunks per step)
+shrinks it. The kernels read the stacked cache with the layer index inside the kernel: no per-layer copy.
+`use_kernels=None` picks the kernels on GPU when shapes/dtypes suit them; `interpret=True` runs them through
+the Mosaic GPU interpreter (CPU tests only).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -31,29 +37,38 @@ def kernels_support(q, kv: KVCache) -> bool:
             and jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype)
 
 
-def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
-                    scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                    num_programs: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
-    """use_kernels=None: kernels on GPU when the shapes/dtypes suit them, else the jnp reference.
-    interpret=True runs the kernels through the Mosaic GPU interpreter (CPU tests only)."""
-    if use_kernels is None:
-        use_kernels = on_gpu() and kernels_support(q, kv)
-    if not use_kernels:
-        return ragged_paged_attention_ref(q, kv.k[layer], kv.v[layer], meta.positions, meta.token_seq,
-                                          meta.page_table, meta.seq_lens, scale)
-    return _paged_attention_kernels(q, kv, layer, meta, scale, interpret=interpret,
-                                    num_programs=num_programs or num_sms(), max_prefill_seqs=max_prefill_seqs)
+def _use_kernels(use_kernels, q, kv) -> bool:
+    return (on_gpu() and kernels_support(q, kv)) if use_kernels is None else use_kernels
 
 
-def _paged_attention_kernels(q, kv: KVCache, layer, meta: AttentionMetadata, scale: float, *, interpret: bool,
-                             num_programs: int, max_prefill_seqs: int | None):
+def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
     t = q.shape[0]
+    return ragged_paged_attention_ref(q, kv.k[layer], kv.v[layer], meta.positions[:t], meta.token_seq[:t],
+                                      meta.page_table, meta.seq_lens, scale)
+
+
+def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
+                     scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
+                     num_programs: int | None = None) -> Float[Array, "R H D"]:
+    """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
+    `num_programs`: the decode kernel's persistent program count (NanoFlow's resource share)."""
     s = meta.seq_lens.shape[0]
-    b = min(s, t)
+    r = min(s, q.shape[0])
+    lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
+    if not _use_kernels(use_kernels, q, kv):
+        return _reference(q[:r], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
+    return paged_decode_attention(q[:r], kv.k, kv.v, layer, meta.page_table[:r], lens[:r], scale=scale,
+                                  num_programs=num_programs or num_sms(), interpret=interpret)
+
+
+def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
+                      scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
+                      max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
+    """All T rows; only the prefill tokens' rows are meaningful."""
+    if not _use_kernels(use_kernels, q, kv):
+        return _reference(q, kv, layer, meta, scale)
+    s = meta.seq_lens.shape[0]
     nd = meta.num_decode
-    dec_lens = jnp.where(jnp.arange(b) < nd, meta.seq_lens[:b], 0)
-    dec = paged_decode_attention(q[:b], kv.k, kv.v, layer, meta.page_table[:b], dec_lens, scale=scale,
-                                 num_programs=num_programs, interpret=interpret)
     pt, lens, qs = meta.page_table, meta.seq_lens, meta.query_start
     if max_prefill_seqs is not None and max_prefill_seqs < s:
         # Prefill sequences sit right after the decodes: take the window [nd, nd + max_prefill_seqs).
@@ -65,6 +80,19 @@ def _paged_attention_kernels(q, kv: KVCache, layer, meta: AttentionMetadata, sca
         first = jnp.int32(0)
     else:
         first = nd
-    pre = paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret)
-    dec_full = jnp.zeros_like(q).at[:b].set(dec)
-    return jnp.where((jnp.arange(t) < nd)[:, None, None], dec_full, pre)
+    return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret)
+
+
+def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
+                    scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
+                    num_programs: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
+    """The whole mixed batch (padding rows: 0 on the kernel path, don't-care on the reference path)."""
+    if not _use_kernels(use_kernels, q, kv):
+        return _reference(q, kv, layer, meta, scale)
+    t = q.shape[0]
+    dec = decode_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
+                           num_programs=num_programs)
+    pre = prefill_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
+                            max_prefill_seqs=max_prefill_seqs)
+    dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec)
+    return jnp.where((jnp.arange(t) < meta.num_decode)[:, None, None], dec_full, pre)

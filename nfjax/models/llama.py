@@ -174,12 +174,15 @@ class LlamaModel(nnx.Module):
                  layer_fn=None, tp_axis: str | None = None) -> tuple[Float[Array, "T D"], KVCache]:
         """Run all layers over a flat token batch; returns final-normed hidden states and the updated cache.
 
-        `layer_fn(layer, ctx, env) -> env` executes one layer's ops (default: sequential `run_ops`).
+        `layer_fn(layer, ctx, env) -> env` executes one layer's ops (default: sequential `run_ops`). If it has
+        `split_carry` / `join_carry` attributes, the residual stream crosses layers as `split_carry(x)` (e.g.
+        nano-batch pieces) and is joined after the last layer.
         Under a shard_map, `tp_axis` names the mesh axis the row-parallel outputs are summed over.
         """
         layer_fn = layer_fn or (lambda layer, ctx, env: run_ops(LAYER_OPS, layer, ctx, env))
         inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         x = self.embed(tokens)
+        x = getattr(layer_fn, "split_carry", lambda v: v)(x)
         graphdef, stacked = nnx.split(self.layers)
 
         def body(carry, layer_state):
@@ -191,6 +194,7 @@ class LlamaModel(nnx.Module):
             return (env["out"], env["kv"], i + 1), None
 
         (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked)
+        x = getattr(layer_fn, "join_carry", lambda v: v)(x)
         return self.norm(x), kv
 
     def logits(self, h: Float[Array, "S D"]) -> Float[Array, "S V"]:

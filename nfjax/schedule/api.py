@@ -102,6 +102,7 @@ class Program:
     nano_batches: tuple[NanoBatch, ...]
     steps: tuple[Step, ...]
     buffered: frozenset[str] = field(default_factory=frozenset)   # values merged in place in one buffer
+    carry_ranges: tuple[tuple[int, int], ...] = ()    # the token ranges the layer output is written in
 
     @property
     def order(self) -> list[str]:
@@ -150,7 +151,8 @@ class Scheduler:
             if missing:
                 raise ScheduleError(f"{self.name}: schedule() ended with ops never executed: "
                                     f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-            return Program(self.name, ctx.num_tokens, tr.nbs, tuple(tr.steps), _buffered(ctx, tr.steps))
+            return Program(self.name, ctx.num_tokens, tr.nbs, tuple(tr.steps), _buffered(ctx, tr.steps),
+                           _carry_ranges(ctx, tr.steps))
         finally:
             self._trace = None
 
@@ -198,7 +200,7 @@ class Scheduler:
         for v, prod in nop.node.deps:
             if prod is None:
                 continue
-            need = range(nop.nb + 1) if v in GLOBAL_VALUES else (nop.nb,)
+            need = range(len(self._tr.nbs)) if v in GLOBAL_VALUES else (nop.nb,)
             for j in need:
                 if (prod, j) not in done:
                     return f"{prod}@{j}"
@@ -272,11 +274,16 @@ class Scheduler:
         tr.steps.append(step)
 
 
+def _carry_ranges(ctx: ScheduleContext, steps: Sequence[Step]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted((s.start, s.stop) for s in steps if ctx.graph.output in s.outs))
+
+
 def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
-    """Values some step reads across the boundary of two pieces written by different steps (a merge), and the
-    layer output when it is written in pieces: the executor writes all pieces of these into one buffer."""
+    """Values some step reads across the boundary of pieces written by different steps (a merge: the
+    executor writes those pieces into one buffer)."""
     t = ctx.num_tokens
     pieces: dict[str, list[tuple[int, int]]] = {v: [(0, t)] for v in ctx.graph.inputs}
+    pieces[ctx.graph.inputs[0]] = list(_carry_ranges(ctx, steps))   # the residual stream, carried in pieces
     out: set[str] = set()
 
     def covered(v, lo, hi):
@@ -289,6 +296,4 @@ def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
         for v in s.outs:
             if v not in GLOBAL_VALUES:
                 pieces.setdefault(v, []).append((s.start, s.stop))
-    if not covered(ctx.graph.output, 0, t):
-        out.add(ctx.graph.output)
     return frozenset(out)

@@ -6,10 +6,11 @@ runner jits one step per (token bucket, strategy) with it. Per step of the progr
     a read spanning several pieces (a merge; `program.buffered` names these values) gets them in one buffer;
   * the op (or fused kernel) runs with a per-nano-batch context: attention metadata rebased to the
     nano-batch's tokens (`meta.nano_metadata`), `num_programs` from the step's resource share;
-  * merged pieces are written with `lax.dynamic_update_slice` into one buffer (the layer output: into the
-    scan carry's own buffer), so a merge is in place: no concatenate, no copy (tests assert it on the
-    optimized HLO);
-  * the KV cache is threaded through the steps that write it (each write is an in-place scatter);
+  * merged pieces are written with `lax.dynamic_update_slice` into one fresh buffer, so a merge is in
+    place: no concatenate, no copy (tests assert it on the optimized HLO); the residual stream crosses layers
+    in the pieces the program writes it in (see `program_layer_fn`);
+  * the KV cache is threaded through the steps that write it (in-place scatters; the graph's dependency
+    rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
   * `stream` k >= 1 wraps the call in `compat.on_stream` (compute_on "gpu_stream:k") when streams are on.
 """
 from __future__ import annotations
@@ -29,15 +30,16 @@ from nfjax.schedule.meta import nano_metadata
 class _Values:
     """The env of one layer under a program: every value as the pieces its steps wrote (token ranges)."""
 
-    def __init__(self, program: Program, env: dict, output: str = "out", carry: str = "x"):
+    def __init__(self, program: Program, env: dict):
         self.t = program.num_tokens
         self.pieces: dict[str, list[tuple[int, int, jax.Array]]] = {}
-        self.merged: dict[tuple[str, int, int], jax.Array] = {}
         self.globals = {k: v for k, v in env.items() if k in GLOBAL_VALUES}
-        self.output, self.carry = output, carry
-        self.carry_readers: list = []          # outputs of the steps that read the carry (ordering only)
         for k, v in env.items():
-            if k not in GLOBAL_VALUES:
+            if k in GLOBAL_VALUES:
+                continue
+            if isinstance(v, (tuple, list)):        # the residual stream carried in nano-batch pieces
+                self.pieces[k] = [(a, b, x) for (a, b), x in zip(program.carry_ranges, v)]
+            else:
                 self.pieces[k] = [(0, self.t, v)]
 
     def read(self, name: str, lo: int, hi: int):
@@ -46,35 +48,24 @@ class _Values:
         for a, b, arr in self.pieces.get(name, ()):
             if a <= lo and hi <= b:
                 return arr if (a, b) == (lo, hi) else lax.slice_in_dim(arr, lo - a, hi - a, axis=0)
-        key = (name, lo, hi)
-        if key not in self.merged:
-            self.merged[key] = self._merge(name, lo, hi)
-        return self.merged[key]
+        return self._merge(name, lo, hi)
 
     def _merge(self, name: str, lo: int, hi: int):
-        """Tokens [lo, hi) of a value written in several pieces, as one array: each piece goes into one buffer
-        with an in-place dynamic_update_slice (XLA fuses an elementwise producer into it, so the producer
-        writes straight into its slice). Only complete ranges are merged and a merged buffer is never written
-        again, so no reader can make XLA copy it."""
-        parts = sorted((a, b, arr) for a, b, arr in self.pieces.get(name, ()) if lo <= a and b <= hi)
+        """Tokens [lo, hi) of a value written in several pieces, as one array: each piece goes into one fresh
+        buffer with an in-place dynamic_update_slice (XLA fuses an elementwise producer into it, so the
+        producer writes straight into its slice). Only complete ranges are merged and a merged buffer is never
+        written again, so no reader can make XLA copy it."""
+        parts = []
+        for a, b, arr in self.pieces.get(name, ()):
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                parts.append((x, y, arr if (x, y) == (a, b) else lax.slice_in_dim(arr, x - a, y - a, axis=0)))
+        parts.sort(key=lambda p: p[0])
         edges = [lo] + [x for a, b, _ in parts for x in (a, b)] + [hi]
         if not parts or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
             raise AssertionError(f"value {name!r}: pieces {[(a, b) for a, b, _ in parts]} do not tile "
                                  f"[{lo}, {hi}) (planner bug)")
-        shape, dtype = (hi - lo,) + parts[0][2].shape[1:], parts[0][2].dtype
-        buf = None
-        if (name, lo, hi) == (self.output, 0, self.t):
-            # The layer output goes straight into the scan carry's buffer (the loop then needs no copy into its
-            # carry). The barrier makes every step that read the carry a data predecessor of these writes, so
-            # XLA overwrites the carry in place instead of copying it.
-            c = self.pieces[self.carry][0][2] if self.carry in self.pieces else None
-            if c is not None and c.shape == shape and c.dtype == dtype:
-                buf = lax.optimization_barrier((c, tuple(self.carry_readers)))[0]
-        if buf is None:
-            buf = jnp.zeros(shape, dtype)
-        for a, _, arr in parts:
-            buf = lax.dynamic_update_slice_in_dim(buf, arr, a - lo, axis=0)
-        return buf
+        return join_pieces([arr for _, _, arr in parts])
 
     def write(self, name: str, lo: int, hi: int, arr) -> None:
         if name in GLOBAL_VALUES:
@@ -96,13 +87,21 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False) 
             sctx = dataclasses.replace(sctx, num_programs=max(1, round(step.share * sms)))
         ins = [vals.read(v, step.start, step.stop) for v in step.ins]
         outs = _call(step, layer, sctx, ins, streams)
-        if vals.carry in step.ins:
-            vals.carry_readers.extend(o for v, o in zip(step.outs, outs) if v not in GLOBAL_VALUES)
         for v, arr in zip(step.outs, outs):
             vals.write(v, step.start, step.stop, arr)
     out = dict(vals.globals)
-    out["out"] = vals.read("out", 0, program.num_tokens)
+    if len(program.carry_ranges) > 1:
+        out["out"] = tuple(vals.read("out", a, b) for a, b in program.carry_ranges)
+    else:
+        out["out"] = vals.read("out", 0, program.num_tokens)
     return out
+
+
+def join_pieces(parts):
+    """Pieces in token order as one array: in-place dynamic_update_slices into one fresh buffer."""
+    if len(parts) == 1:
+        return parts[0]
+    return jnp.concatenate(parts, axis=0)
 
 
 def _call(step: Step, layer, ctx, ins, streams: bool) -> tuple:
@@ -116,8 +115,16 @@ def _call(step: Step, layer, ctx, ins, streams: bool) -> tuple:
 
 
 def program_layer_fn(program: Program, streams: bool = False):
-    """The `layer_fn` hook running `program` on every layer."""
+    """The `layer_fn` hook running `program` on every layer.
+
+    When the program writes the layer output in several pieces, the residual stream crosses layers as those
+    pieces (`split_carry` before the layer loop, `join_carry` after it, both read by `LlamaModel`): merging
+    it into one array every layer would cost a copy into the loop carry, since XLA cannot see that a piece's
+    readers of the old carry touch other rows than its writes."""
     def layer_fn(layer, ctx, env):
         return run_program(program, layer, ctx, env, streams)
     layer_fn.program = program
+    if len(program.carry_ranges) > 1:
+        layer_fn.split_carry = lambda x: tuple(lax.slice_in_dim(x, a, b, axis=0) for a, b in program.carry_ranges)
+        layer_fn.join_carry = join_pieces
     return layer_fn

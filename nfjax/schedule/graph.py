@@ -7,10 +7,11 @@ all nano-batches; every other value has a leading token axis.
 
 Dependency rule per nano-batch (token ranges [lo, hi), nano-batches in token order):
   * a token-local input needs its producer done on the same tokens;
-  * a global input (the cache) needs its producer done on every token before hi: attention is causal and a
-    sequence's tokens are contiguous and in position order, so a token only reads K/V of tokens at or before
-    it in the flat batch (or of earlier steps). Reading a cache that already holds later tokens' K/V is
-    harmless: those positions are masked.
+  * a global input (the cache) needs its producer done on every nano-batch of the layer. Causality alone
+    would only need the tokens before hi (a token reads K/V of tokens at or before it), but the cache is
+    updated in place: a write that follows a read of the previous version makes XLA copy the whole cache
+    (measured on CPU, jax 0.10.2: a `copy` of the KV array per write, which an optimization_barrier does not
+    prevent). So every cache read of a layer waits for all of its cache writes.
 """
 from __future__ import annotations
 
@@ -86,12 +87,12 @@ class OpGraph:
         return tuple(n.name for n in self.nodes if n.resource is resource)
 
     def stages(self) -> tuple[tuple[str, ...], ...]:
-        """The layer cut after each network op (a trailing non-network tail joins the last stage): for the
-        Llama layer, the attention block (… attn_reduce) and the MLP block (ffn_norm … residual)."""
+        """The layer cut after each cache write and each network op (a trailing tail joins the last stage):
+        for the Llama layer (attn_norm … rope_append), (attn_decode … attn_reduce), (ffn_norm … residual)."""
         out, cur = [], []
         for n in self.nodes:
             cur.append(n.name)
-            if n.resource is Resource.NETWORK:
+            if n.resource is Resource.NETWORK or n.writes_global:
                 out.append(tuple(cur))
                 cur = []
         if cur:

@@ -5,9 +5,9 @@
                     baseline: what splitting alone costs).
   CommOverlap       split; a nano-batch's TP collective is issued right after its producer GEMM, before the
                     next nano-batch's GEMM (with async collectives: GEMM1 -> AR1 start -> GEMM2 -> AR1 done).
-  DualBatchOverlap  two nano-batches one stage apart (stages end at network ops: attention block, MLP block):
-                    nano-batch 1's attention block is issued together with nano-batch 0's MLP block, each
-                    nano-batch on its own GPU stream.
+  DualBatchOverlap  two nano-batches, the second one stage behind (stages end at cache writes and network
+                    ops: qkv+rope, attention block, MLP block): nano-batch 1's attention block is issued
+                    together with nano-batch 0's MLP block, each nano-batch on its own GPU stream.
   FusedReduceNorm   CommOverlap with attn_reduce + ffn_norm replaced by one kernel: reduce-scatter, the
                     model's own ffn_norm op on the local 1/tp of the tokens, one all-gather of (x2, h2).
   NanoFlow(plan)    a plan file: nano-batch sizes per op group, op order per stream, resource share per op
@@ -154,17 +154,28 @@ class DualBatchOverlap(_Split):
 
     def schedule(self, ctx: ScheduleContext) -> None:
         nbs = self.split(self.sizes(ctx))
-        stages = ctx.graph.stages()
-        for wave in range(len(stages) + len(nbs) - 1):
-            chains = [[(name, b.index) for name in stages[wave - b.index]]
-                      for b in nbs if 0 <= wave - b.index < len(stages)]
-            for k in range(max(len(c) for c in chains)):
-                for c in chains:
-                    if k < len(c):
-                        name, i = c[k]
-                        node = ctx.graph[name]
-                        own = not node.writes_global and node.resource is not Resource.NETWORK
-                        self.execute(self.nano_op(name, i), stream=i + 1 if own else None)
+        stage_of = {op: k for k, st in enumerate(ctx.graph.stages()) for op in st}
+        chains = [[self.nano_op(n.name, b.index) for n in ctx.graph] for b in nbs]
+        heads = [0, 0]
+
+        def lead_done(stage: int) -> bool:       # nano-batch 0 has finished stage `stage`
+            return all(self.is_done(op, 0) for op, k in stage_of.items() if k == stage)
+
+        while heads[0] < len(chains[0]) or heads[1] < len(chains[1]):
+            progressed = False
+            for i in (0, 1):
+                if heads[i] >= len(chains[i]):
+                    continue
+                nop = chains[i][heads[i]]
+                if i == 1 and not lead_done(stage_of[nop.name]):
+                    continue                     # nano-batch 1 runs one stage behind nano-batch 0
+                if self.is_ready(nop):
+                    own = not nop.node.writes_global and nop.node.resource is not Resource.NETWORK
+                    self.execute(nop, stream=i + 1 if own else None)
+                    heads[i] += 1
+                    progressed = True
+            if not progressed:
+                raise ScheduleError(f"{self.name}: stuck at {[c[h] for c, h in zip(chains, heads) if h < len(c)]}")
 
 
 class NanoFlow(Scheduler):
@@ -175,14 +186,14 @@ class NanoFlow(Scheduler):
 
     def __init__(self, plan, name: str | None = None):
         from nfjax.schedule.graph import layer_graph
-        self.plan = plan
+        self.flow_plan = plan
         self.name = name or f"nanoflow:{plan.name}"
         plan.validate(layer_graph())
 
     def _bounds(self, ctx: ScheduleContext):
         per_group = {}
-        for g in self.plan.groups:
-            sizes = self.plan.scaled_sizes(g, ctx.num_tokens)
+        for g in self.flow_plan.groups:
+            sizes = self.flow_plan.scaled_sizes(g, ctx.num_tokens)
             if sizes is None:
                 return None
             b, acc = [0], 0
@@ -193,27 +204,27 @@ class NanoFlow(Scheduler):
         return per_group
 
     def eligible(self, ctx: ScheduleContext) -> str | None:
-        if ctx.num_tokens < self.plan.min_bucket:
-            return f"plan {self.plan.name!r} is for buckets >= {self.plan.min_bucket}"
+        if ctx.num_tokens < self.flow_plan.min_bucket:
+            return f"plan {self.flow_plan.name!r} is for buckets >= {self.flow_plan.min_bucket}"
         if self._bounds(ctx) is None:
-            return f"plan {self.plan.name!r} scaled to {ctx.num_tokens} tokens leaves an empty nano-batch"
+            return f"plan {self.flow_plan.name!r} scaled to {ctx.num_tokens} tokens leaves an empty nano-batch"
         return None
 
     def schedule(self, ctx: ScheduleContext) -> None:
         per_group = self._bounds(ctx)
         fine = sorted({x for b in per_group.values() for x in b})
         self.split([b - a for a, b in zip(fine, fine[1:])])
-        group_of = {op: g for g in self.plan.groups for op in g.ops}
+        group_of = {op: g for g in self.flow_plan.groups for op in g.ops}
 
         def nbs_of(op: str, k: int) -> tuple[int, ...]:
             b = per_group[group_of[op].name]
             return tuple(range(fine.index(b[k]), fine.index(b[k + 1])))
 
         queues = []
-        for st in self.plan.streams:
+        for st in self.flow_plan.streams:
             q = []
             for name, k in st.entries():
-                ops = self.plan.group(name).ops if self.plan.has_group(name) else (name,)
+                ops = self.flow_plan.group(name).ops if self.flow_plan.has_group(name) else (name,)
                 for op in sorted(ops, key=lambda o: ctx.graph[o].index):
                     q.append((op, nbs_of(op, k), st.stream))
             queues.append(q)
@@ -226,11 +237,11 @@ class NanoFlow(Scheduler):
                 op, nbs, stream = q[heads[s]]
                 nops = [self.nano_op(op, i) for i in nbs]
                 if self.is_ready(nops):
-                    self.execute(nops, stream=stream or None, share=self.plan.share.get(op))
+                    self.execute(nops, stream=stream or None, share=self.flow_plan.share.get(op))
                     heads[s] += 1
                     progressed = True
             if not progressed:
-                waiting = [f"stream {self.plan.streams[s].stream}: {q[h][0]} on nano-batches {list(q[h][1])}"
+                waiting = [f"stream {self.flow_plan.streams[s].stream}: {q[h][0]} on nano-batches {list(q[h][1])}"
                            for s, (h, q) in enumerate(zip(heads, queues)) if h < len(q)]
                 raise ScheduleError(f"{self.name}: the stream orders deadlock; every stream waits: "
                                     + "; ".join(waiting))

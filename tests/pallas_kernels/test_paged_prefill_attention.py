@@ -8,12 +8,14 @@ import pytest
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
-# (page_size, group, head_dim, warpgroups, programs, first_seq): one slow two-warpgroup case, the rest one
-CASES = [(16, 4, 64, 2, None, 1), (64, 8, 128, 1, 3, 0), (16, 1, 128, 1, None, 0), (64, 4, 64, 1, 4, 1)]
+# (page_size, group, head_dim, warpgroups, ping-pong, programs, first_seq). Two-warpgroup cases are slow to
+# interpret (one with ping-pong, the default; one with the `consumed` barriers), the rest use one.
+CASES = [(16, 4, 64, 2, True, None, 1), (64, 8, 128, 2, False, None, 0), (64, 8, 128, 1, False, 3, 0),
+         (16, 1, 128, 1, False, None, 0), (64, 4, 64, 1, False, 4, 1)]
 
 
-@pytest.mark.parametrize("ps,g,d,nw,progs,first", CASES)
-def test_prefill_kernel_matches_reference(paged_case, ps, g, d, nw, progs, first):
+@pytest.mark.parametrize("ps,g,d,nw,pp,progs,first", CASES)
+def test_prefill_kernel_matches_reference(paged_case, ps, g, d, nw, pp, progs, first):
     qlens = [3, 21, 1, 9]                    # ragged chunks; tiles are 64 * nw // g tokens
     before = [5, 0, 70, 130]                 # earlier cached positions, none a multiple of the block
     c = paged_case(kv_heads=1 if nw > 1 else 2, group=g, head_dim=d, page_size=ps,
@@ -22,8 +24,8 @@ def test_prefill_kernel_matches_reference(paged_case, ps, g, d, nw, progs, first
     q = c.queries(t)
     qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
     args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), qs, jnp.int32(first))
-    out = paged_prefill_attention(*args, scale=c.scale, num_programs=progs, num_warpgroups=nw, block_kv=64,
-                                  num_stages=2, interpret=True)
+    out = paged_prefill_attention(*args, scale=c.scale, num_programs=progs, num_warpgroups=nw, pingpong=pp,
+                                  block_kv=64, num_stages=2, interpret=True)
     ref = paged_prefill_attention_ref(*args, c.scale)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"seed {c.seed}"
