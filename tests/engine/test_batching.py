@@ -76,3 +76,14 @@ def test_trace_accounts_every_token(tight_engine):
     assert s["decode_tokens"] == sum(lens) - len(prompts)
     for st in tight_engine.trace.steps:
         assert st.decode_tokens + st.prefill_tokens + st.padding == st.bucket
+
+
+def test_page_table_wider_than_the_pool():
+    # max_pages_per_seq > num_pages: the swap programs are shaped by the page-table width, not the pool
+    eng = make_engine(CacheConfig(page_size=8, num_pages=6, max_pages_per_seq=16),
+                      SchedulerConfig(token_buckets=(16,), max_seqs=4, predict_memory=False))
+    outs = eng.generate(["one two", "three four five", "six"],
+                        SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [12, 12, 12]
+    assert eng.preemptions > 0      # 5 usable pages for three requests of up to 4 pages each
+    assert eng.pages_used == 0

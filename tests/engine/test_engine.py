@@ -11,19 +11,29 @@ from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import build_metadata
 
 
-def naive_greedy(engine, prompt_ids, n):
-    """Greedy decoding by re-running the whole sequence every token (no cache reuse, no batching)."""
+def naive_greedy(engine, prompt_ids, n, width=128):
+    """Greedy decoding by re-running the whole sequence every token (no cache reuse, no batching).
+
+    The sequence is padded to a fixed width so the loop compiles once.
+    """
     from flax import nnx
     model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    ps = 8
+    npg = width // ps
+    cache = CacheConfig(page_size=ps, num_pages=npg + 1, max_pages_per_seq=npg)
+
+    @jax.jit
+    def last_logits(tokens, meta):
+        kv = KVCache.create(model.cfg, cache)
+        h, _ = model(tokens, kv, meta)
+        return model.logits(h[meta.logits_index])[0]
+
     ids = list(prompt_ids)
     for _ in range(n):
-        L = len(ids)
-        ps = 8
-        npg = -(-L // ps)
-        kv = KVCache.create(model.cfg, CacheConfig(page_size=ps, num_pages=npg + 1, max_pages_per_seq=npg))
-        meta = build_metadata([(list(range(1, npg + 1)), 0, L)], L, 1, npg, ps).to_device()
-        h, _ = model(jnp.asarray(ids), kv, meta)
-        ids.append(int(jnp.argmax(model.logits(h[-1:])[0])))
+        toks = np.zeros(width, np.int32)
+        toks[:len(ids)] = ids
+        meta = build_metadata([(list(range(1, npg + 1)), 0, len(ids))], width, 1, npg, ps)
+        ids.append(int(jnp.argmax(last_logits(jnp.asarray(toks), meta))))
     return ids[len(prompt_ids):]
 
 
