@@ -46,7 +46,10 @@ def main() -> None:
     ap.add_argument("--name", default="offline")
     args = ap.parse_args()
     workloads = args.workloads.split(",")
-    peers = {w: run_peer(args, w, args.peer_requests) for w in workloads} if args.peer_requests else {}
+    peers = {}
+    for w in workloads if args.peer_requests else ():
+        peers[w] = run_peer(args, w, args.peer_requests)
+        print(f"[peer {w}] {json.dumps(peers[w])[:400]}", flush=True)
 
     import jax
 
@@ -71,6 +74,7 @@ def main() -> None:
     num_pages = args.num_pages or pages_that_fit(cfg, args.page_size, args.kv_fraction)
     cache = CacheConfig(page_size=args.page_size, num_pages=num_pages, max_pages_per_seq=pages_per_seq)
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
+    print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched))
     compile_s = time.perf_counter() - t
@@ -92,6 +96,9 @@ def main() -> None:
                "mean_step_ms": 1e3 * sum(s.seconds for s in engine.trace.steps) / max(1, len(engine.trace.steps)),
                "peer": peers.get(w)}
         results[w] = res
+        print(f"[{w}] {len(work)} requests: {tot:,.0f} tok/s = {res['pct_optimal']:.1f}% of optimal; "
+              f"{tr['steps']} steps, mean {res['mean_step_ms']:.1f} ms, padding {tr['padding_tokens']} tokens",
+              flush=True)
         peer_tok = (peers.get(w) or {}).get("total_tok_s")
         rows.append([w, len(work), f"{tot:,.0f}", f"{res['pct_optimal']:.1f}%",
                      f"{peer_tok:,.0f}" if peer_tok else "n/a",

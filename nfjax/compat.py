@@ -56,3 +56,13 @@ def on_stream(fn, stream: int):
 # XLA's dot merger fuses the GEMMs of sibling nano-batches back into one (undoing a split); split schedules
 # compile with it off. A DebugOptions field: accepted per compile on both versions and ignored off GPU.
 NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
+    """All-gather whose result is typed invariant over `axis_name` inside shard_map (plain `all_gather` is typed
+    varying, which a scan carry or a replicated out_spec rejects). Public in newer jax; 0.10.2 has it only
+    under `jax._src`."""
+    fn = getattr(jax.lax, "all_gather_invariant", None)
+    if fn is None:
+        from jax._src.lax.parallel import all_gather_invariant as fn
+    return fn(x, axis_name, axis=axis, tiled=tiled)

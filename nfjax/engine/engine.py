@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, ScheduleConfig, SchedulerConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput
 from nfjax.engine.request import Request, Status
@@ -51,10 +51,12 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None,
                         page_size: int | None = None, num_pages: int | None = None,
                         max_pages_per_seq: int | None = None, token_buckets: Iterable[int] | None = None,
-                        max_seqs: int | None = None, tp: int = 1, progress: bool = False) -> "Engine":
+                        max_seqs: int | None = None, tp: int = 1, progress: bool = False,
+                        schedule: ScheduleConfig | None = None) -> "Engine":
         """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket.
 
-        With tp > 1 the weights are restored straight into their shards on a `tp` mesh.
+        With tp > 1 the weights are restored straight into their shards on a `tp` mesh. `schedule`: the
+        nano-batch strategies compiled as step variants (default: sequential only).
         """
         from nfjax.checkpoint.orbax_io import load_config, load_model
         from nfjax.parallel import make_mesh, sharding_fn, tp_config
@@ -73,7 +75,8 @@ class Engine:
             sched = dataclasses.replace(sched, token_buckets=tuple(sorted(token_buckets)))
         if max_seqs is not None:
             sched = dataclasses.replace(sched, max_seqs=max_seqs)
-        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched, parallel=ParallelConfig(tp)),
+        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched, parallel=ParallelConfig(tp),
+                                                             schedule=schedule or ScheduleConfig()),
                    progress=progress, mesh=mesh)
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------

@@ -87,6 +87,7 @@ class Runner:
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
         self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label) -> compiled step
+        self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
         self._swap_out = None
@@ -112,8 +113,8 @@ class Runner:
             from tqdm import tqdm
             it = tqdm(todo, desc="compiling buckets", unit="program")
         for b, v in it:
-            step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh,
-                                   layer_fn=v.layer_fn(self.variants.streams)), donate_argnums=1,
+            self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
+            step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh, layer_fn=layer_fn), donate_argnums=1,
                            out_shardings=(self.replicated, self.kv_sharding))
             self._steps[(b, v.label)] = step.lower(self.state, self.kv, self._prev, self._example_input(b)).compile(
                 compiler_options=v.compiler_options() or None)

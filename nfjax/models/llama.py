@@ -1,7 +1,6 @@
 """Llama-family decoder (Llama-2/3, Mistral, Qwen2, DeepSeek-67B) as Flax NNX modules with named ops."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -10,7 +9,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from nfjax.config import ModelConfig
-from nfjax.kv.attention import paged_attention
+from nfjax.kv.attention import decode_attention, prefill_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
 from nfjax.models.ops import Resource, collect_ops, op, run_ops
@@ -80,12 +79,15 @@ class DecoderLayer(nnx.Module):
     @op(Resource.MEMORY, ins=("q_rot", "kv"), outs=("attn_d",))
     def attn_decode(self, ctx, q, kv):
         """Decode rows [0, num_decode) (bandwidth-bound); other rows are don't-care."""
-        return decode_attention(q, kv, ctx, self.cfg.head_dim ** -0.5).reshape(q.shape[0], -1)
+        t = q.shape[0]
+        out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_programs=ctx.num_programs)
+        out = out.reshape(out.shape[0], -1)                 # rows [0, min(S, T))
+        return out if out.shape[0] == t else jnp.pad(out, ((0, t - out.shape[0]), (0, 0)))
 
     @op(Resource.COMPUTE, ins=("q_rot", "kv", "attn_d"), outs=("attn",))
     def attn_prefill(self, ctx, q, kv, attn_d):
         """Prefill rows (compute-bound), merged with the decode rows of `attn_d`."""
-        out = prefill_attention(q, kv, ctx, self.cfg.head_dim ** -0.5).reshape(q.shape[0], -1)
+        out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5).reshape(q.shape[0], -1)
         return jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
@@ -123,29 +125,6 @@ class DecoderLayer(nnx.Module):
 
 
 LAYER_OPS = collect_ops(DecoderLayer)
-
-
-def decode_attention(q: Float[Array, "T H D"], kv: KVCache, ctx: LayerContext, scale: float) -> Float[Array, "T H D"]:
-    """Attention of the decode rows only. Decode tokens come first and there are at most S of them, so it runs
-    on the first min(S, T) rows with every prefill sequence emptied (no prefill work on any backend)."""
-    meta = ctx.meta
-    t, s = q.shape[0], meta.seq_lens.shape[0]
-    r = min(s, t)
-    nd = meta.num_decode
-    dmeta = dataclasses.replace(
-        meta, positions=meta.positions[:r], slot_mapping=meta.slot_mapping[:r], token_seq=meta.token_seq[:r],
-        seq_lens=jnp.where(jnp.arange(s) < nd, meta.seq_lens, 0), query_start=jnp.minimum(meta.query_start, nd))
-    out = paged_attention(q[:r], kv, ctx.layer, dmeta, scale, num_programs=ctx.num_programs)
-    return out if r == t else jnp.pad(out, ((0, t - r), (0, 0), (0, 0)))
-
-
-def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, ctx: LayerContext, scale: float) -> Float[Array, "T H D"]:
-    """Attention of the prefill rows only (decode rows are don't-care): decode sequences get length 0, so a
-    decode kernel has nothing to read for them."""
-    meta = ctx.meta
-    s = meta.seq_lens.shape[0]
-    pmeta = dataclasses.replace(meta, seq_lens=jnp.where(jnp.arange(s) < meta.num_decode, 0, meta.seq_lens))
-    return paged_attention(q, kv, ctx.layer, pmeta, scale, num_programs=ctx.num_programs)
 
 
 def _tp_sum(x, ctx: LayerContext):

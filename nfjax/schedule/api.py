@@ -101,7 +101,7 @@ class Program:
     num_tokens: int
     nano_batches: tuple[NanoBatch, ...]
     steps: tuple[Step, ...]
-    buffered: frozenset[str] = field(default_factory=frozenset)   # values merged in place in one buffer
+    buffered: frozenset[str] = field(default_factory=frozenset)   # values some step reads joined from pieces
     carry_ranges: tuple[tuple[int, int], ...] = ()    # the token ranges the layer output is written in
 
     @property
@@ -110,7 +110,7 @@ class Program:
 
     def describe(self) -> str:
         nbs = " ".join(f"[{b.start}:{b.stop})" for b in self.nano_batches)
-        lines = [f"{self.strategy}: T={self.num_tokens} nano-batches {nbs}; merged in place: "
+        lines = [f"{self.strategy}: T={self.num_tokens} nano-batches {nbs}; merged reads of: "
                  f"{', '.join(sorted(self.buffered)) or '-'}"]
         lines += [f"  {i:3d} {s!r}" for i, s in enumerate(self.steps)]
         return "\n".join(lines)
@@ -207,7 +207,7 @@ class Scheduler:
         return None
 
     def get_ready_ops(self, i: int) -> list[NanoOp]:
-        self.nano_batches
+        self.nano_batches                       # no split() yet: one nano-batch
         tr = self._tr
         out = []
         for node in tr.ctx.graph:
@@ -280,7 +280,7 @@ def _carry_ranges(ctx: ScheduleContext, steps: Sequence[Step]) -> tuple[tuple[in
 
 def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
     """Values some step reads across the boundary of pieces written by different steps (a merge: the
-    executor writes those pieces into one buffer)."""
+    executor joins those pieces into one array)."""
     t = ctx.num_tokens
     pieces: dict[str, list[tuple[int, int]]] = {v: [(0, t)] for v in ctx.graph.inputs}
     pieces[ctx.graph.inputs[0]] = list(_carry_ranges(ctx, steps))   # the residual stream, carried in pieces

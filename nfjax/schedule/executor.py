@@ -3,15 +3,23 @@
 `program_layer_fn(program)` returns the `layer_fn(layer, ctx, env) -> env` hook of `LlamaModel.__call__`; the
 runner jits one step per (token bucket, strategy) with it. Per step of the program, in program order:
   * inputs: a value produced in one piece covering the step's tokens is used as is (or statically sliced);
-    a read spanning several pieces (a merge; `program.buffered` names these values) gets them in one buffer;
+    a read spanning several pieces (a merge; `program.buffered` names these values) joins them (below);
   * the op (or fused kernel) runs with a per-nano-batch context: attention metadata rebased to the
     nano-batch's tokens (`meta.nano_metadata`), `num_programs` from the step's resource share;
-  * merged pieces are written with `lax.dynamic_update_slice` into one fresh buffer, so a merge is in
-    place: no concatenate, no copy (tests assert it on the optimized HLO); the residual stream crosses layers
-    in the pieces the program writes it in (see `program_layer_fn`);
   * the KV cache is threaded through the steps that write it (in-place scatters; the graph's dependency
     rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
   * `stream` k >= 1 wraps the call in `compat.on_stream` (compute_on "gpu_stream:k") when streams are on.
+
+Merges. The pieces of a merged read are joined by one `concatenate` of complete, never-rewritten pieces, which
+XLA fuses with the pieces' producers (each producer writes its rows of the merged buffer) or into the consumer
+(which reads the pieces where they are); it never needs a `copy`. Chaining in-place dynamic_update_slices into
+a preallocated buffer looks cheaper but is fragile: XLA (CPU, 0.10.2) fused the last update into a consumer's
+reshape and then copied the partly built buffer, and rewrote slices of the finished buffer into slices of an
+earlier version, which forces a copy before the next in-place write. The residual stream crosses layers in the
+pieces the program writes it in (`program_layer_fn`), so no merge (and no copy into the loop carry) is needed
+between layers. Tests assert on the optimized HLO that no `copy` has the shape of a merged buffer, a carried
+piece or the KV cache. What a merge still costs: when a producer cannot fuse (a GEMM), the concatenate moves
+its piece once; a GEMM kernel that writes its tile at an output offset removes that on GPU.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ class _Values:
         self.t = program.num_tokens
         self.pieces: dict[str, list[tuple[int, int, jax.Array]]] = {}
         self.globals = {k: v for k, v in env.items() if k in GLOBAL_VALUES}
+        self.merged: list[tuple[str, int, int, tuple[int, ...]]] = []      # (value, lo, hi, shape), traced
         for k, v in env.items():
             if k in GLOBAL_VALUES:
                 continue
@@ -51,10 +60,7 @@ class _Values:
         return self._merge(name, lo, hi)
 
     def _merge(self, name: str, lo: int, hi: int):
-        """Tokens [lo, hi) of a value written in several pieces, as one array: each piece goes into one fresh
-        buffer with an in-place dynamic_update_slice (XLA fuses an elementwise producer into it, so the
-        producer writes straight into its slice). Only complete ranges are merged and a merged buffer is never
-        written again, so no reader can make XLA copy it."""
+        """Tokens [lo, hi) of a value written in several pieces, as one array (see the module docstring)."""
         parts = []
         for a, b, arr in self.pieces.get(name, ()):
             x, y = max(a, lo), min(b, hi)
@@ -65,7 +71,9 @@ class _Values:
         if not parts or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
             raise AssertionError(f"value {name!r}: pieces {[(a, b) for a, b, _ in parts]} do not tile "
                                  f"[{lo}, {hi}) (planner bug)")
-        return join_pieces([arr for _, _, arr in parts])
+        out = join_pieces([arr for _, _, arr in parts])
+        self.merged.append((name, lo, hi, tuple(out.shape)))
+        return out
 
     def write(self, name: str, lo: int, hi: int, arr) -> None:
         if name in GLOBAL_VALUES:
@@ -74,7 +82,8 @@ class _Values:
             self.pieces.setdefault(name, []).append((lo, hi, arr))
 
 
-def run_program(program: Program, layer, ctx, env: dict, streams: bool = False) -> dict:
+def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None) -> dict:
+    """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge."""
     vals = _Values(program, env)
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
@@ -89,6 +98,8 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False) 
         outs = _call(step, layer, sctx, ins, streams)
         for v, arr in zip(step.outs, outs):
             vals.write(v, step.start, step.stop, arr)
+    if trace is not None:
+        trace.extend(vals.merged)
     out = dict(vals.globals)
     if len(program.carry_ranges) > 1:
         out["out"] = tuple(vals.read("out", a, b) for a, b in program.carry_ranges)
@@ -98,10 +109,8 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False) 
 
 
 def join_pieces(parts):
-    """Pieces in token order as one array: in-place dynamic_update_slices into one fresh buffer."""
-    if len(parts) == 1:
-        return parts[0]
-    return jnp.concatenate(parts, axis=0)
+    """Pieces in token order as one array."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def _call(step: Step, layer, ctx, ins, streams: bool) -> tuple:
@@ -118,12 +127,14 @@ def program_layer_fn(program: Program, streams: bool = False):
     """The `layer_fn` hook running `program` on every layer.
 
     When the program writes the layer output in several pieces, the residual stream crosses layers as those
-    pieces (`split_carry` before the layer loop, `join_carry` after it, both read by `LlamaModel`): merging
-    it into one array every layer would cost a copy into the loop carry, since XLA cannot see that a piece's
-    readers of the old carry touch other rows than its writes."""
+    pieces (`split_carry` before the layer loop, `join_carry` after it, both read by `LlamaModel`): the next
+    layer's nano-batches read their own piece, and the only join is one after the last layer."""
+    merges: list = []
+
     def layer_fn(layer, ctx, env):
-        return run_program(program, layer, ctx, env, streams)
+        return run_program(program, layer, ctx, env, streams, merges)
     layer_fn.program = program
+    layer_fn.merges = merges            # filled while tracing: what the HLO checks look for
     if len(program.carry_ranges) > 1:
         layer_fn.split_carry = lambda x: tuple(lax.slice_in_dim(x, a, b, axis=0) for a, b in program.carry_ranges)
         layer_fn.join_carry = join_pieces

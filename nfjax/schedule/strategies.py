@@ -15,10 +15,10 @@
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nfjax.compat import all_gather_invariant
 from nfjax.models.ops import Resource
 from nfjax.schedule.api import Kernel, NanoOp, ScheduleContext, ScheduleError, Scheduler
 
@@ -122,7 +122,7 @@ def _reduce_norm(layer, ctx, o_partial, x):
     rows = t // n
     xs = lax.dynamic_slice_in_dim(x, lax.axis_index(ax) * rows, rows, axis=0)
     x2, h2 = norm(layer, ctx, xs, o)
-    both = lax.all_gather(jnp.concatenate([x2, h2], axis=-1), ax, axis=0, tiled=True)   # [t, 2d]
+    both = all_gather_invariant(jnp.concatenate([x2, h2], axis=-1), ax, axis=0, tiled=True)   # [t, 2d]
     return both[:, :d], both[:, d:]
 
 

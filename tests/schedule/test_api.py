@@ -1,0 +1,207 @@
+"""Op graph, scheduler API, strategy orders, nano-batch metadata and the per-batch choice: planning only (no
+compiles)."""
+import numpy as np
+import pytest
+
+from nfjax.config import ConfigError, ScheduleConfig, StrategyConfig
+from nfjax.kv.metadata import build_metadata
+from nfjax.models.ops import Resource
+from nfjax.schedule import (REDUCE_NORM, CommOverlap, DualBatchOverlap, FusedReduceNorm, NanoBatchOnly,
+                            ScheduleContext, ScheduleError, Scheduler, Sequential, layer_graph)
+from nfjax.schedule.meta import nano_metadata
+from nfjax.schedule.variants import Variants
+
+G = layer_graph()
+
+
+def ctx(t=64, tp=2):
+    return ScheduleContext(t, G, tp)
+
+
+def test_graph_comes_from_the_model_ops():
+    from nfjax.models.llama import LAYER_OPS
+    assert G.names == tuple(s.name for s in LAYER_OPS)
+    assert G["attn_decode"].resource is Resource.MEMORY and G["attn_prefill"].resource is Resource.COMPUTE
+    assert G.by_resource(Resource.NETWORK) == ("attn_reduce", "mlp_reduce")
+    assert dict(G["attn_prefill"].deps) == {"q_rot": "rope_append", "kv": "rope_append", "attn_d": "attn_decode"}
+    assert dict(G["ffn_norm"].deps) == {"x": None, "o": "attn_reduce"}      # x: the layer input
+    assert G["rope_append"].writes_global
+    assert G.stages() == (("attn_norm", "kqv", "rope_append"),
+                          ("attn_decode", "attn_prefill", "o_proj_op", "attn_reduce"),
+                          ("ffn_norm", "up_gate", "act", "down", "mlp_reduce", "residual"))
+
+
+class Probe(Scheduler):
+    """Runs a test body as its schedule."""
+    name = "probe"
+
+    def __init__(self, body):
+        self.body = body
+
+    def schedule(self, ctx):
+        self.body(self, ctx)
+
+
+def test_ready_ops_follow_dependencies():
+    seen = {}
+
+    def body(s, c):
+        s.split([16, 48])
+        seen["start"] = [o.name for o in s.get_ready_ops(1)]
+        for name in ("attn_norm", "kqv", "rope_append"):
+            s.execute(s.nano_op(name, 0))
+        # the cache is read only after every nano-batch wrote it
+        seen["after_nb0_rope"] = [o.name for o in s.get_ready_ops(0)]
+        for name in ("attn_norm", "kqv", "rope_append"):
+            s.execute(s.nano_op(name, 1))
+        seen["after_all_rope"] = [o.name for o in s.get_ready_ops(0)]
+        for node in c.graph:
+            for i in (0, 1):
+                if not s.is_done(node.name, i):
+                    s.execute(s.nano_op(node.name, i))
+
+    prog = Probe(body).plan(ctx())
+    assert seen["start"] == ["attn_norm"]
+    assert seen["after_nb0_rope"] == []
+    assert seen["after_all_rope"] == ["attn_decode"]
+    assert len(prog.steps) == 2 * len(G) and prog.carry_ranges == ((0, 16), (16, 64))
+
+
+@pytest.mark.parametrize("body,msg", [
+    (lambda s, c: s.split([10, 10]), "sum to the bucket's 64"),
+    (lambda s, c: (s.split([32, 32]), s.execute(s.nano_op("kqv", 0))), "kqv@0 is not ready: it waits for attn_norm@0"),
+    (lambda s, c: (s.split([32, 32]), s.execute(s.nano_op("attn_norm", 0)), s.execute(s.nano_op("attn_norm", 0))),
+     "already executed"),
+    (lambda s, c: (s.split([16, 16, 32]), s.execute([s.nano_op("attn_norm", 0), s.nano_op("attn_norm", 2)])),
+     "must be adjacent"),
+    (lambda s, c: (s.split([64]), s.execute([s.nano_op("attn_norm", 0), s.nano_op("kqv", 0)])), "need kernel="),
+    (lambda s, c: (s.split([64]), s.execute(s.nano_op("attn_norm", 0)), s.execute(s.nano_op("kqv", 0)),
+                   s.execute(s.nano_op("rope_append", 0), stream=1)), "rope_append must stay on the main stream"),
+    (lambda s, c: (s.split([64]), s.execute(s.nano_op("attn_norm", 0), share=1.5)), "share must be in"),
+    (lambda s, c: (s.split([64]), s.execute(s.nano_op("attn_norm", 0))), "ops never executed: kqv@0"),
+    (lambda s, c: (s.split([64]), s.nano_op("qkv", 0)), "no op named 'qkv'"),
+])
+def test_schedule_errors_name_the_culprit(body, msg):
+    with pytest.raises(ScheduleError, match=msg):
+        Probe(body).plan(ctx())
+
+
+def test_merged_and_fused_execution():
+    def body(s, c):
+        s.split([16, 16, 32])
+        s.execute([s.nano_op("attn_norm", 0), s.nano_op("attn_norm", 1)])        # merged
+        s.execute(s.nano_op("attn_norm", 2))
+        for name in ("kqv", "rope_append", "attn_decode", "attn_prefill", "o_proj_op"):
+            s.execute([s.nano_op(name, i) for i in range(3)])                     # one op on all three
+        s.execute([s.nano_op(n, i) for n in REDUCE_NORM.replaces for i in (0, 1, 2)], kernel=REDUCE_NORM)
+        for name in ("up_gate", "act", "down", "mlp_reduce", "residual"):
+            for i in range(3):
+                s.execute(s.nano_op(name, i))
+
+    prog = Probe(body).plan(ctx())
+    assert prog.order[:2] == ["attn_norm@0,1[0:32]", "attn_norm@2[32:64]"]
+    fused = [s for s in prog.steps if s.kernel]
+    assert len(fused) == 1 and fused[0].ops == ("attn_reduce", "ffn_norm") and fused[0].ins == ("o_partial", "x")
+    # kqv reads attn_norm's two pieces as one; the fused kernel reads the residual carried in three pieces
+    assert prog.buffered == {"h", "x"}
+    assert prog.carry_ranges == ((0, 16), (16, 32), (32, 64))
+
+
+def test_comm_overlap_issues_each_all_reduce_before_the_next_gemm():
+    order = CommOverlap((1, 1)).plan(ctx()).order
+    pos = {s.split("[")[0]: i for i, s in enumerate(order)}
+    assert pos["attn_reduce@0"] == pos["o_proj_op@0"] + 1 and pos["attn_reduce@0"] < pos["o_proj_op@1"]
+    assert pos["mlp_reduce@0"] == pos["down@0"] + 1 and pos["mlp_reduce@0"] < pos["down@1"]
+    # the baseline that only splits keeps op order: both GEMMs before either all-reduce
+    base = [s.split("[")[0] for s in NanoBatchOnly((1, 1)).plan(ctx()).order]
+    assert base.index("o_proj_op@1") < base.index("attn_reduce@0")
+
+
+def test_fused_reduce_norm_replaces_two_ops():
+    prog = FusedReduceNorm((1, 1), align=8).plan(ctx())
+    names = [s.kernel or s.ops[0] for s in prog.steps]
+    assert names.count("reduce_norm") == 2 and "attn_reduce" not in names and "ffn_norm" not in names
+    assert not FusedReduceNorm().splits and FusedReduceNorm((1, 1)).splits
+
+
+def test_dual_batch_overlaps_attention_of_one_with_mlp_of_the_other():
+    prog = DualBatchOverlap().plan(ctx())
+    order = [s.split("[")[0].split(" ")[0] for s in prog.order]
+    first_mlp0, last_attn1 = order.index("ffn_norm@0"), order.index("attn_prefill@1")
+    assert order.index("attn_decode@1") < first_mlp0 < last_attn1        # interleaved in program order
+    by = {repr(s).split("[")[0]: s.stream for s in prog.steps}
+    assert by["kqv@0"] == 1 and by["kqv@1"] == 2 and by["rope_append@0"] is None and by["attn_reduce@1"] is None
+
+
+def test_split_sizes_and_eligibility():
+    assert NanoBatchOnly((1, 15), align=4).sizes(ctx()) == [4, 60]
+    assert NanoBatchOnly((1, 1, 2), align=8).sizes(ctx()) == [16, 16, 32]
+    assert NanoBatchOnly((1, 1), align=8).eligible(ctx(t=8)) is not None   # 8 tokens cannot split at 8
+    with pytest.raises(ScheduleError, match="cannot run"):
+        NanoBatchOnly((1, 1), align=8).plan(ctx(t=8))
+
+
+def _positions_from_kernel_fields(m):
+    """What a kernel derives: token i of sequence s sits at seq_lens[s] - q_len[s] + (i - query_start[s])."""
+    qs, lens, nd = np.asarray(m.query_start), np.asarray(m.seq_lens), int(m.num_decode)
+    out = {}
+    for s in range(len(lens)):
+        for i in range(qs[s], qs[s + 1]):
+            out[i] = (s, lens[s] - (qs[s + 1] - qs[s]) + (i - qs[s]))
+    return out, nd
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 2), (1, 3), (0, 12), (2, 12), (5, 9), (12, 30), (20, 32), (0, 32)])
+def test_nano_metadata_is_a_batch_of_its_own(lo, hi):
+    """3 decodes, then prefill chunks of 9 and 11 tokens, then padding: every nano-batch, also one cutting a
+    decode run or a chunk, sees its tokens at the right sequence and position through the kernel-facing fields
+    (rebased query_start / seq_lens / num_decode / page_table) and the per-token ones."""
+    seqs = [([1], 4, 1), ([2], 7, 1), ([3, 4], 9, 1), ([5, 6], 3, 9), ([7, 8], 0, 11)]
+    full = build_metadata(seqs, 32, 6, 4, 8, num_decode=3).to_device()
+    m = nano_metadata(full, lo, hi)
+    real = 23
+    derived, nd = _positions_from_kernel_fields(m)
+    assert nd == max(0, min(3, hi) - lo)                                       # decode rows of [lo, hi)
+    pt_full, pt = np.asarray(full.page_table), np.asarray(m.page_table)
+    for i in range(lo, min(hi, real)):
+        s, pos = derived[i - lo]
+        assert pos == int(full.positions[i])                                   # kernel view
+        g = int(full.token_seq[i])
+        assert (pt[s] == pt_full[g]).all() and int(m.token_seq[i - lo]) == s  # same sequence, both views
+        assert (i < 3) == (s < nd)                                             # decode rows first
+    assert np.array_equal(np.asarray(m.positions), np.asarray(full.positions)[lo:hi])
+    assert nano_metadata(full, 0, 32) is full
+
+
+def test_variants_choose_per_batch():
+    cfg = ScheduleConfig((StrategyConfig("nanobatch", min_bucket=64, min_tokens=40),
+                          StrategyConfig("comm_overlap", split=(1, 3), align=4, min_decode=8)))
+    v = Variants(cfg, (16, 64), tp=1)
+    assert set(v.by_bucket[16]) == {"comm_overlap:1-3", "sequential"}
+    assert set(v.by_bucket[64]) == {"nanobatch:1-1", "comm_overlap:1-3", "sequential"}
+    assert v.choose(64, num_tokens=50, num_decode=2) == "nanobatch:1-1"       # first that qualifies
+    assert v.choose(64, num_tokens=30, num_decode=9) == "comm_overlap:1-3"
+    assert v.choose(64, num_tokens=30, num_decode=2) == "sequential"          # the fallback
+    assert v.choose(16, num_tokens=16, num_decode=16) == "comm_overlap:1-3"
+    assert v.choose(16, num_tokens=16, num_decode=0, pinned="nanobatch:1-1") == "sequential"   # not compiled
+    assert v.skipped[(16, "nanobatch:1-1")] == "bucket < min_bucket=64"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(kind="nope"), "kind must be one of"),
+    (dict(kind="nanoflow"), "plan is required"),
+    (dict(kind="nanobatch", split=(1, 0)), "split weights must be positive"),
+    (dict(kind="dual_batch", split=(1, 1, 1)), "dual_batch needs a split of 2"),
+    (dict(kind="nanobatch", min_tokens=-1), "min_tokens must be >= 0"),
+])
+def test_strategy_config_errors(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        StrategyConfig(**kw)
+    with pytest.raises(ConfigError, match="labelled 'nanobatch:1-1'"):
+        ScheduleConfig((StrategyConfig("nanobatch"), StrategyConfig("nanobatch")))
+
+
+def test_sequential_is_the_plain_forward():
+    prog = Sequential().plan(ctx())
+    assert [s.ops[0] for s in prog.steps] == list(G.names) and prog.carry_ranges == ((0, 64),)
+    assert not prog.buffered and all(s.stream is None for s in prog.steps)

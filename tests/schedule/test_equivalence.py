@@ -1,0 +1,74 @@
+"""Every strategy and split gives the tokens of `sequential` (greedy, 64+ steps of mixed prefill/decode batches),
+at TP 1, 2 and 4; merges and cache writes compile to no copies; streams reach the HLO."""
+import re
+
+import pytest
+
+from sched_common import ALL, CFG, LABELS, engine, run
+
+TP_STREAMS = [(1, None), (2, True), (4, None)]     # TP=2 also runs the compute_on stream path (compat shim)
+
+
+@pytest.mark.parametrize("tp,streams", TP_STREAMS, ids=[f"tp{t}" for t, _ in TP_STREAMS])
+def test_every_strategy_matches_sequential(tp, streams):
+    eng = engine(tp, streams)
+    assert eng.runner.num_compiled == len(ALL) + 1          # every variant compiled for the one bucket
+    ref, steps, counts = run(eng, "sequential")
+    assert counts == {"sequential": len(steps)}
+    assert len(steps) >= 64
+    mixed = [s for s in steps if s.decode_tokens and s.prefill_tokens]
+    assert len(mixed) >= 8, "the workload must mix prefill chunks into decode steps"
+    for label in LABELS:
+        got, steps2, counts2 = run(eng, label)
+        assert counts2 == {label: len(steps2)}, f"{label} did not run every step"
+        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        assert got == ref, f"tp={tp} {label}: request {first} differs from sequential"
+
+
+def _shapes(hlo: str, opcodes: tuple[str, ...]) -> list[str]:
+    """Result shapes (dtype[dims]) of every instruction with one of these opcodes."""
+    pat = re.compile(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? (" + "|".join(map(re.escape, opcodes)) + r")\(")
+    return [m.group(1) for m in pat.finditer(hlo)]
+
+
+def _shape(dtype, dims) -> str:
+    return f"{'f32' if str(dtype) == 'float32' else 'bf16'}[{','.join(map(str, dims))}]"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_merges_and_cache_writes_compile_without_copies(tp):
+    """Optimized HLO of each compiled step: no `copy` (nor async copy-start) produces an array of the shape of
+    the per-device KV cache, of a merged nano-batch buffer (recorded while tracing), or of a residual-stream piece
+    carried between layers. A copy of the cache would mean an in-place write that XLA could not order after its
+    readers; a copy of a merged buffer would mean the merge was not built once from complete pieces."""
+    eng = engine(tp, None if tp == 1 else True)
+    r = eng.runner
+    kv = r.kv.k.addressable_shards[0].data
+    kv_shape = _shape(kv.dtype, kv.shape)
+    merged_any = False
+    for (bucket, label), compiled in r._steps.items():
+        hlo = compiled.as_text()
+        copies = _shapes(hlo, ("copy", "copy-start"))
+        assert kv_shape not in copies, f"{label}: the KV cache {kv_shape} is copied"
+        fn = r.layer_fns[(bucket, label)]
+        forbidden = {_shape("float32", shape) for _, _, _, shape in fn.merges}
+        if len(fn.program.carry_ranges) > 1:
+            forbidden |= {_shape("float32", (b - a, CFG.hidden_size)) for a, b in fn.program.carry_ranges}
+        merged_any |= bool(fn.merges)
+        bad = sorted(forbidden & set(copies))
+        assert not bad, f"{label}: merged/carried buffers copied: {bad}"
+        if label.startswith("nanoflow"):
+            assert fn.program.buffered and fn.merges      # the test plan really merges nano-batches
+    assert merged_any
+
+
+def test_streams_reach_the_hlo_and_dot_merger_is_off():
+    """streams=True: ops a schedule puts on stream k carry XLA's stream annotation (compat.on_stream); a split
+    variant compiles with the dot merger off (the option is a DebugOptions field, accepted on CPU)."""
+    r = engine(2, True).runner
+    hlo = r._steps[(64, "dual_batch:1-1")].as_text()
+    assert re.search(r'_xla_stream_annotation="1"', hlo) and re.search(r'_xla_stream_annotation="2"', hlo)
+    assert "_xla_stream_annotation" not in r._steps[(64, "sequential")].as_text()
+    v = r.variants.by_bucket[64]
+    assert v["dual_batch:1-1"].compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert v["sequential"].compiler_options() == {}
