@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,30 +31,9 @@ def run_peer(args, workload: str, n: int) -> dict:
         return {"error": f"peer timed out after {args.peer_timeout}s"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--workloads", default="1024x512,sharegpt")
-    ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--peer-requests", type=int, default=32, help="0 = skip the HF peer")
-    ap.add_argument("--peer-timeout", type=int, default=240)
-    ap.add_argument("--buckets", default="256,512,1024,2048")
-    ap.add_argument("--max-seqs", type=int, default=256)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
-    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
-    ap.add_argument("--name", default="offline")
-    args = ap.parse_args()
-    workloads = args.workloads.split(",")
-    peers = {}
-    for w in workloads if args.peer_requests else ():
-        peers[w] = run_peer(args, w, args.peer_requests)
-        print(f"[peer {w}] {json.dumps(peers[w])[:400]}", flush=True)
-
-    import jax
-
-    from bench.common import device_name, measure_gemm_tflops, print_table, write_results
+def engine_run(args, workloads: list[str]) -> dict:
+    """Our engine on every workload (runs in a child process so the GPU is free again for the peer)."""
+    from bench.common import device_name, measure_gemm_tflops
     from bench.workloads import parse
     from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
     from nfjax.engine import Engine, SamplingParams
@@ -69,8 +49,8 @@ def main() -> None:
     optimal = gemm * 1e12 / (2 * params)
     model = random_model(cfg)
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    longest = max(len(p) + o for w in workloads for p, o in parse(w, 64, cfg.vocab_size))
-    pages_per_seq = -(-max(2048 + 512, longest) // args.page_size)
+    longest = max(len(p) + o for w in workloads for p, o in parse(w, args.num_requests, cfg.vocab_size, seed=1))
+    pages_per_seq = -(-longest // args.page_size)
     num_pages = args.num_pages or pages_that_fit(cfg, args.page_size, args.kv_fraction)
     cache = CacheConfig(page_size=args.page_size, num_pages=num_pages, max_pages_per_seq=pages_per_seq)
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
@@ -78,7 +58,9 @@ def main() -> None:
     t = time.perf_counter()
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched))
     compile_s = time.perf_counter() - t
-    rows, results = [], {}
+    out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
+           "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
+           "results": {}}
     for w in workloads:
         work = parse(w, args.num_requests, cfg.vocab_size, seed=1)
         engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))  # warm
@@ -90,32 +72,83 @@ def main() -> None:
         prompt = sum(len(p) for p, _ in work)
         gen = sum(len(o.token_ids) for o in outs)
         tot = (prompt + gen) / dt
-        tr = engine.trace.summary()
+        steps = engine.trace.steps
+        by_kind: dict[str, list[float]] = {}
+        for st in steps:
+            kind = f"{'decode' if st.decode_tokens else ''}{'+' if st.decode_tokens and st.prefill_tokens else ''}" \
+                   f"{'prefill' if st.prefill_tokens else ''}@{st.bucket}"
+            by_kind.setdefault(kind, []).append(st.seconds * 1e3)
         res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
-               "total_tok_s": tot, "pct_optimal": 100 * tot / optimal, "trace": tr,
-               "mean_step_ms": 1e3 * sum(s.seconds for s in engine.trace.steps) / max(1, len(engine.trace.steps)),
-               "peer": peers.get(w)}
-        results[w] = res
+               "total_tok_s": tot, "pct_optimal": 100 * tot / optimal, "trace": engine.trace.summary(),
+               "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": sum(v) / len(v)} for k, v in by_kind.items()}}
+        out["results"][w] = res
         print(f"[{w}] {len(work)} requests: {tot:,.0f} tok/s = {res['pct_optimal']:.1f}% of optimal; "
-              f"{tr['steps']} steps, mean {res['mean_step_ms']:.1f} ms, padding {tr['padding_tokens']} tokens",
-              flush=True)
+              f"{len(steps)} steps; padding {res['trace']['padding_tokens']} tokens", flush=True)
+        for k, v in sorted(res["step_ms_by_kind"].items()):
+            print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--workloads", default="1024x512,sharegpt")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--peer-requests", type=int, default=32, help="0 = skip the HF peer")
+    ap.add_argument("--peer-timeout", type=int, default=240)
+    ap.add_argument("--engine-timeout", type=int, default=600)
+    ap.add_argument("--buckets", default="128,256,512,1024,2048")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    ap.add_argument("--name", default="offline")
+    ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    if args.engine_json:
+        with open(args.engine_json, "w") as f:
+            json.dump(engine_run(args, workloads), f)
+        return
+    # Parent: the engine first (child process), then the peer, each with the GPU to itself.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "engine.json")
+        try:
+            subprocess.run([sys.executable, *sys.argv, "--engine-json", path], timeout=args.engine_timeout,
+                           check=True)
+            ours = json.load(open(path))
+        except (subprocess.SubprocessError, OSError) as e:
+            print(f"engine run failed: {e}", flush=True)
+            return
+    peers = {}
+    for w in workloads if args.peer_requests else ():
+        peers[w] = run_peer(args, w, args.peer_requests)
+        print(f"[peer {w}] {json.dumps(peers[w])[:400]}", flush=True)
+    from bench.common import print_table, write_results
+    optimal = ours["optimal_tok_s"]
+    rows, summary = [], {"compile_s_all_buckets": ours["compile_s"], "gemm_tflops": ours["gemm_tflops"],
+                         "optimal_tok_s": optimal}
+    for w, res in ours["results"].items():
+        res["peer"] = peers.get(w)
+        tot = res["total_tok_s"]
         peer_tok = (peers.get(w) or {}).get("total_tok_s")
-        rows.append([w, len(work), f"{tot:,.0f}", f"{res['pct_optimal']:.1f}%",
+        rows.append([w, res["requests"], f"{tot:,.0f}", f"{res['pct_optimal']:.1f}%",
                      f"{peer_tok:,.0f}" if peer_tok else "n/a",
                      f"{100 * peer_tok / optimal:.1f}%" if peer_tok else "n/a",
                      f"{tot / peer_tok:.1f}x" if peer_tok else "n/a"])
-    summary = {"compile_s_all_buckets": compile_s, "gemm_tflops": gemm, "optimal_tok_s": optimal}
-    if "1024x512" in results:
-        summary["total_tok_s_1024_512"] = results["1024x512"]["total_tok_s"]
-        summary["pct_optimal_1024_512"] = results["1024x512"]["pct_optimal"]
-    if "sharegpt" in results:
-        summary["total_tok_s_sharegpt"] = results["sharegpt"]["total_tok_s"]
-        summary["pct_optimal_sharegpt"] = results["sharegpt"]["pct_optimal"]
+        key = {"1024x512": "1024_512", "sharegpt": "sharegpt"}.get(w)
+        if key:
+            summary[f"total_tok_s_{key}"] = tot
+            summary[f"pct_optimal_{key}"] = res["pct_optimal"]
+            if peer_tok:
+                summary[f"hf_total_tok_s_{key}"] = peer_tok
+                summary[f"vs_hf_transformers_ratio_{key}"] = tot / peer_tok
     print_table(["workload", "requests", "nfjax tok/s", "nfjax %opt", "HF tok/s", "HF %opt", "nfjax/HF"], rows)
-    print(f"device {device_name()}  gemm {gemm:.0f} TFLOP/s  params {params / 1e9:.2f}B  optimal {optimal:,.0f} tok/s"
-          f"  compile {compile_s:.1f}s ({len(buckets)} buckets)  kv pages {num_pages}")
-    write_results(args.name, summary, {"args": vars(args), "config": cfg.to_json(), "results": results,
-                                       "buckets": buckets, "num_pages": num_pages})
+    print(f"device {ours['device']}  gemm {ours['gemm_tflops']:.0f} TFLOP/s  params {ours['params'] / 1e9:.2f}B  "
+          f"optimal {optimal:,.0f} tok/s  compile {ours['compile_s']:.1f}s ({len(ours['buckets'])} buckets)  "
+          f"kv pages {ours['num_pages']}")
+    write_results(args.name, summary, {"args": vars(args), **ours})
 
 
 if __name__ == "__main__":
