@@ -3,21 +3,14 @@
 import argparse
 import sys
 
+from nfjax.cli import run_command
 from nfjax.commands import serve
-from nfjax.errors import UserError
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="serve.py", description=serve.__doc__.splitlines()[0])
     serve.add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return serve.run(args) or 0
-    except KeyboardInterrupt:
-        return 130
-    except UserError as e:
-        print(f"serve.py: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(serve.run, parser.parse_args(argv), "serve.py")
 
 
 if __name__ == "__main__":

@@ -24,12 +24,17 @@ def main(argv: list[str] | None = None) -> int:
         mod.add_parser(sub, name)
         modules[name] = mod
     args = parser.parse_args(argv)
+    return run_command(modules[args.command].run, args, f"nfjax {args.command}")
+
+
+def run_command(run, args: argparse.Namespace, prog: str) -> int:
+    """Run a subcommand: user errors become one stderr line and exit code 2, Ctrl-C exit code 130."""
     try:
-        return modules[args.command].run(args) or 0
+        return run(args) or 0
     except KeyboardInterrupt:
         return 130
     except UserError as e:
-        print(f"nfjax {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

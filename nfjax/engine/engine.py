@@ -46,6 +46,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random()
         self.preemptions = 0
+        self._eos = frozenset(config.model.eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None,
@@ -167,7 +168,7 @@ class Engine:
     def _process(self, handle: StepHandle, tokens) -> list[RequestOutput]:
         now = time.perf_counter()
         outs = []
-        eos = set() if self.model_config.eos_token_ids is None else set(self.model_config.eos_token_ids)
+        eos = self._eos
         for i, sq in enumerate(handle.batch.seqs):
             req = sq.req
             if not sq.samples or req.finished:
