@@ -33,26 +33,25 @@ def run_peer(args, workload: str, n: int) -> dict:
 
 def engine_run(args, workloads: list[str]) -> dict:
     """Our engine on every workload (runs in a child process so the GPU is free again for the peer)."""
-    from bench.common import device_name, measure_gemm_tflops
+    from bench.common import device_name
+    from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
     from bench.workloads import parse
-    from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
-    from nfjax.engine import Engine, SamplingParams
-    from nfjax.kv.cache import pages_that_fit
+    from nfjax.config import EngineConfig, SchedulerConfig
+    from nfjax.engine import Engine
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.tokenizer.silent import SilentTokenizer
 
     cfg = SHAPES[args.shape]
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers)
-    gemm = measure_gemm_tflops()
+    gemm = gemm_tflops()
     params = cfg.num_params()
     optimal = gemm * 1e12 / (2 * params)
     model = random_model(cfg)
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    longest = max(len(p) + o for w in workloads for p, o in parse(w, args.num_requests, cfg.vocab_size, seed=1))
-    pages_per_seq = -(-longest // args.page_size)
-    num_pages = args.num_pages or pages_that_fit(cfg, args.page_size, args.kv_fraction)
-    cache = CacheConfig(page_size=args.page_size, num_pages=num_pages, max_pages_per_seq=pages_per_seq)
+    works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
+    num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction)
+    cache = cache_for(list(works.values()), args.page_size, num_pages)
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
@@ -61,31 +60,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
            "results": {}}
-    for w in workloads:
-        work = parse(w, args.num_requests, cfg.vocab_size, seed=1)
-        engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))  # warm
-        engine.trace.steps.clear()
-        sps = [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for _, o in work]
-        t = time.perf_counter()
-        outs = engine.generate([p for p, _ in work], sps)
-        dt = time.perf_counter() - t
-        prompt = sum(len(p) for p, _ in work)
-        gen = sum(len(o.token_ids) for o in outs)
-        tot = (prompt + gen) / dt
-        steps = engine.trace.steps
-        by_kind: dict[str, list[float]] = {}
-        for st in steps:
-            kind = f"{'decode' if st.decode_tokens else ''}{'+' if st.decode_tokens and st.prefill_tokens else ''}" \
-                   f"{'prefill' if st.prefill_tokens else ''}@{st.bucket}"
-            by_kind.setdefault(kind, []).append(st.seconds * 1e3)
-        res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
-               "total_tok_s": tot, "pct_optimal": 100 * tot / optimal, "trace": engine.trace.summary(),
-               "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": sum(v) / len(v)} for k, v in by_kind.items()}}
-        out["results"][w] = res
-        print(f"[{w}] {len(work)} requests: {tot:,.0f} tok/s = {res['pct_optimal']:.1f}% of optimal; "
-              f"{len(steps)} steps; padding {res['trace']['padding_tokens']} tokens", flush=True)
-        for k, v in sorted(res["step_ms_by_kind"].items()):
-            print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms", flush=True)
+    for w, work in works.items():
+        out["results"][w] = run_workload(engine, work, w, optimal)
     return out
 
 

@@ -163,6 +163,7 @@ class CacheConfig:
 class SchedulerConfig:
     token_buckets: tuple[int, ...] = (64, 256)   # dense token budgets, one compiled step each
     max_seqs: int = 32                            # sequences per step (decode + prefill)
+    max_prefill_seqs: int = 16                    # prefill chunks per step (bounds the prefill kernel's tiles)
     predict_memory: bool = True                   # NanoFlow admission control; off = admit while pages are free
 
 
@@ -190,6 +191,9 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 1          # tensor-parallel degree (devices on the `tp` mesh axis)
+    # BENCHMARK ONLY: compile the steps without the row-parallel all-reduces. Every token is wrong; the step
+    # times show what the collectives cost (bench/tp.py). Never set it for serving.
+    skip_collectives: bool = False
 
 
 STRATEGY_KINDS = ("sequential", "nanobatch", "comm_overlap", "dual_batch", "fused_reduce_norm", "nanoflow")

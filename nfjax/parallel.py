@@ -105,3 +105,18 @@ def shard_model(model, mesh: Mesh) -> None:
     state = nnx.state(model, nnx.Param)
     specs = state_specs(state, mesh.shape[TP_AXIS])
     nnx.update(model, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs))
+
+
+def unstack_layers(stacked, layer_specs, mesh: Mesh, release: bool = False) -> list:
+    """Per-layer weight pytrees (each array in its shard layout) from the stacked [L, ...] layer state.
+    `release`: delete each stacked array once it is split (its owner must not use it again), so the peak
+    memory is one stacked weight more than the weights, not twice the weights."""
+    leaves, treedef = jax.tree_util.tree_flatten(stacked)
+    spec_leaves = treedef.flatten_up_to(layer_specs)
+    per_leaf = []
+    for a, sp in zip(leaves, spec_leaves):
+        sh = NamedSharding(mesh, sp)
+        per_leaf.append([jax.jit(lambda a, i=i: a[i], out_shardings=sh)(a) for i in range(a.shape[0])])
+        if release:
+            a.delete()
+    return [jax.tree_util.tree_unflatten(treedef, [pl[i] for pl in per_leaf]) for i in range(len(per_leaf[0]))]

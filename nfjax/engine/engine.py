@@ -24,8 +24,11 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, progress: bool = False, mesh=None):
-        """`model` may live anywhere: its weights are moved to their TP shardings here if not already."""
+    def __init__(self, model, tokenizer, config: EngineConfig, progress: bool = False, mesh=None,
+                 take_weights: bool = True):
+        """`model` may live anywhere: its weights are moved to their TP shardings here if not already.
+        `take_weights`: the engine keeps the only copy of the layer weights (the model's own arrays are freed,
+        so a large model fits once); False leaves `model` usable (tests reuse one model for several engines)."""
         from nfjax.parallel import make_mesh, replicate_kv_heads, shard_model, tp_config
         tp = config.parallel.tp
         mesh = mesh or make_mesh(tp)
@@ -36,7 +39,8 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = config.model
-        self.runner = Runner(model, config.cache, config.scheduler, mesh, config.schedule)
+        self.runner = Runner(model, config.cache, config.scheduler, mesh, config.schedule,
+                             skip_collectives=config.parallel.skip_collectives, take_weights=take_weights)
         self.runner.compile_all(progress=progress)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_position_embeddings)
         self.trace = StepTrace()

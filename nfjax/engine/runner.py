@@ -1,4 +1,12 @@
-"""Compiled step programs (one per token bucket, all compiled at start) and their asynchronous launch.
+"""Compiled step programs (all compiled at start) and their asynchronous launch.
+
+A step is L + 2 launches of compiled programs: `embed` (input tokens, some taken on device from the previous
+step's samples), one *layer program* called once per layer with that layer's own weight arrays, and `head`
+(final norm, logits of each sequence's last token, sampling). Why not one program for the step: a `lax.scan`
+over stacked layer weights makes XLA copy every layer's weights before its GEMMs each step (a dynamic slice
+feeding cuBLAS: 9.5 of the 40 ms of an 8B decode step on an H100), and unrolling the layers inside one program
+removes the copies but costs ~40 s of compilation per bucket. One layer program has neither cost. All launches
+are asynchronous: the host queues a whole step ahead of the GPU.
 
 The sampled tokens of a step stay on the device and feed the next step's decode inputs; the host reads a
 step's tokens only after the next step has been launched.
@@ -21,8 +29,9 @@ from nfjax.engine.sampler import sample
 from nfjax.engine.scheduler import Batch
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
-from nfjax.models.llama import LlamaModel
-from nfjax.parallel import TP_AXIS, kv_spec, state_specs
+from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
+from nfjax.models.rope import inv_frequencies
+from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
 
 
 @jax.tree_util.register_dataclass
@@ -39,24 +48,58 @@ class StepInput:
 
 
 def forward_logits(graphdef, specs, mesh: Mesh, state, kv: KVCache, tokens: Int[Array, "T"],
-                   meta: AttentionMetadata, layer_fn=None) -> tuple[Float[Array, "S V"], KVCache]:
+                   meta: AttentionMetadata, layer_fn=None,
+                   opts: ForwardOptions = ForwardOptions()) -> tuple[Float[Array, "S V"], KVCache]:
     """All layers under one shard_map (per-device body: local weight shards, local KV heads), then the
     vocab-sharded lm_head on each sequence's last token, outside it. `layer_fn` runs one layer's ops
-    (a schedule's program, see nfjax.schedule; None: the ops in order)."""
+    (a schedule's program, see nfjax.schedule; None: the ops in order). `opts`: see `ForwardOptions`
+    (with `skip_collectives`, a benchmark switch, the all-reduces are left out and the logits are wrong)."""
     def layers(state, kv, tokens, meta):
-        return nnx.merge(graphdef, state)(tokens, kv, meta, layer_fn=layer_fn, tp_axis=TP_AXIS)
+        return nnx.merge(graphdef, state)(tokens, kv, meta, layer_fn=layer_fn, tp_axis=TP_AXIS,
+                                          opts=opts)
 
     kvs = KVCache(kv_spec(), kv_spec())
-    h, kv = jax.shard_map(layers, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs))(
-        state, kv, tokens, meta)
+    # Without the psums the hidden state varies across devices, which the replication check (rightly)
+    # rejects for out_specs P(); the benchmark variant turns the check off and keeps device 0's copy.
+    h, kv = jax.shard_map(layers, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs),
+                          check_vma=not opts.skip_collectives)(state, kv, tokens, meta)
     return nnx.merge(graphdef, state).logits(h[meta.logits_index]), kv
 
 
-def _step(graphdef, specs, mesh: Mesh, state, kv: KVCache, prev: Int[Array, "S"], inp: StepInput, layer_fn=None):
+def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[Array, "T D"]:
     tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
-    logits, kv = forward_logits(graphdef, specs, mesh, state, kv, tokens, inp.meta, layer_fn)
-    sampled = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
-    return sampled, kv
+    return nnx.merge(rest_gd, rest_state).embed(tokens)
+
+
+def _layer(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_state, kv: KVCache,
+           x: Float[Array, "T D"], meta: AttentionMetadata, i: Int[Array, ""]):
+    """One layer under the shard_map (local weight shards and KV heads; explicit psums in the ops)."""
+    def body(layer_state, kv, x, meta, i):
+        x = getattr(layer_fn, "split_carry", lambda v: v)(x)
+        x, kv = layer_forward(nnx.merge(layer_gd, layer_state), i, x, kv, meta, inv_freq, layer_fn, TP_AXIS, opts)
+        return getattr(layer_fn, "join_carry", lambda v: v)(x), kv
+
+    kvs = KVCache(kv_spec(), kv_spec())
+    return jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
+                         check_vma=not opts.skip_collectives)(layer_state, kv, x, meta, i)
+
+
+def _head(rest_gd, rest_state, x: Float[Array, "T D"], inp: StepInput) -> Int[Array, "S"]:
+    model = nnx.merge(rest_gd, rest_state)
+    logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
+    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
+
+
+def split_layers(model: LlamaModel):
+    """(graphdef, state) of the model without its layers, and (graphdef, stacked state) of the layers."""
+    layers = model.layers
+    model.layers = None
+    try:
+        rest_gd, rest_state = nnx.split(model)
+    finally:
+        model.layers = layers
+    layer_gd, stacked = nnx.split(layers)
+    return rest_gd, rest_state, layer_gd, stacked
 
 
 @dataclass
@@ -70,29 +113,41 @@ class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
     def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig, mesh: Mesh,
-                 schedule: ScheduleConfig | None = None):
+                 schedule: ScheduleConfig | None = None, skip_collectives: bool = False,
+                 take_weights: bool = False):
         """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel).
-        `schedule`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch."""
+        `schedule`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch.
+        `skip_collectives`: BENCHMARK ONLY, compile without the row-parallel all-reduces (wrong tokens).
+        The layers run from per-layer copies of the weights; `take_weights` deletes the model's stacked layer
+        arrays as they are copied (the model is unusable afterwards; `model()` rebuilds one)."""
         from nfjax.schedule.variants import Variants
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched
         self.mesh = mesh
-        self.graphdef, self.state = nnx.split(model)
-        self.specs = state_specs(self.state, mesh.shape[TP_AXIS])
+        tp = mesh.shape[TP_AXIS]
+        self.rest_gd, self.rest_state, self.layer_gd, stacked = split_layers(model)
+        self.layer_specs = jax.tree.map(lambda sp: P(*sp[1:]), state_specs(stacked, tp))
+        self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
+        del stacked
+        self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
         self.kv_sharding = KVCache(NamedSharding(mesh, kv_spec()), NamedSharding(mesh, kv_spec()))
         self.kv = KVCache.create(model.cfg, cache, sharding=self.kv_sharding.k)
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
-        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label) -> compiled step
+        self._layer_ids = [jax.device_put(jnp.int32(i), NamedSharding(mesh, P())) for i in range(model.cfg.num_layers)]
+        self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
+        self._head: dict[int, object] = {}                   # bucket -> compiled head (norm, logits, sampling)
+        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label) -> compiled layer program
         self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
         self._swap_out = None
         self._swap_in = None
         self.compile_seconds = 0.0
+        self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
 
     # ---- compilation ------------------------------------------------------------------------------
     def _example_input(self, bucket: int) -> StepInput:
@@ -112,11 +167,21 @@ class Runner:
         if progress:
             from tqdm import tqdm
             it = tqdm(todo, desc="compiling buckets", unit="program")
+        rep = self.replicated
+        x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)
         for b, v in it:
+            inp = self._example_input(b)
+            x = x_sh.update(shape=(b, self.cfg.hidden_size))
+            if b not in self._embed:
+                self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
+                    self.rest_state, self._prev, inp).compile()
+                self._head[b] = jax.jit(partial(_head, self.rest_gd), out_shardings=rep).lower(
+                    self.rest_state, x, inp).compile()
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
-            step = jax.jit(partial(_step, self.graphdef, self.specs, self.mesh, layer_fn=layer_fn), donate_argnums=1,
-                           out_shardings=(self.replicated, self.kv_sharding))
-            self._steps[(b, v.label)] = step.lower(self.state, self.kv, self._prev, self._example_input(b)).compile(
+            layer = jax.jit(partial(_layer, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
+                                    self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
+            self._steps[(b, v.label)] = layer.lower(self.layer_states[0], self.kv, x, inp.meta,
+                                                     self._layer_ids[0]).compile(
                 compiler_options=v.compiler_options() or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
@@ -187,9 +252,37 @@ class Runner:
         inp = self._to_device(StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
-        sampled, self.kv = self._steps[(t, label)](self.state, self.kv, self._prev, inp)
-        self._prev = sampled
-        return StepHandle(batch, sampled, time.perf_counter())
+        return StepHandle(batch, self.run_step(t, label, inp), time.perf_counter())
+
+    def run_step(self, bucket: int, label: str, inp: StepInput) -> jax.Array:
+        """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
+        device (they also feed the next step). Benchmarks call this with synthetic inputs."""
+        x = self._embed[bucket](self.rest_state, self._prev, inp)
+        layer = self._steps[(bucket, label)]
+        for st, i in zip(self.layer_states, self._layer_ids):
+            x, self.kv = layer(st, self.kv, x, inp.meta, i)
+        self._prev = self._head[bucket](self.rest_state, x, inp)
+        return self._prev
+
+    def logits(self, tokens: Int[Array, "T"], meta: AttentionMetadata) -> Float[Array, "S V"]:
+        """Each sequence's last-token logits through the layer-program code (sequential schedule), compiled on
+        the spot, cache writes discarded: tests and inspection."""
+        @jax.jit
+        def f(rest_state, layer_states, kv, tokens, meta):
+            model = nnx.merge(self.rest_gd, rest_state)
+            x = model.embed(tokens)
+            for i, st in enumerate(layer_states):
+                x, kv = _layer(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
+                               self.inv_freq, st, kv, x, meta, jnp.int32(i))
+            return model.logits(model.norm(x[meta.logits_index]))
+        put = partial(jax.device_put, device=self.replicated)
+        return f(self.rest_state, self.layer_states, self.kv, put(tokens), put(meta))
+
+    def model(self) -> LlamaModel:
+        """The model with its layers stacked again (a copy of the weights: tests and inspection only)."""
+        model = nnx.merge(self.rest_gd, self.rest_state)
+        model.layers = nnx.merge(self.layer_gd, jax.tree.map(lambda *a: jnp.stack(a), *self.layer_states))
+        return model
 
     @staticmethod
     def read(handle: StepHandle) -> np.ndarray:

@@ -155,10 +155,10 @@ class Scheduler:
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
         left = self.budget - batch.num_tokens
         for req in [r for r in self.running if r.in_prefill]:
-            if left <= 0 or len(batch.seqs) >= self.cfg.max_seqs:
+            if left <= 0 or not self._room_for_chunk(batch):
                 break
             left -= self._add_chunk(batch, req, left)
-        while self.waiting and left > 0 and len(batch.seqs) < self.cfg.max_seqs and not batch.swap_out:
+        while self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out:
             req = self.waiting[0]
             if not self._fits_prediction(req):
                 break
@@ -181,6 +181,10 @@ class Scheduler:
             if s.samples:
                 s.req.num_launched_outputs += 1
         return batch
+
+    def _room_for_chunk(self, batch: Batch) -> bool:
+        return (len(batch.seqs) < self.cfg.max_seqs
+                and len(batch.seqs) - batch.num_decode < self.cfg.max_prefill_seqs)
 
     def _add_chunk(self, batch: Batch, req: Request, left: int) -> int:
         n = min(req.prompt_len - req.num_computed, left)

@@ -12,6 +12,7 @@ from nfjax.config import ModelConfig
 from nfjax.kv.attention import decode_attention, prefill_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
+from nfjax.models.dense import dense
 from nfjax.models.ops import Resource, collect_ops, op, run_ops
 from nfjax.models.rope import apply_rope, inv_frequencies
 
@@ -33,6 +34,17 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 
 
 @dataclass(frozen=True)
+class ForwardOptions:
+    """Static choices of how a forward runs (each value is a different compiled program)."""
+    # Most prefill chunks one step holds (the scheduler's cap); bounds the prefill kernel's static tile
+    # count. None: as many as sequences (the tile gather then costs ~5 ms per 8B decode step on an H100).
+    max_prefill_seqs: int | None = None
+    # BENCHMARK ONLY: drop the row-parallel all-reduces, so each device keeps its partial sums (wrong outputs).
+    # Step time with vs without them is what the TP collectives cost (bench/tp.py).
+    skip_collectives: bool = False
+
+
+@dataclass(frozen=True)
 class LayerContext:
     """What every op of one layer may read besides its named inputs."""
     layer: Int[Array, ""]            # layer index into the stacked KV cache
@@ -40,6 +52,11 @@ class LayerContext:
     inv_freq: Float[Array, "D2"]
     tp_axis: str | None = None       # mesh axis of the enclosing shard_map; None = not tensor-parallel
     num_programs: int | None = None  # resource share of this op as a kernel program count (None: the whole GPU)
+    opts: ForwardOptions = ForwardOptions()
+
+    @property
+    def skip_collectives(self) -> bool:
+        return self.opts.skip_collectives
 
 
 class DecoderLayer(nnx.Module):
@@ -67,8 +84,9 @@ class DecoderLayer(nnx.Module):
     def kqv(self, ctx, h):
         t, hd = h.shape[0], self.cfg.head_dim
         # head counts come from the (possibly tensor-parallel local) weight shapes
-        return (self.q_proj(h).reshape(t, -1, hd), self.k_proj(h).reshape(t, -1, hd),
-                self.v_proj(h).reshape(t, -1, hd))
+        np_ = ctx.num_programs
+        return (dense(self.q_proj, h, np_).reshape(t, -1, hd), dense(self.k_proj, h, np_).reshape(t, -1, hd),
+                dense(self.v_proj, h, np_).reshape(t, -1, hd))
 
     @op(Resource.MEMORY, ins=("q", "k", "v", "kv", "positions", "slots"), outs=("q_rot", "kv"))
     def rope_append(self, ctx, q, k, v, kv, positions, slots):
@@ -87,12 +105,13 @@ class DecoderLayer(nnx.Module):
     @op(Resource.COMPUTE, ins=("q_rot", "kv", "attn_d"), outs=("attn",))
     def attn_prefill(self, ctx, q, kv, attn_d):
         """Prefill rows (compute-bound), merged with the decode rows of `attn_d`."""
-        out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5).reshape(q.shape[0], -1)
+        out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5,
+                                max_prefill_seqs=ctx.opts.max_prefill_seqs).reshape(q.shape[0], -1)
         return jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):
-        return self.o_proj(attn)
+        return dense(self.o_proj, attn, ctx.num_programs)
 
     @op(Resource.NETWORK, ins=("o_partial",), outs=("o",))
     def attn_reduce(self, ctx, o_partial):
@@ -105,7 +124,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("h2",), outs=("gate", "up"))
     def up_gate(self, ctx, h2):
-        return self.gate_proj(h2), self.up_proj(h2)
+        return dense(self.gate_proj, h2, ctx.num_programs), dense(self.up_proj, h2, ctx.num_programs)
 
     @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))
     def act(self, ctx, gate, up):
@@ -113,7 +132,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("a",), outs=("d_partial",))
     def down(self, ctx, a):
-        return self.down_proj(a)
+        return dense(self.down_proj, a, ctx.num_programs)
 
     @op(Resource.NETWORK, ins=("d_partial",), outs=("d",))
     def mlp_reduce(self, ctx, d_partial):
@@ -127,9 +146,24 @@ class DecoderLayer(nnx.Module):
 LAYER_OPS = collect_ops(DecoderLayer)
 
 
+def sequential_layer_fn(layer, ctx: LayerContext, env: dict) -> dict:
+    """The plain layer: every op once, in order, on the whole batch."""
+    return run_ops(LAYER_OPS, layer, ctx, env)
+
+
+def layer_forward(layer: DecoderLayer, i: Int[Array, ""], x, kv: KVCache, meta: AttentionMetadata,
+                  inv_freq: Float[Array, "D2"], layer_fn=sequential_layer_fn, tp_axis: str | None = None,
+                  opts: ForwardOptions = ForwardOptions()):
+    """One decoder layer (index `i` into the stacked cache) through `layer_fn`; returns (out, kv). `x` and `out`
+    are the residual stream as `layer_fn` carries it (one array, or nano-batch pieces)."""
+    ctx = LayerContext(i, meta, inv_freq, tp_axis, opts=opts)
+    env = layer_fn(layer, ctx, {"x": x, "kv": kv, "positions": meta.positions, "slots": meta.slot_mapping})
+    return env["out"], env["kv"]
+
+
 def _tp_sum(x, ctx: LayerContext):
     """The row-parallel all-reduce, explicit so a schedule can issue it per nano-batch."""
-    return x if ctx.tp_axis is None else jax.lax.psum(x, ctx.tp_axis)
+    return x if ctx.tp_axis is None or ctx.skip_collectives else jax.lax.psum(x, ctx.tp_axis)
 
 
 class LlamaModel(nnx.Module):
@@ -150,15 +184,17 @@ class LlamaModel(nnx.Module):
                                                                     rngs)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVCache, meta: AttentionMetadata,
-                 layer_fn=None, tp_axis: str | None = None) -> tuple[Float[Array, "T D"], KVCache]:
+                 layer_fn=None, tp_axis: str | None = None,
+                 opts: ForwardOptions = ForwardOptions()) -> tuple[Float[Array, "T D"], KVCache]:
         """Run all layers over a flat token batch; returns final-normed hidden states and the updated cache.
 
         `layer_fn(layer, ctx, env) -> env` executes one layer's ops (default: sequential `run_ops`). If it has
         `split_carry` / `join_carry` attributes, the residual stream crosses layers as `split_carry(x)` (e.g.
         nano-batch pieces) and is joined after the last layer.
         Under a shard_map, `tp_axis` names the mesh axis the row-parallel outputs are summed over.
+        `opts`: the static choices of `ForwardOptions` (layer loop form, prefill bound, benchmark switches).
         """
-        layer_fn = layer_fn or (lambda layer, ctx, env: run_ops(LAYER_OPS, layer, ctx, env))
+        layer_fn = layer_fn or sequential_layer_fn
         inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         x = self.embed(tokens)
         x = getattr(layer_fn, "split_carry", lambda v: v)(x)
@@ -166,11 +202,9 @@ class LlamaModel(nnx.Module):
 
         def body(carry, layer_state):
             x, kv, i = carry
-            layer = nnx.merge(graphdef, layer_state)
-            ctx = LayerContext(i, meta, inv_freq, tp_axis)
-            env = layer_fn(layer, ctx, {"x": x, "kv": kv, "positions": meta.positions,
-                                        "slots": meta.slot_mapping})
-            return (env["out"], env["kv"], i + 1), None
+            x, kv = layer_forward(nnx.merge(graphdef, layer_state), i, x, kv, meta, inv_freq, layer_fn, tp_axis,
+                                  opts)
+            return (x, kv, i + 1), None
 
         (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked)
         x = getattr(layer_fn, "join_carry", lambda v: v)(x)

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import jax
+
 
 class Resource(enum.Enum):
     COMPUTE = "compute"   # GEMM-bound
@@ -56,5 +58,6 @@ def collect_ops(cls) -> tuple[OpSpec, ...]:
 def run_ops(ops, layer, ctx, env: dict) -> dict:
     """Sequential execution: every op once, in order, on the whole batch."""
     for spec in ops:
-        env.update(spec(layer, ctx, env))
+        with jax.named_scope(f"{spec.name}@0"):      # the op's name on its kernels in profiler traces
+            env.update(spec(layer, ctx, env))
     return env

@@ -95,7 +95,8 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, 
         if step.share is not None and sms:
             sctx = dataclasses.replace(sctx, num_programs=max(1, round(step.share * sms)))
         ins = [vals.read(v, step.start, step.stop) for v in step.ins]
-        outs = _call(step, layer, sctx, ins, streams)
+        with jax.named_scope(f"{step.kernel or step.ops[0]}@{','.join(map(str, step.nbs))}"):  # names in traces
+            outs = _call(step, layer, sctx, ins, streams)
         for v, arr in zip(step.outs, outs):
             vals.write(v, step.start, step.stop, arr)
     if trace is not None:

@@ -109,15 +109,15 @@ class CommOverlap(_Split):
 def _reduce_norm(layer, ctx, o_partial, x):
     """attn_reduce + ffn_norm as one kernel. Under TP: reduce-scatter the row-parallel partial sums over the
     tokens, run the model's own ffn_norm op on this device's 1/tp of the tokens, all-gather (x2, h2) together.
-    Without TP, or when the rows do not split evenly, psum then ffn_norm."""
-    from nfjax.models.llama import DecoderLayer
+    Without TP, or when the rows do not split evenly, psum then ffn_norm (neither collective with
+    `ctx.skip_collectives`, a benchmark-only switch)."""
+    from nfjax.models.llama import DecoderLayer, _tp_sum
     norm = DecoderLayer.ffn_norm.__opspec__.fn
     ax = ctx.tp_axis
     t, d = o_partial.shape
     n = 1 if ax is None else lax.axis_size(ax)
-    if n == 1 or t % n:
-        o = o_partial if ax is None else lax.psum(o_partial, ax)
-        return norm(layer, ctx, x, o)
+    if n == 1 or t % n or ctx.skip_collectives:
+        return norm(layer, ctx, x, _tp_sum(o_partial, ctx))
     o = lax.psum_scatter(o_partial, ax, scatter_dimension=0, tiled=True)          # [t / n, d]
     rows = t // n
     xs = lax.dynamic_slice_in_dim(x, lax.axis_index(ax) * rows, rows, axis=0)

@@ -87,3 +87,16 @@ def test_page_table_wider_than_the_pool():
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
     assert eng.preemptions > 0      # 5 usable pages for three requests of up to 4 pages each
     assert eng.pages_used == 0
+
+
+def test_prefill_chunks_per_step_are_capped(roomy_engine_alone):
+    eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
+                      SchedulerConfig(token_buckets=(16, 64), max_seqs=16, max_prefill_seqs=2))
+    prompts, lens = _workload(8, seed=2)
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in lens]
+    outs = eng.generate(prompts, params)
+    chunks = [st.num_seqs - st.decode_tokens for st in eng.trace.steps]
+    assert max(chunks) == 2, chunks          # short prompts would fill the 64-token budget with more
+    for p, sp, out in zip(prompts, params, outs):
+        assert out.token_ids == roomy_engine_alone.generate(p, sp)[0].token_ids
+    assert eng.pages_used == 0

@@ -16,8 +16,7 @@ def naive_greedy(engine, prompt_ids, n, width=128):
 
     The sequence is padded to a fixed width so the loop compiles once.
     """
-    from flax import nnx
-    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    model = engine.runner.model()
     ps = 8
     npg = width // ps
     cache = CacheConfig(page_size=ps, num_pages=npg + 1, max_pages_per_seq=npg)
@@ -117,3 +116,4 @@ def test_prompt_too_long_and_bad_ids(roomy_engine):
         roomy_engine.add_request("x" * 1000)
     with pytest.raises(UserError, match="out of range"):
         roomy_engine.add_request([1, 2, 99999])
+

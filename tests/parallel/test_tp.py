@@ -1,15 +1,9 @@
 """Tensor parallelism on 8 forced host devices: TP = 2/4/8 match TP = 1 in greedy tokens and logits."""
-from functools import partial
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from nfjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from nfjax.engine import Engine, SamplingParams
-from nfjax.engine.runner import forward_logits
 from nfjax.errors import UserError
 from nfjax.kv.metadata import build_metadata
 from nfjax.models.random_init import random_model
@@ -42,8 +36,7 @@ def prompt_logits(engine):
     toks = np.zeros(64, np.int32)
     toks[:sum(map(len, ids))] = np.concatenate(ids)
     meta = build_metadata(seqs, 64, 4, CACHE.max_pages_per_seq, CACHE.page_size)
-    fn = jax.jit(partial(forward_logits, r.graphdef, r.specs, r.mesh))
-    logits, _ = fn(r.state, r.kv, jax.device_put(toks, r.replicated), jax.device_put(meta, r.replicated))
+    logits = r.logits(toks, meta)
     return np.asarray(logits)
 
 
@@ -66,8 +59,8 @@ def test_tp_matches_tp1(cfg, tps):
 
 def test_weights_are_sharded_not_replicated():
     eng = engine_for(LLAMA3, 4)
-    q = eng.runner.state["layers"]["q_proj"]["kernel"]
-    o = eng.runner.state["layers"]["o_proj"]["kernel"]
+    q = eng.runner.layer_states[0]["q_proj"]["kernel"]
+    o = eng.runner.layer_states[0]["o_proj"]["kernel"]
     q, o = q[...], o[...]
     assert q.sharding.spec[-1] == "tp" and q.addressable_shards[0].data.shape[-1] == q.shape[-1] // 4
     assert o.sharding.spec[-2] == "tp" and o.addressable_shards[0].data.shape[-2] == o.shape[-2] // 4
@@ -78,3 +71,20 @@ def test_bad_tp_is_a_clear_error():
         engine_for(LLAMA3.replace(num_heads=6, num_kv_heads=2), 4)
     with pytest.raises(UserError, match="devices"):
         engine_for(LLAMA3, 16)
+
+
+def test_skip_collectives_drops_the_layer_all_reduces():
+    """The benchmark-only switch (bench/tp.py) removes the two row-parallel all-reduces of the layer program."""
+    import re
+    from nfjax.engine.runner import Runner
+    from nfjax.parallel import make_mesh, shard_model
+    mesh = make_mesh(2)
+    counts = {}
+    for skip in (False, True):
+        model = random_model(LLAMA3, seed=1)
+        shard_model(model, mesh)
+        r = Runner(model, CACHE, SCHED, mesh, skip_collectives=skip)
+        r.compile_all()
+        hlo = r._steps[(64, "sequential")].as_text()
+        counts[skip] = len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo))
+    assert counts[False] == 2 and counts[True] == 0, counts

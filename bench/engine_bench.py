@@ -1,0 +1,123 @@
+"""Engine bench building blocks shared by bench/offline.py and bench/tp.py: the GEMM ceiling, KV sizing, one
+offline workload through `Engine.generate` with per-step-kind timing, and fixed synthetic batches timed on the
+runner's compiled steps directly (no scheduler, so the same batch can be timed under any engine variant).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bench.step_bench import make_step_input, run_step
+from nfjax.config import CacheConfig, ModelConfig
+
+Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
+SeqSpec = tuple[int, int, int]               # (num_pages, first position, query tokens) of one sequence
+
+
+def gemm_tflops() -> float:
+    """Measured bf16 GEMM rate; a small matrix off-GPU (an 8192^3 GEMM takes minutes on a CPU)."""
+    import jax
+    from bench.common import measure_gemm_tflops
+    return measure_gemm_tflops(8192 if jax.default_backend() == "gpu" else 256)
+
+
+def kv_pages(cfg: ModelConfig, page_size: int, fraction: float, tp: int = 1, need: int | None = None) -> int:
+    """KV pages that fit one device's free memory under `tp`-way KV-head sharding, capped at `need` (the
+    pages the workload can use: more only slow start-up). Without memory statistics (CPU): `need`."""
+    from nfjax.kv.cache import pages_that_fit
+    local = cfg.replace(num_kv_heads=max(cfg.num_kv_heads, tp) // tp)   # KV heads each device holds
+    try:
+        fit = pages_that_fit(local, page_size, fraction)
+    except RuntimeError:
+        if need is None:
+            raise
+        return need
+    return fit if need is None else min(fit, need)
+
+
+def cache_for(works: list[Work], page_size: int, num_pages: int, min_context: int = 0) -> CacheConfig:
+    """Page-table width for the longest request (prompt + output) or `min_context` tokens."""
+    longest = max([len(p) + o for w in works for p, o in w] + [min_context])
+    return CacheConfig(page_size=page_size, num_pages=num_pages, max_pages_per_seq=-(-longest // page_size))
+
+
+def pages_needed(works: list[Work], page_size: int, max_seqs: int) -> int:
+    """Pages for the `max_seqs` longest requests at once (+ scratch page 0): no preemption, no admission
+    limit from memory, so every engine variant runs the same schedule."""
+    lens = sorted((-(-(len(p) + o) // page_size) for w in works for p, o in w), reverse=True)
+    return sum(lens[:max_seqs]) + 1
+
+
+def step_kind(st) -> str:
+    """'decode', 'prefill' or 'decode+prefill', '@bucket'."""
+    parts = [k for k, n in (("decode", st.decode_tokens), ("prefill", st.prefill_tokens)) if n]
+    return "+".join(parts) + f"@{st.bucket}"
+
+
+def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | None = None) -> dict:
+    """Every request of `work` through `engine.generate` (greedy, exact output lengths) after a short warm-up;
+    total (prompt + generated) tokens/s and the mean step time per step kind."""
+    from nfjax.engine import SamplingParams
+    engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+    engine.trace.steps.clear()
+    sps = [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for _, o in work]
+    t = time.perf_counter()
+    outs = engine.generate([p for p, _ in work], sps)
+    dt = time.perf_counter() - t
+    prompt = sum(len(p) for p, _ in work)
+    gen = sum(len(o.token_ids) for o in outs)
+    tot = (prompt + gen) / dt
+    by_kind: dict[str, list[float]] = {}
+    for st in engine.trace.steps:
+        by_kind.setdefault(step_kind(st), []).append(st.seconds * 1e3)
+    res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
+           "total_tok_s": tot, "trace": engine.trace.summary(),
+           "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": sum(v) / len(v)} for k, v in by_kind.items()}}
+    opt = ""
+    if optimal_tok_s:
+        res["pct_optimal"] = 100 * tot / optimal_tok_s
+        opt = f" = {res['pct_optimal']:.1f}% of optimal"
+    print(f"[{label}] {len(work)} requests: {tot:,.0f} tok/s{opt}; {len(engine.trace.steps)} steps; "
+          f"padding {res['trace']['padding_tokens']} tokens", flush=True)
+    for k, v in sorted(res["step_ms_by_kind"].items()):
+        print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms", flush=True)
+    return res
+
+
+# ---- fixed synthetic batches ------------------------------------------------------------------------------
+def decode_batch(n: int, ctx: int, page_size: int) -> tuple[int, list[SeqSpec], int]:
+    """(bucket, seqs, num_decode): `n` decode tokens, each at context `ctx`."""
+    return n, [(-(-(ctx + 1) // page_size), ctx, 1)] * n, n
+
+
+def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = None,
+                chunks: int = 2) -> tuple[int, list[SeqSpec], int]:
+    """A full `bucket`: `num_decode` decodes at context `ctx` (default bucket / 16, the engine's usual mix
+    late in a 1024/512 run), the rest as `chunks` equal first prefill chunks."""
+    nd = bucket // 16 if num_decode is None else num_decode
+    dec = [(-(-(ctx + 1) // page_size), ctx, 1)] * nd
+    per = (bucket - nd) // chunks
+    return bucket, dec + [(-(-per // page_size), 0, per)] * chunks, nd
+
+
+def synthetic_pages(batches: dict) -> int:
+    """Pages the largest synthetic batch touches (+ scratch page 0)."""
+    return max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values()) + 1
+
+
+def step_fn(runner, bucket: int, inp, label: str = "sequential"):
+    """A no-argument call of one step of `label` for `bucket` on `inp` (the KV cache threaded through)."""
+    return lambda: run_step(runner, bucket, label, inp)
+
+
+def time_batches(runner, batches: dict, iters: int = 5, reps: int = 5) -> dict:
+    """Median step time (ms) of each synthetic batch: name -> {bucket, tokens, decode, step_ms}."""
+    from bench.common import time_fn
+    out = {}
+    for name, (bucket, seqs, nd) in batches.items():
+        tm = time_fn(step_fn(runner, bucket, make_step_input(runner, seqs, bucket, nd, np.random.default_rng(0))),
+                     iters=iters, reps=reps)
+        out[name] = {"bucket": bucket, "tokens": sum(n for _, _, n in seqs), "decode": nd,
+                     "step_ms": tm["median_s"] * 1e3}
+    return out

@@ -1,0 +1,228 @@
+"""NanoFlow ablation on one GPU (NanoFlow Fig. 9 style): step time of one dense mixed batch under Sequential,
+NanoBatchOnly, NanoFlow(plan) and DualBatchOverlap; the overlap ratio Sequential / best overlapped strategy; an
+R -> P table (NanoFlow Table 3: a persistent GEMM capped to a share R of the SMs on one stream beside decode
+attention on another, in one program); and a per-stream timeline of one measured layer (PNG) from a real trace.
+
+usage: python bench/nanoflow.py --shape llama3-8b --buckets 2048,1024 --out $OUT
+CPU smoke: python bench/nanoflow.py --shape smoke --buckets 64 --ctx 40 --decode 8 --plan tests/schedule/tiny_plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+
+def strategies(args):
+    from nfjax.config import StrategyConfig
+    out = [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
+           StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
+    out += [StrategyConfig("nanoflow", plan=p) for p in args.plan.split(",") if p]
+    return tuple(out)
+
+
+def step_ablation(args, cfg, out: dict) -> None:
+    import numpy as np
+    from bench.common import time_fn
+    from bench.step_bench import kernel_table, make_step_input, mixed_batch, run_step, stream_timeline, trace
+    from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
+    from nfjax.engine.runner import Runner
+    from nfjax.models.random_init import random_model
+    from nfjax.parallel import make_mesh, shard_model
+
+    ps = 16
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    batches = {b: mixed_batch(b, args.decode * b // max(buckets), args.ctx, ps) for b in buckets}
+    pages = max(sum(p for p, _, _ in s) for s in batches.values()) + 8
+    per_seq = max(p for s in batches.values() for p, _, _ in s)
+    mesh = make_mesh(1)
+    model = random_model(cfg)
+    shard_model(model, mesh)
+    runner = Runner(model, CacheConfig(ps, pages, per_seq), SchedulerConfig(buckets, max_seqs=args.max_seqs), mesh,
+                    ScheduleConfig(strategies=strategies(args)))
+    runner.compile_all()
+    out["compile_s"] = runner.compile_seconds
+    out["skipped"] = {f"{b}:{lb}": why for (b, lb), why in runner.variants.skipped.items()}
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in buckets:
+        inp = make_step_input(runner, batches[b], b, args.decode * b // max(buckets), rng)
+        res = {}
+        for label in runner.variants.by_bucket[b]:
+            t = time_fn(lambda: run_step(runner, b, label, inp), iters=5, reps=5, warmup=2)
+            res[label] = {"step_ms": t["median_s"] * 1e3, "per_layer_ms": t["median_s"] * 1e3 / cfg.num_layers}
+            print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms", flush=True)
+        seq = res["sequential"]["step_ms"]
+        best = min((lb for lb in res if lb not in ("sequential",) and not lb.startswith("nanobatch")),
+                   key=lambda lb: res[lb]["step_ms"], default=None)
+        out["buckets"][str(b)] = {"strategies": res, "decode": args.decode * b // max(buckets), "ctx": args.ctx,
+                                  "best_overlapped": best,
+                                  "overlap_ratio": seq / res[best]["step_ms"] if best else None,
+                                  "nanobatch_overhead": (res.get("nanobatch:1-1", {}).get("step_ms", seq) / seq)}
+        for lb, r in res.items():
+            rows.append([b, lb, r["step_ms"], r["per_layer_ms"], seq / r["step_ms"]])
+        if args.trace and best:
+            for lb in ("sequential", best):
+                pd = trace(lambda: run_step(runner, b, lb, inp), "/tmp/nfjax_prof", f"nanoflow_{b}_{lb}", calls=1)
+                out["buckets"][str(b)].setdefault("kernels", {})[lb] = kernel_table(pd, calls=1, top=25)
+                if b == max(buckets):
+                    tl = stream_timeline(pd)
+                    out["timeline"] = {lb: tl} if lb == best else out.get("timeline", {})
+                    out.setdefault("timelines", {})[lb] = _one_layer(tl, cfg.num_layers)
+    out["table"] = rows
+
+
+def _one_layer(tl: dict, layers: int) -> dict:
+    """The middle layer's window of a one-step timeline (the step split evenly by layers)."""
+    if not tl or "error" in tl:
+        return tl
+    end = max(s + d for rows in tl.values() for _, s, d in rows)
+    lo = end * (layers // 2) / layers
+    hi = end * (layers // 2 + 1) / layers
+    return {ln: [r for r in rows if lo <= r[1] < hi] for ln, rows in tl.items()}
+
+
+def rp_table(args, out: dict) -> None:
+    """Share R of the SMs for a persistent GEMM (stream 1) vs decode attention (the rest, stream 2)."""
+    import jax
+    import jax.numpy as jnp
+    from bench.common import time_fn
+    from nfjax.compat import num_sms, on_stream
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    from pallas_kernels.persistent_gemm import persistent_gemm
+
+    sms = num_sms()
+    m, k, n = args.rp_gemm
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
+    b, ctx, ps, kvh, h, d = args.decode, args.ctx, 16, 8, 32, 128
+    pages = -(-ctx // ps)
+    kc = jax.random.normal(jax.random.key(3), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
+    vc = jax.random.normal(jax.random.key(4), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(5), (b, h, d), jnp.bfloat16)
+    pt = (1 + jnp.arange(b * pages, dtype=jnp.int32)).reshape(b, pages)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    layer = jnp.int32(0)
+
+    def gemm(x, w, p):
+        return persistent_gemm(x, w, num_programs=p)
+
+    def attn(q, p):
+        return paged_decode_attention(q, kc, vc, layer, pt, lens, scale=d ** -0.5, num_programs=p)
+
+    def timed(f, *a):
+        return time_fn(jax.jit(f), *a, iters=10, reps=5)["median_s"] * 1e3
+
+    g_full = timed(lambda x, w: gemm(x, w, sms), x, w)
+    a_full = timed(lambda q: attn(q, sms), q)
+    rows = []
+    for r in args.rp_shares:
+        pg = max(1, round(r * sms))
+        pa = max(1, sms - pg)
+        g = timed(lambda x, w: gemm(x, w, pg), x, w)
+        a = timed(lambda q: attn(q, pa), q)
+
+        def both(x, w, q):
+            return on_stream(lambda x, w: gemm(x, w, pg), 1)(x, w), on_stream(lambda q: attn(q, pa), 2)(q)
+
+        t = timed(both, x, w, q)
+        rows.append({"R": r, "gemm_programs": pg, "attn_programs": pa, "gemm_alone_ms": g, "attn_alone_ms": a,
+                     "together_ms": t, "serial_full_ms": g_full + a_full,
+                     "gain_vs_serial_full": (g_full + a_full) / t,
+                     "P_gemm": g_full / g, "P_attn": a_full / a})
+        print(f"R={r:.2f} gemm {pg:3d} progs {g:.3f} ms  attn {pa:3d} progs {a:.3f} ms  together {t:.3f} ms  "
+              f"serial(full) {g_full + a_full:.3f} ms  gain {(g_full + a_full) / t:.3f}x", flush=True)
+    out["rp"] = {"gemm_shape": [m, k, n], "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
+                 "attn_full_ms": a_full, "rows": rows}
+
+
+def plot_timeline(path: str, timelines: dict) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [(lb, tl) for lb, tl in timelines.items() if tl and "error" not in tl]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 2.2 + 1.1 * max(len(t) for _, t in panels)),
+                             squeeze=False)
+    colors = {}
+    for ax, (lb, tl) in zip(axes[:, 0], panels):
+        t0 = min(s for rows in tl.values() for _, s, _ in rows)
+        for i, (ln, rows) in enumerate(sorted(tl.items())):
+            for name, s, d in rows:
+                key = name.split("@")[0]
+                c = colors.setdefault(key, f"C{len(colors) % 10}")
+                ax.barh(i, d, left=s - t0, color=c, edgecolor="k", linewidth=0.3)
+                if d > 0.02:
+                    ax.text(s - t0 + d / 2, i, name[:18], ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(len(tl)))
+        ax.set_yticklabels([ln[:28] for ln in sorted(tl)], fontsize=7)
+        ax.set_title(f"{lb}: one layer, kernels per GPU stream (ms)", fontsize=9)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--buckets", default="2048,1024")
+    ap.add_argument("--decode", type=int, default=256, help="decode sequences in the largest bucket (scaled)")
+    ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
+    ap.add_argument("--max-seqs", type=int, default=272)
+    ap.add_argument("--align", type=int, default=64)
+    ap.add_argument("--plan", default="llama3-8b_h100_tp1", help="comma-separated plan names/paths")
+    ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
+    ap.add_argument("--rp-gemm", default="1024,4096,14336")
+    ap.add_argument("--rp-shares", default="0.5,0.6,0.67,0.75,0.8,0.9")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="nanoflow")
+    args = ap.parse_args()
+    args.rp_gemm = tuple(int(v) for v in args.rp_gemm.split(","))
+    args.rp_shares = [float(v) for v in args.rp_shares.split(",")]
+    from bench.common import device_info, print_table, result_path, write_results
+    from nfjax.models.random_init import SHAPES
+    cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    out = {"device": device_info(), "config": cfg.to_json(), "buckets": {}}
+    if args.rp:
+        try:
+            rp_table(args, out)
+        except Exception as e:  # noqa: BLE001 - the ablation below still runs
+            out["rp"] = {"error": repr(e)[:800]}
+            print(f"R->P table failed: {e!r}"[:800], flush=True)
+    step_ablation(args, cfg, out)
+    print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this"], out["table"])
+    summary = {}
+    big = out["buckets"].get(args.buckets.split(",")[0], {})
+    if big.get("overlap_ratio"):
+        summary["overlap_ratio_1gpu"] = big["overlap_ratio"]
+        summary["overlap_strategy"] = big["best_overlapped"]
+    for b, r in out["buckets"].items():
+        summary[f"sequential_step_ms_{b}"] = r["strategies"]["sequential"]["step_ms"]
+        if r.get("overlap_ratio"):
+            summary[f"overlap_ratio_{b}"] = r["overlap_ratio"]
+    if isinstance(out.get("rp"), dict) and out["rp"].get("rows"):
+        best = max(out["rp"]["rows"], key=lambda r: r["gain_vs_serial_full"])
+        summary["rp_best_gain"] = best["gain_vs_serial_full"]
+        summary["rp_best_R"] = best["R"]
+    path = write_results(args.name, summary, {"args": vars(args), **out}, out_dir=args.out)
+    if out.get("timelines"):
+        plot_timeline(path.replace(".json", "-timeline.png"), out["timelines"])
+    print(result_path(args.name, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Where does one engine step spend its time? Times the compiled step programs on synthetic batches (decode-only,
+mixed decode + prefill, prefill-only) and breaks a profiled run down by GPU kernel (jax.profiler trace parsed on
+the device with `jax.profiler.ProfileData`). Each variant (XLA flags, layer-loop form) runs in its own process.
+
+usage: python bench/profile_step.py --shape llama3-8b --variants base,nodm --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+# variant -> extra XLA flags
+VARIANTS = {
+    "base": "",
+    "nodm": "--xla_gpu_dot_merger_threshold_mb=0",
+    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+}
+
+
+def synthetic_batches(ctx: int, page_size: int):
+    """name -> (bucket, [(num_pages, start, n_tokens)], num_decode)."""
+    pages = -(-max(ctx + 1, 1024) // page_size)
+    dec = lambda n: [(pages, ctx, 1)] * n                              # noqa: E731
+    return {
+        "decode256": (256, dec(256), 256),
+        "decode128": (128, dec(128), 128),
+        "mixed2048": (2048, dec(128) + [(pages, 0, 960), (pages, 0, 960)], 128),
+        "prefill2048": (2048, [(pages, 0, 1024), (pages, 0, 1024)], 0),
+    }
+
+
+def child(args) -> dict:
+    import numpy as np
+    from bench.common import device_info, time_fn
+    from bench.step_bench import kernel_table, make_step_input, run_step, trace
+    from nfjax.config import CacheConfig, SchedulerConfig
+    from nfjax.engine.runner import Runner
+    from nfjax.models.random_init import SHAPES, random_model
+    from nfjax.parallel import make_mesh, shard_model
+
+    cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    ps = 16
+    batches = synthetic_batches(args.ctx, ps)
+    max_seqs = 256
+    pages_per = -(-max(args.ctx + 1, 1024) // ps)
+    need = max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values())
+    cache = CacheConfig(page_size=ps, num_pages=need + 8, max_pages_per_seq=pages_per)
+    sched = SchedulerConfig(token_buckets=tuple(sorted({b for b, _, _ in batches.values()})), max_seqs=max_seqs)
+    mesh = make_mesh(1)
+    model = random_model(cfg)
+    shard_model(model, mesh)
+    runner = Runner(model, cache, sched, mesh, take_weights=True)
+    t = time.perf_counter()
+    runner.compile_all()
+    out = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_s":
+           time.perf_counter() - t, "device": device_info(), "ctx": args.ctx, "layers": cfg.num_layers, "batches": {}}
+    rng = np.random.default_rng(0)
+    for name, (bucket, seqs, nd) in batches.items():
+        inp = make_step_input(runner, seqs, bucket, nd, rng)
+        step = runner._steps[(bucket, "sequential")]
+        fn = lambda: run_step(runner, bucket, "sequential", inp)           # noqa: E731
+        tm = time_fn(fn, iters=5, reps=5, warmup=2)
+        out["batches"][name] = {"bucket": bucket, "tokens": sum(n for _, _, n in seqs), "decode": nd,
+                                "step_ms": tm["median_s"] * 1e3,
+                                "kv_tokens_read_decode": sum(st + n for _, st, n in seqs[:nd])}
+        print(f"[{args.variant}] {name}: {tm['median_s'] * 1e3:.2f} ms", flush=True)
+        if args.profile:
+            out["batches"][name]["kernels"] = kernel_table(trace(fn, "/tmp/nfjax_prof", f"{args.variant}_{name}"))
+        if args.hlo and name == "decode256":
+            with gzip.open(os.path.join(args.out, f"hlo_{args.variant}_{name}.txt.gz"), "wt") as f:
+                f.write(step.as_text())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
+    ap.add_argument("--variants", default="base")
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--hlo", action="store_true", help="write the decode step's optimized HLO (gzip)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--timeout", type=int, default=300)
+    args = ap.parse_args()
+    if args.variant:
+        res = child(args)
+        with open(os.path.join(args.out, f"profile_step_{args.variant}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for v in args.variants.split(","):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip()
+        cmd = [sys.executable, *sys.argv, "--variant", v]
+        try:
+            subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"[{v}] timed out", flush=True)
+    for v in args.variants.split(","):
+        p = os.path.join(args.out, f"profile_step_{v}.json")
+        if not os.path.exists(p):
+            continue
+        r = json.load(open(p))
+        print(f"== {v} (compile {r['compile_s']:.1f}s)")
+        for name, b in r["batches"].items():
+            print(f"  {name:12s} {b['step_ms']:8.2f} ms  kernels {b.get('kernels', {}).get('total_kernel_ms', 0):.2f} ms")
+            for k in b.get("kernels", {}).get("top", [])[:14]:
+                print(f"      {k['ms']:7.3f} ms  x{k['count']:<6.0f} {k['name'][:110]}")
+
+
+if __name__ == "__main__":
+    main()

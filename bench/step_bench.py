@@ -1,0 +1,138 @@
+"""Shared by the step-level benches: synthetic step inputs for a `Runner`, and GPU traces read back on the device
+(`jax.profiler.ProfileData`): kernel time per kernel name, and per-stream event timelines.
+
+A synthetic sequence is `(num_pages, start, num_tokens)`: `num_tokens` query tokens at positions
+[start, start + num_tokens) over its own fresh pages. Decodes come first (one token each).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+
+def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
+    """A device `StepInput` for `runner` (greedy sampling, random token ids)."""
+    import numpy as np
+    from nfjax.engine.runner import StepInput
+    from nfjax.kv.metadata import build_metadata
+    cc = runner.cache_cfg
+    nxt, specs = 1, []
+    for npg, start, n in seqs:
+        specs.append((list(range(nxt, nxt + npg)), start, n))
+        nxt += npg
+    if nxt > cc.num_pages:
+        raise ValueError(f"synthetic batch needs {nxt} pages; the cache has {cc.num_pages}")
+    meta = build_metadata(specs, bucket, runner.max_seqs, cc.max_pages_per_seq, cc.page_size, num_decode=num_decode)
+    z = np.zeros(runner.max_seqs, np.int32)
+    toks = rng.integers(0, runner.cfg.vocab_size, bucket).astype(np.int32)
+    return runner._to_device(StepInput(toks, np.full(bucket, -1, np.int32), meta, z.astype(np.float32), z,
+                                       z.astype(np.float32) + 1, z.astype(np.uint32), z))
+
+
+def mixed_batch(bucket: int, num_decode: int, ctx: int, page_size: int, chunk: int = 1024):
+    """`num_decode` decodes at context `ctx`, then prefill chunks (from position 0) filling the bucket."""
+    pages = -(-max(ctx + 1, chunk) // page_size)
+    seqs = [(pages, ctx, 1)] * num_decode
+    left = bucket - num_decode
+    while left > 0:
+        n = min(chunk, left)
+        seqs.append((pages, 0, n))
+        left -= n
+    return seqs
+
+
+def run_step(runner, bucket: int, label: str, inp):
+    """One step of variant `label` on the runner's own KV (donated and replaced); returns the samples."""
+    return runner.run_step(bucket, label, inp)
+
+
+def trace(fn, root: str, name: str, calls: int = 3):
+    """Run `fn` `calls` times under the profiler; returns the parsed ProfileData (or an error string)."""
+    import jax
+    d = os.path.join(root, name)
+    shutil.rmtree(d, ignore_errors=True)
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(d):
+        for _ in range(calls):
+            r = fn()
+        jax.block_until_ready(r)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return "no xplane.pb written"
+    try:
+        from jax.profiler import ProfileData
+        return ProfileData.from_file(files[0])
+    except Exception as e:  # noqa: BLE001 - report, keep the timings
+        return repr(e)[:300]
+
+
+def gpu_lines(pd):
+    """(line name, [(name, start_ns, duration_ns, stats)]) for every non-empty line of every GPU plane."""
+    out = []
+    for plane in pd.planes:
+        if "gpu" not in plane.name.lower():
+            continue
+        for line in plane.lines:
+            evs = []
+            for ev in line.events:
+                try:
+                    stats = {k: v for k, v in ev.stats}
+                except Exception:  # noqa: BLE001 - stats are optional
+                    stats = {}
+                evs.append((ev.name, ev.start_ns, ev.duration_ns, stats))
+            if evs:
+                out.append((f"{plane.name}/{line.name}", evs))
+    return out
+
+
+def kernel_table(pd, calls: int = 3, top: int = 40) -> dict:
+    """Kernel ms per call by kernel name, per stream line; `top`/`total_kernel_ms` for the busiest stream."""
+    if isinstance(pd, str):
+        return {"error": pd}
+    lines = {}
+    for ln, evs in gpu_lines(pd):
+        agg: dict[str, list[float]] = {}
+        for name, _, dur, _ in evs:
+            a = agg.setdefault(name, [0.0, 0])
+            a[0] += dur / 1e6 / calls
+            a[1] += 1
+        rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+        lines[ln] = {"total_ms": sum(v[0] for v in agg.values()),
+                     "top": [{"name": k[:160], "ms": v[0], "count": v[1] / calls} for k, v in rows[:top]]}
+    streams = {k: v for k, v in lines.items() if "stream" in k.lower()} or lines
+    main = max(streams, key=lambda k: streams[k]["total_ms"]) if streams else None
+    return {"lines": lines, "main_line": main,
+            "total_kernel_ms": sum(v["total_ms"] for v in streams.values()),
+            "top": streams[main]["top"] if main else []}
+
+
+def stream_timeline(pd, window: tuple[float, float] | None = None) -> dict:
+    """Kernel events of every stream line as (label, start_ms, dur_ms) relative to the first event, optionally
+    cut to a [lo, hi) ms window. The label is the event's XLA op name scope when the trace carries one."""
+    if isinstance(pd, str):
+        return {"error": pd}
+    lines = [(ln, evs) for ln, evs in gpu_lines(pd) if "stream" in ln.lower()]
+    if not lines:
+        return {}
+    t0 = min(e[1] for _, evs in lines for e in evs)
+    out = {}
+    for ln, evs in lines:
+        rows = []
+        for name, start, dur, stats in evs:
+            s, d = (start - t0) / 1e6, dur / 1e6
+            if window and not (window[0] <= s < window[1]):
+                continue
+            rows.append((_op_scope(stats) or name, s, d))
+        if rows:
+            out[ln.split("/")[-1]] = rows
+    return out
+
+
+def _op_scope(stats: dict) -> str:
+    """The `op@nano-batches` named scope (see nfjax.schedule.executor) in an event's op-name stat, if any."""
+    for v in stats.values():
+        for seg in str(v).split("/"):
+            if "@" in seg and not seg.startswith("jit("):
+                return seg
+    return ""

@@ -1,0 +1,233 @@
+"""Persistent bf16 GEMM y = x @ w (f32 accumulation, bf16 out). Pallas Mosaic GPU (Hopper, wgmma).
+
+The grid is `num_programs` persistent programs (CTAs); output tile t is computed by program t % P. That count
+is NanoFlow's resource share: with P < #SMs the GEMM leaves SMs free for a kernel on another stream.
+
+Tiling: a CTA tile is block_m x block_n; W = 2 consumer warpgroups each own block_m / 2 rows of it (their
+accumulator, block_m / 2 x block_n f32, lives in registers) and share the B tile. K streams through SMEM in
+block_k slabs `stages` deep with TMA copies. The stream of (tile, k-step) pairs of one program is ONE
+pipeline: the copies of the next tile's first slabs are in flight while the current tile's epilogue runs.
+Each consumer keeps one wgmma in flight: after issuing step s it waits for step s - 1 and releases that slot.
+Who refills a released slot: with `producer=True` a third warpgroup (few registers) does only TMA issue
+(warp specialisation); otherwise consumer 0 issues after both consumers released the slot.
+Epilogue: registers -> bf16 -> SMEM -> TMA store, `epi_cols` columns at a time (a narrower epilogue buffer
+leaves SMEM for a deeper pipeline).
+
+Tile order: tiles are numbered in groups of `group_m` M-tiles, M fastest inside a group, so the programs
+running at one time share the same few w column blocks (w is the large operand here; x stays in L2).
+
+Ragged sizes: TMA offsets into a tiled SMEM layout must be multiples of the tile (8 rows, 64 columns), and
+we avoid out-of-bounds boxes altogether. The last M (N) tile is shifted back to end at M (N): it overlaps its
+neighbour, which recomputes and rewrites identical values (same inputs, same k order), so no clipping is
+needed and the CPU interpreter computes exactly what the GPU does. The wrapper pads only when it must:
+M to a multiple of 8 and at least block_m (x is small), K to a multiple of block_k and N to a multiple of 64
+and at least block_n (these copy w: a slow path the Llama shapes never take).
+
+Interpret mode (CPU, tests) runs this same code: both wgmma operands are plain (untransposed) SMEM tiles and
+no layout casts are used, which the jax 0.10.2 Mosaic GPU interpreter supports; it runs wgmma synchronously.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from nfjax.compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._mgpu import cdiv, compiler_params, smem_tile_transforms
+
+SMEM_BYTES = 227 * 1024      # Hopper's opt-in shared memory per block (what Mosaic GPU checks against)
+NUM_WGS = 2                  # consumer warpgroups per CTA
+
+
+class TileConfig(NamedTuple):
+    """Static kernel configuration (hashable: usable as a jit static argument)."""
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64        # 64 bf16 = one 128-byte swizzle row: wgmma's K granule for 16-bit operands
+    stages: int = 4
+    group_m: int = 16        # M-tiles per tile group (>= M / block_m: all M tiles of a column block together)
+    producer: bool = True    # a dedicated TMA warpgroup (warp specialisation)
+    epi_cols: int = 128      # epilogue columns per SMEM round trip (block_n: one round)
+
+    def smem_bytes(self, itemsize: int = 2) -> int:
+        stage = (self.block_m + self.block_n) * self.block_k * itemsize
+        return self.stages * stage + self.block_m * self.epi_cols * itemsize
+
+    def check(self):
+        rows = self.block_m // NUM_WGS
+        if rows % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k % 64:
+            raise ValueError(f"{self}: need block_m = 2 * 64k, block_n % 64 == 0 <= 256, block_k % 64 == 0")
+        if rows * self.block_n > 128 * 128:
+            raise ValueError(f"{self}: a warpgroup's f32 accumulator over 128 registers per thread")
+        if self.block_n % self.epi_cols or self.epi_cols % 64:
+            raise ValueError(f"{self}: epi_cols must divide block_n and be a multiple of 64")
+        if self.smem_bytes() > SMEM_BYTES - 1024:
+            raise ValueError(f"{self}: {self.smem_bytes()} bytes of SMEM > {SMEM_BYTES - 1024}")
+
+
+TILE_CONFIGS = {
+    "128x256_s4_ws": TileConfig(128, 256, 64, 4, 16, True, 128),
+    "128x256_s3": TileConfig(128, 256, 64, 3, 16, False, 256),
+    "128x128_s5_ws": TileConfig(128, 128, 64, 5, 16, True, 128),
+    "256x128_s4_ws": TileConfig(256, 128, 64, 4, 8, True, 64),
+}
+DEFAULT_CONFIG = "128x256_s4_ws"
+
+
+def persistent_gemm_ref(x: Float[Array, "M K"], w: Float[Array, "K N"]) -> Float[Array, "M N"]:
+    """Pure-jnp reference: f32 math, output in x's dtype."""
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32)).astype(x.dtype)
+
+
+def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
+    """Row and column offsets (m0, n0) of output tile t in the grouped order (works on traced int32 and
+    outside kernels). The last tile of each dimension is shifted back to end at the array's edge."""
+    tm_n, tn_n = cdiv(m, block_m), cdiv(n, block_n)
+    per_group = group_m * tn_n
+    first_m = lax.div(t, per_group) * group_m
+    gsz = jnp.minimum(tm_n - first_m, group_m)
+    r = lax.rem(t, per_group)
+    tm = first_m + lax.rem(r, gsz)
+    tn = lax.div(r, gsz)
+    return jnp.minimum(tm * block_m, m - block_m), jnp.minimum(tn * block_n, n - block_n)
+
+
+def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int):
+    m, k_dim = x_hbm.shape
+    n = w_hbm.shape[1]
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    rows = bm // NUM_WGS
+    k_steps = k_dim // bk
+    num_tiles = cdiv(m, bm) * cdiv(n, bn)
+    pid = lax.axis_index("p")
+    wg = lax.axis_index("wg")
+    origin = functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m)
+    n_mine = lax.div(num_tiles - pid + (num_programs - 1), num_programs)
+    total = n_mine * k_steps          # (tile, k-step) pairs this program streams through the stages
+
+    def issue(s, slot):
+        m0, n0 = origin(pid + lax.div(s, k_steps) * num_programs)
+        k0 = lax.rem(s, k_steps) * bk
+        for i in range(NUM_WGS):      # one A box per consumer: each wgmma reads an untransposed [rows, bk] tile
+            plgpu.copy_gmem_to_smem(x_hbm.at[pl.ds(m0 + i * rows, rows), pl.ds(k0, bk)], a_s.at[slot, i],
+                                    full.at[slot])
+        plgpu.copy_gmem_to_smem(w_hbm.at[pl.ds(k0, bk), pl.ds(n0, bn)], b_s.at[slot], full.at[slot])
+
+    def drain():
+        # Observe the `consumed` completions no refill waited for (the last stages): every completion of a
+        # barrier must be awaited by the thread that waits on it.
+        def body(s, c):
+            plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
+            return c
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, body, None)
+
+    def release(s):
+        """Step s's wgmmas are complete in this warpgroup: hand its slot back (and refill it, no producer)."""
+        slot = lax.rem(s, stages)
+        plgpu.barrier_arrive(consumed.at[slot])
+        if not cfg.producer:
+            @pl.when((wg == 0) & (s + stages < total))
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])     # the other consumer is done with it too
+                issue(s + stages, slot)
+
+    def consumer():
+        def tile(t, carry):
+            m0, n0 = origin(pid + t * num_programs)
+            s0 = t * k_steps
+
+            def acc_scope(acc_ref):
+                def kstep(kk, c):
+                    s = s0 + kk
+                    slot = lax.rem(s, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    plgpu.wgmma(acc_ref, a_s.at[slot, wg], b_s.at[slot])
+                    plgpu.wgmma_wait(1)                   # step s - 1 is done reading its slot
+                    pl.when(kk > 0)(lambda: release(s - 1))
+                    return c
+                lax.fori_loop(0, k_steps, kstep, None)
+                return acc_ref[...]                       # waits for the last wgmma
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, bn), jnp.float32))
+            release(s0 + k_steps - 1)
+            mine = o_s.at[wg]
+            for c in range(bn // cfg.epi_cols):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has left the buffer
+                mine[...] = acc[:, c * cfg.epi_cols:(c + 1) * cfg.epi_cols].astype(mine.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    mine, o_hbm.at[pl.ds(m0 + wg * rows, rows), pl.ds(n0 + c * cfg.epi_cols, cfg.epi_cols)])
+            return carry
+        lax.fori_loop(0, n_mine, tile, None)
+        plgpu.wait_smem_to_gmem(0)
+
+    def producer():
+        def body(s, c):
+            slot = lax.rem(s, stages)
+            pl.when(s >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+            issue(s, slot)
+            return c
+        lax.fori_loop(0, total, body, None)
+        drain()
+
+    if cfg.producer:
+        @pl.when(wg == NUM_WGS)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            producer()
+
+        @pl.when(wg < NUM_WGS)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            consumer()
+    else:
+        @pl.when(wg == 0)
+        def _():     # fill the pipeline (a loop, not unrolled: keeps the interpreter's program small)
+            lax.fori_loop(0, jnp.minimum(total, stages), lambda i, c: issue(i, i), None)
+        consumer()
+        pl.when(wg == 0)(drain)
+
+
+@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"))
+def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_programs: int | None = None,
+                    config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> Float[Array, "M N"]:
+    """y = x @ w (bf16 in, f32 accumulation, x.dtype out) on `num_programs` persistent CTAs (None: one per
+    SM). `config`: a TileConfig or a name in TILE_CONFIGS. See the module doc for tiling and padding."""
+    cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
+    cfg.check()
+    m, k_dim = x.shape
+    k2, n = w.shape
+    if k_dim != k2:
+        raise ValueError(f"x {x.shape} @ w {w.shape}: contraction sizes differ")
+    if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
+        raise ValueError(f"need matching 16-bit dtypes, got {x.dtype} and {w.dtype}")
+    mp = max(cdiv(m, 8) * 8, cfg.block_m)
+    kp = cdiv(k_dim, cfg.block_k) * cfg.block_k
+    np_ = max(cdiv(n, 64) * 64, cfg.block_n)
+    if (mp, kp) != (m, k_dim):
+        x = jnp.pad(x, ((0, mp - m), (0, kp - k_dim)))
+    if (kp, np_) != (k_dim, n):
+        w = jnp.pad(w, ((0, kp - k_dim), (0, np_ - n)))
+    num_tiles = cdiv(mp, cfg.block_m) * cdiv(np_, cfg.block_n)
+    progs = min(num_programs or num_sms(), num_tiles)
+
+    tf = smem_tile_transforms(x.dtype)
+    stages, rows = cfg.stages, cfg.block_m // NUM_WGS
+    y = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, num_programs=progs),
+        out_type=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        scratch_types=[plgpu.SMEM((stages, NUM_WGS, rows, cfg.block_k), x.dtype, transforms=tf),
+                       plgpu.SMEM((stages, cfg.block_k, cfg.block_n), x.dtype, transforms=tf),
+                       plgpu.SMEM((NUM_WGS, rows, cfg.epi_cols), x.dtype, transforms=tf),
+                       plgpu.Barrier(num_arrivals=NUM_WGS + 1, num_barriers=stages),   # A boxes + B box
+                       plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)],     # one per consumer
+        grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
+        compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(x, w)
+    return y if (mp, np_) == (m, n) else y[:m, :n]
