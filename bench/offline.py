@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 def run_peer(args, workload: str, n: int) -> dict:
     """The peer runs first, in its own process, so torch and JAX never hold the GPU at once."""
     cmd = [sys.executable, "bench/hf_peer.py", "--shape", args.shape, "--workload", workload,
-           "--num-requests", str(n)]
+           "--num-requests", str(n), "--time-limit", str(max(30, args.peer_timeout - 20))]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
