@@ -68,12 +68,17 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     prompt = sum(len(p) for p, _ in work)
     gen = sum(len(o.token_ids) for o in outs)
     tot = (prompt + gen) / dt
-    by_kind: dict[str, list[float]] = {}
+    by_kind: dict[str, list] = {}
     for st in engine.trace.steps:
-        by_kind.setdefault(step_kind(st), []).append(st.seconds * 1e3)
+        by_kind.setdefault(step_kind(st), []).append(st)
+
+    def mean(v, f):
+        return sum(f(st) for st in v) / len(v)
     res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
            "total_tok_s": tot, "trace": engine.trace.summary(),
-           "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": sum(v) / len(v)} for k, v in by_kind.items()}}
+           "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": mean(v, lambda s: s.seconds * 1e3),
+                                   "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms)}
+                               for k, v in by_kind.items()}}
     opt = ""
     if optimal_tok_s:
         res["pct_optimal"] = 100 * tot / optimal_tok_s
@@ -81,7 +86,8 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     print(f"[{label}] {len(work)} requests: {tot:,.0f} tok/s{opt}; {len(engine.trace.steps)} steps; "
           f"padding {res['trace']['padding_tokens']} tokens", flush=True)
     for k, v in sorted(res["step_ms_by_kind"].items()):
-        print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms", flush=True)
+        print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms (host {v['host_ms']:.1f} ms, "
+              f"blocked on read {v['wait_ms']:.1f} ms)", flush=True)
     return res
 
 

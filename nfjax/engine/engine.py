@@ -146,6 +146,7 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""
+        t0 = time.perf_counter()
         prev = self._inflight
         slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
         batch = self.scheduler.schedule(slots)
@@ -162,11 +163,15 @@ class Engine:
                 if sq.req.timings.first_scheduled is None:
                     sq.req.timings.first_scheduled = now
             handle = self.runner.launch(batch) if batch.seqs else None
+            if handle is not None:
+                handle.host_ms = (time.perf_counter() - t0) * 1e3
         self._inflight = handle
         if prev is None:
             return []
+        t1 = time.perf_counter()
         tokens = self.runner.read(prev)
-        self.trace.record(prev.batch, time.perf_counter() - prev.launched_at)
+        t2 = time.perf_counter()
+        self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3)
         return self._process(prev, tokens)
 
     def _process(self, handle: StepHandle, tokens) -> list[RequestOutput]:

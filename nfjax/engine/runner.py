@@ -107,6 +107,7 @@ class StepHandle:
     batch: Batch
     sampled: jax.Array               # [S] on device
     launched_at: float
+    host_ms: float = 0.0             # host time spent forming and launching it
 
 
 class Runner:

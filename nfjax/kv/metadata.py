@@ -36,31 +36,40 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_tokens: int, max_
                    max_pages: int, page_size: int, num_decode: int = 0) -> AttentionMetadata:
     """Host-side (numpy) metadata for sequences given as (page_ids, first_position, num_query_tokens).
 
-    Decode sequences must come first. Padding fills up to the static `num_tokens` / `max_seqs`.
+    Decode sequences must come first. Padding fills up to the static `num_tokens` / `max_seqs`. Vectorized
+    over sequences: the engine builds one per step for up to hundreds of sequences.
     """
-    if len(seqs) > max_seqs:
-        raise ValueError(f"{len(seqs)} sequences exceed the step's max_seqs={max_seqs}")
-    pos = np.zeros(num_tokens, np.int32)
-    slot = np.zeros(num_tokens, np.int32)       # padding -> scratch page 0
-    tseq = np.zeros(num_tokens, np.int32)
+    n = len(seqs)
+    if n > max_seqs:
+        raise ValueError(f"{n} sequences exceed the step's max_seqs={max_seqs}")
     table = np.zeros((max_seqs, max_pages), np.int32)
     lens = np.zeros(max_seqs, np.int32)
     qstart = np.zeros(max_seqs + 1, np.int32)
     lidx = np.zeros(max_seqs, np.int32)
-    t = 0
-    for s, (pages, start, n) in enumerate(seqs):
-        if t + n > num_tokens:
+    pos = np.zeros(num_tokens, np.int32)
+    slot = np.zeros(num_tokens, np.int32)       # padding -> scratch page 0
+    tseq = np.zeros(num_tokens, np.int32)
+    if n:
+        starts = np.fromiter((st for _, st, _ in seqs), np.int64, n)
+        counts = np.fromiter((c for _, _, c in seqs), np.int64, n)
+        npages = np.fromiter((len(pg) for pg, _, _ in seqs), np.int64, n)
+        total = int(counts.sum())
+        if total > num_tokens:
             raise ValueError(f"batch holds more than num_tokens={num_tokens} tokens")
-        if len(pages) > max_pages or start + n > len(pages) * page_size:
-            raise ValueError(f"sequence {s} needs more pages than it was given ({len(pages)})")
-        table[s, :len(pages)] = pages
-        p = np.arange(start, start + n)
-        pos[t:t + n] = p
-        slot[t:t + n] = np.asarray(pages, np.int64)[p // page_size] * page_size + p % page_size
-        tseq[t:t + n] = s
-        lens[s] = start + n
-        qstart[s] = t
-        lidx[s] = t + n - 1
-        t += n
-    qstart[len(seqs):] = t
+        bad = np.flatnonzero((npages > max_pages) | (starts + counts > npages * page_size))
+        if bad.size:
+            raise ValueError(f"sequence {bad[0]} needs more pages than it was given ({npages[bad[0]]})")
+        rows = np.repeat(np.arange(n), npages)
+        cols = np.arange(int(npages.sum())) - np.repeat(np.cumsum(npages) - npages, npages)
+        table[rows, cols] = np.concatenate([np.asarray(pg, np.int32) for pg, _, _ in seqs])
+        first = np.cumsum(counts) - counts                       # each sequence's first token in the batch
+        tok_seq = np.repeat(np.arange(n), counts)
+        p = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)
+        pos[:total] = p
+        slot[:total] = table[tok_seq, p // page_size] * page_size + p % page_size
+        tseq[:total] = tok_seq
+        lens[:n] = starts + counts
+        qstart[:n] = first
+        lidx[:n] = first + counts - 1
+        qstart[n:] = total
     return AttentionMetadata(pos, slot, tseq, table, lens, qstart, np.asarray(num_decode, np.int32), lidx)
