@@ -53,8 +53,10 @@ def step_ablation(args, cfg, out: dict) -> None:
         res = {}
         for label in runner.variants.by_bucket[b]:
             t = time_fn(lambda: run_step(runner, b, label, inp), iters=5, reps=5, warmup=2)
-            res[label] = {"step_ms": t["median_s"] * 1e3, "per_layer_ms": t["median_s"] * 1e3 / cfg.num_layers}
-            print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms", flush=True)
+            res[label] = {"step_ms": t["median_s"] * 1e3, "per_layer_ms": t["median_s"] * 1e3 / cfg.num_layers,
+                          "dispatch_ms": dispatch_ms(lambda: run_step(runner, b, label, inp))}
+            print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms  (dispatch {res[label]['dispatch_ms']:.2f} ms)",
+                  flush=True)
         seq = res["sequential"]["step_ms"]
         best = min((lb for lb in res if lb not in ("sequential",) and not lb.startswith("nanobatch")),
                    key=lambda lb: res[lb]["step_ms"], default=None)
@@ -73,6 +75,22 @@ def step_ablation(args, cfg, out: dict) -> None:
                     out["timeline"] = {lb: tl} if lb == best else out.get("timeline", {})
                     out.setdefault("timelines", {})[lb] = _one_layer(tl, cfg.num_layers)
     out["table"] = rows
+
+
+def dispatch_ms(fn, reps: int = 5) -> float:
+    """Host time to enqueue one step on an idle GPU (median): the L + 2 program launches alone."""
+    import statistics
+    import time
+
+    import jax
+    ts = []
+    for _ in range(reps):
+        jax.block_until_ready(fn())
+        t = time.perf_counter()
+        out = fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+        jax.block_until_ready(out)
+    return statistics.median(ts)
 
 
 def _one_layer(tl: dict, layers: int) -> dict:

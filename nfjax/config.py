@@ -246,6 +246,7 @@ class ScheduleConfig:
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
     streams: bool | None = None         # put ops on the GPU streams a schedule names (None: only on GPU)
+    layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

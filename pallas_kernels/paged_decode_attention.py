@@ -111,7 +111,7 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "interpret"))
+                                             "interpret"), inline=True)
 def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                            v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                            page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,

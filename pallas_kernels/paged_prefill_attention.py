@@ -127,7 +127,7 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "block_kv", "num_stages", "num_warpgroups",
-                                             "pingpong", "interpret"))
+                                             "pingpong", "interpret"), inline=True)
 def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
                             v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                             page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],

@@ -193,7 +193,7 @@ def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConf
         pl.when(wg == 0)(drain)
 
 
-@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"), inline=True)
 def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_programs: int | None = None,
                     config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> Float[Array, "M N"]:
     """y = x @ w (bf16 in, f32 accumulation, x.dtype out) on `num_programs` persistent CTAs (None: one per

@@ -5,8 +5,9 @@ step's samples), one *layer program* called once per layer with that layer's own
 (final norm, logits of each sequence's last token, sampling). Why not one program for the step: a `lax.scan`
 over stacked layer weights makes XLA copy every layer's weights before its GEMMs each step (a dynamic slice
 feeding cuBLAS: 9.5 of the 40 ms of an 8B decode step on an H100), and unrolling the layers inside one program
-removes the copies but costs ~40 s of compilation per bucket. One layer program has neither cost. All launches
-are asynchronous: the host queues a whole step ahead of the GPU.
+removes the copies but costs ~40 s of compilation per bucket. A program of a few layers (`layers_per_program`,
+each layer's weights its own arrays) has neither cost. Few launches per step matter too: the GPU client admits
+32 computations in flight, and with one launch per layer the host could queue barely one step ahead.
 
 The sampled tokens of a step stay on the device and feed the next step's decode inputs; the host reads a
 step's tokens only after the next step has been launched.
@@ -71,23 +72,38 @@ def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[
     return nnx.merge(rest_gd, rest_state).embed(tokens)
 
 
-def _layer(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_state, kv: KVCache,
-           x: Float[Array, "T D"], meta: AttentionMetadata, i: Int[Array, ""]):
-    """One layer under the shard_map (local weight shards and KV heads; explicit psums in the ops)."""
-    def body(layer_state, kv, x, meta, i):
+def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple, kv: KVCache,
+            x: Float[Array, "T D"], meta: AttentionMetadata, i0: Int[Array, ""]):
+    """Consecutive layers i0, i0 + 1, ... (one per state in `layer_states`) under the shard_map (local weight
+    shards and KV heads; explicit psums in the ops). With one device there is no shard_map: XLA assigns GPU
+    streams (`compute_on`) only to calls reachable from the program's entry, and a shard_map body is an
+    embedded computation ("No ExecutionStreamId found")."""
+    tp = mesh.shape[TP_AXIS]
+
+    def body(layer_states, kv, x, meta, i0):
         x = getattr(layer_fn, "split_carry", lambda v: v)(x)
-        x, kv = layer_forward(nnx.merge(layer_gd, layer_state), i, x, kv, meta, inv_freq, layer_fn, TP_AXIS, opts)
+        for j, st in enumerate(layer_states):
+            x, kv = layer_forward(nnx.merge(layer_gd, st), i0 + j, x, kv, meta, inv_freq, layer_fn,
+                                  TP_AXIS if tp > 1 else None, opts)
         return getattr(layer_fn, "join_carry", lambda v: v)(x), kv
 
+    if tp == 1:
+        return body(layer_states, kv, x, meta, i0)
     kvs = KVCache(kv_spec(), kv_spec())
-    return jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
-                         check_vma=not opts.skip_collectives)(layer_state, kv, x, meta, i)
+    specs = (layer_specs,) * len(layer_states)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
+                         check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
 
 
 def _head(rest_gd, rest_state, x: Float[Array, "T D"], inp: StepInput) -> Int[Array, "S"]:
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
     return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
+
+
+def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
+    """(first layer, count) of each program's layers: `size` at a time, the remainder last."""
+    return [(i, min(size, num_layers - i)) for i in range(0, num_layers, size)]
 
 
 def split_layers(model: LlamaModel):
@@ -139,9 +155,17 @@ class Runner:
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
         self._layer_ids = [jax.device_put(jnp.int32(i), NamedSharding(mesh, P())) for i in range(model.cfg.num_layers)]
+        g = max(1, min((schedule or ScheduleConfig()).layers_per_program, model.cfg.num_layers))
+        self.groups = layer_groups(model.cfg.num_layers, g)
+        # Variants that split the batch run one layer per program: in a multi-layer program a later layer's
+        # in-place cache writes for one nano-batch could be ordered before an earlier layer's cache reads for
+        # another, and XLA copies the whole cache to keep them apart (seen in the HLO; an optimization
+        # barrier does not prevent it). A program boundary orders them for free.
+        self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
+                        for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[int, object] = {}                   # bucket -> compiled head (norm, logits, sampling)
-        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label) -> compiled layer program
+        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label[, group size]) -> compiled layer-group program
         self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
@@ -179,11 +203,14 @@ class Runner:
                 self._head[b] = jax.jit(partial(_head, self.rest_gd), out_shardings=rep).lower(
                     self.rest_state, x, inp).compile()
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
-            layer = jax.jit(partial(_layer, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
-                                    self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
-            self._steps[(b, v.label)] = layer.lower(self.layer_states[0], self.kv, x, inp.meta,
-                                                     self._layer_ids[0]).compile(
-                compiler_options=v.compiler_options() or None)
+            layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
+                                     self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
+            groups = self._groups[v.label]
+            for n in sorted({n for _, n in groups}, reverse=True):
+                key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
+                self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
+                                                self._layer_ids[0]).compile(
+                    compiler_options=v.compiler_options() or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
@@ -197,7 +224,8 @@ class Runner:
 
     @property
     def num_compiled(self) -> int:
-        return len(self._steps)
+        """Compiled (bucket, strategy) step variants."""
+        return len({k[:2] for k in self._steps})
 
     def pin_strategy(self, label: str | None) -> None:
         """Run every step with strategy `label` where it is compiled for the bucket (else sequential);
@@ -259,9 +287,11 @@ class Runner:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). Benchmarks call this with synthetic inputs."""
         x = self._embed[bucket](self.rest_state, self._prev, inp)
-        layer = self._steps[(bucket, label)]
-        for st, i in zip(self.layer_states, self._layer_ids):
-            x, self.kv = layer(st, self.kv, x, inp.meta, i)
+        groups = self._groups[label]
+        full = groups[0][1]
+        for i0, n in groups:
+            prog = self._steps[(bucket, label) if n == full else (bucket, label, n)]
+            x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
         self._prev = self._head[bucket](self.rest_state, x, inp)
         return self._prev
 
@@ -272,9 +302,9 @@ class Runner:
         def f(rest_state, layer_states, kv, tokens, meta):
             model = nnx.merge(self.rest_gd, rest_state)
             x = model.embed(tokens)
-            for i, st in enumerate(layer_states):
-                x, kv = _layer(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
-                               self.inv_freq, st, kv, x, meta, jnp.int32(i))
+            for i0, n in self.groups:
+                x, kv = _layers(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
+                                self.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))
             return model.logits(model.norm(x[meta.logits_index]))
         put = partial(jax.device_put, device=self.replicated)
         return f(self.rest_state, self.layer_states, self.kv, put(tokens), put(meta))

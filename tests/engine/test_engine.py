@@ -117,3 +117,17 @@ def test_prompt_too_long_and_bad_ids(roomy_engine):
     with pytest.raises(UserError, match="out of range"):
         roomy_engine.add_request([1, 2, 99999])
 
+
+
+def test_layer_groups_with_a_remainder_match_the_naive_loop():
+    """Three layers, two per program: a step runs a 2-layer and a 1-layer program."""
+    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from tests.engine.conftest import TINY, make_engine
+    eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
+                      SchedulerConfig(token_buckets=(32,), max_seqs=4), cfg=TINY.replace(num_layers=3),
+                      schedule=ScheduleConfig(layers_per_program=2))
+    assert eng.runner.groups == [(0, 2), (2, 1)] and (32, "sequential", 1) in eng.runner._steps
+    prompts = ["layer groups", "x"]
+    outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == naive_greedy(eng, eng.tokenizer.encode(p), 8), p
