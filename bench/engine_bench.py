@@ -77,7 +77,9 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
            "total_tok_s": tot, "trace": engine.trace.summary(),
            "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": mean(v, lambda s: s.seconds * 1e3),
-                                   "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms)}
+                                   "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms),
+                                   "put_ms": mean(v, lambda s: s.put_ms),
+                                   "dispatch_ms": mean(v, lambda s: s.dispatch_ms)}
                                for k, v in by_kind.items()}}
     opt = ""
     if optimal_tok_s:
@@ -86,8 +88,9 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     print(f"[{label}] {len(work)} requests: {tot:,.0f} tok/s{opt}; {len(engine.trace.steps)} steps; "
           f"padding {res['trace']['padding_tokens']} tokens", flush=True)
     for k, v in sorted(res["step_ms_by_kind"].items()):
-        print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms (host {v['host_ms']:.1f} ms, "
-              f"blocked on read {v['wait_ms']:.1f} ms)", flush=True)
+        print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms (host {v['host_ms']:.1f} ms: inputs "
+              f"{v['put_ms']:.1f}, dispatch {v['dispatch_ms']:.1f}; blocked on read {v['wait_ms']:.1f} ms)",
+              flush=True)
     return res
 
 

@@ -171,7 +171,8 @@ class Engine:
         t1 = time.perf_counter()
         tokens = self.runner.read(prev)
         t2 = time.perf_counter()
-        self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3)
+        self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,
+                          prev.dispatch_ms)
         return self._process(prev, tokens)
 
     def _process(self, handle: StepHandle, tokens) -> list[RequestOutput]:

@@ -123,7 +123,9 @@ class StepHandle:
     batch: Batch
     sampled: jax.Array               # [S] on device
     launched_at: float
-    host_ms: float = 0.0             # host time spent forming and launching it
+    host_ms: float = 0.0             # host time spent forming and launching it, of which:
+    put_ms: float = 0.0              #   copying its inputs to the device
+    dispatch_ms: float = 0.0         #   enqueueing its programs
 
 
 class Runner:
@@ -278,10 +280,14 @@ class Runner:
             counters[i] = r.num_launched_outputs - 1 if sq.samples else 0
         meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
                               num_decode=batch.num_decode)
+        t0 = time.perf_counter()
         inp = self._to_device(StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
+        t1 = time.perf_counter()
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
-        return StepHandle(batch, self.run_step(t, label, inp), time.perf_counter())
+        sampled = self.run_step(t, label, inp)
+        t2 = time.perf_counter()
+        return StepHandle(batch, sampled, t2, put_ms=(t1 - t0) * 1e3, dispatch_ms=(t2 - t1) * 1e3)
 
     def run_step(self, bucket: int, label: str, inp: StepInput) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on

@@ -15,17 +15,20 @@ class StepRecord:
     seconds: float       # launch -> tokens on host (overlaps the next step's launch)
     host_ms: float = 0.0     # host time to form and launch this step (scheduler, metadata, dispatches)
     wait_ms: float = 0.0     # host time blocked reading its tokens (~0: the GPU waits for the host)
+    put_ms: float = 0.0      # part of host_ms: input copy to the device
+    dispatch_ms: float = 0.0  # part of host_ms: enqueueing the step's programs
 
 
 @dataclass
 class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(self, batch, seconds: float, host_ms: float = 0.0, wait_ms: float = 0.0) -> None:
+    def record(self, batch, seconds: float, host_ms: float = 0.0, wait_ms: float = 0.0, put_ms: float = 0.0,
+               dispatch_ms: float = 0.0) -> None:
         dec = batch.num_decode
         tot = batch.num_tokens
         self.steps.append(StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds,
-                                     host_ms, wait_ms))
+                                     host_ms, wait_ms, put_ms, dispatch_ms))
 
     def summary(self) -> dict:
         n = len(self.steps)
