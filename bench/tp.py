@@ -75,11 +75,13 @@ def child(args) -> dict:
     print(f"[tp={tp}] init {init_s:.1f}s; gemm {gemm:.1f} TFLOP/s/device; {num_pages} KV pages", flush=True)
     out = {"tp": tp, "device": device_info(), "gemm_tflops": gemm, "optimal_tok_s": optimal, "init_s": init_s,
            "num_pages": num_pages, "buckets": buckets, "config": cfg.to_json(), "variants": {}}
-    for skip in ([False, True] if tp > 1 and not args.no_skip else [False]):
+    variants = [False, True] if tp > 1 and not args.no_skip else [False]
+    for skip in variants:
         label = f"tp{tp}" + ("-nocoll" if skip else "")
         t = time.perf_counter()
         engine = Engine(model, SilentTokenizer(cfg.vocab_size),
-                        EngineConfig(cfg, cache, sched, parallel=ParallelConfig(tp, skip_collectives=skip)), mesh=mesh)
+                        EngineConfig(cfg, cache, sched, parallel=ParallelConfig(tp, skip_collectives=skip)), mesh=mesh,
+                        take_weights=skip is variants[-1])        # the last engine may free the model's arrays
         res = {"compile_s": time.perf_counter() - t}
         res.update(run_workload(engine, work, label, optimal))
         res["steps"] = time_batches(engine.runner, batches)
@@ -97,9 +99,12 @@ def child(args) -> dict:
 
 def profile_batches(runner, batches: dict, steps: dict, root: str, label: str) -> None:
     """Adds a "trace" entry (see `trace_collectives`) to each synthetic batch's result in `steps`."""
-    from bench.engine_bench import step_fn, step_input
+    import numpy as np
+    from bench.engine_bench import step_fn
+    from bench.step_bench import make_step_input
     for name, (bucket, seqs, nd) in batches.items():
-        tr = trace_collectives(step_fn(runner, bucket, step_input(runner, bucket, seqs, nd)),
+        inp = make_step_input(runner, seqs, bucket, nd, np.random.default_rng(0))
+        tr = trace_collectives(step_fn(runner, bucket, inp),
                                os.path.join(root, f"{label}-{name}"))
         steps[name]["trace"] = tr
         if "share" in tr:
