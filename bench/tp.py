@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import glob
 import json
 import os
 import subprocess
@@ -126,23 +125,10 @@ def trace_collectives(fn, trace_dir: str, calls: int = 3) -> dict:
     collectives in (busiest stream + collectives elsewhere), averaged over the GPUs; from a profiler trace.
     `share` counts every collective (also the few small ones of sampling from vocab-sharded logits),
     `allreduce_share` the all-reduces only."""
-    import shutil
-
-    import jax
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    jax.block_until_ready(fn())
-    try:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                r = fn()
-            jax.block_until_ready(r)
-        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return {"error": "no xplane.pb written"}
-        from jax.profiler import ProfileData
-        pd = ProfileData.from_file(max(files, key=os.path.getmtime))
-    except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timings
-        return {"error": repr(e)[:300]}
+    from bench.step_bench import trace
+    pd = trace(fn, os.path.dirname(trace_dir), os.path.basename(trace_dir), calls)
+    if isinstance(pd, str):          # a profiler failure must not lose the timings
+        return {"error": pd}
     return kernel_shares(pd.planes, calls)
 
 

@@ -245,7 +245,9 @@ class ScheduleConfig:
     """How a step's layers run: variants compiled per bucket, chosen per batch (first eligible in order;
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
-    streams: bool | None = None         # put ops on the GPU streams a schedule names (None: only on GPU)
+    # Put ops on the GPU streams a schedule names. Off by default: XLA in jax 0.11.2 fails to compile our layer
+    # programs with stream annotations ("No ExecutionStreamId found for call-start", bench/NOTES.md).
+    streams: bool = False
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
 
     def __post_init__(self):

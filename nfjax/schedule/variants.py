@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nfjax.compat import NO_DOT_MERGER, on_gpu
+from nfjax.compat import NO_DOT_MERGER
 from nfjax.config import ScheduleConfig, StrategyConfig
 from nfjax.schedule.api import Program, ScheduleContext, Scheduler
 from nfjax.schedule.executor import program_layer_fn
@@ -46,7 +46,7 @@ class Variants:
 
     def __init__(self, cfg: ScheduleConfig, buckets, tp: int):
         self.cfg = cfg
-        self.streams = on_gpu() if cfg.streams is None else cfg.streams
+        self.streams = bool(cfg.streams)
         graph = layer_graph()
         confs = list(cfg.strategies)
         if SEQUENTIAL not in [c.label for c in confs]:
