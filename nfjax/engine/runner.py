@@ -48,32 +48,13 @@ class StepInput:
     counters: Int[Array, "S"]        # outputs generated before this sample: the per-request key's step
 
 
-def forward_logits(graphdef, specs, mesh: Mesh, state, kv: KVCache, tokens: Int[Array, "T"],
-                   meta: AttentionMetadata, layer_fn=None,
-                   opts: ForwardOptions = ForwardOptions()) -> tuple[Float[Array, "S V"], KVCache]:
-    """All layers under one shard_map (per-device body: local weight shards, local KV heads), then the
-    vocab-sharded lm_head on each sequence's last token, outside it. `layer_fn` runs one layer's ops
-    (a schedule's program, see nfjax.schedule; None: the ops in order). `opts`: see `ForwardOptions`
-    (with `skip_collectives`, a benchmark switch, the all-reduces are left out and the logits are wrong)."""
-    def layers(state, kv, tokens, meta):
-        return nnx.merge(graphdef, state)(tokens, kv, meta, layer_fn=layer_fn, tp_axis=TP_AXIS,
-                                          opts=opts)
-
-    kvs = KVCache(kv_spec(), kv_spec())
-    # Without the psums the hidden state varies across devices, which the replication check (rightly)
-    # rejects for out_specs P(); the benchmark variant turns the check off and keeps device 0's copy.
-    h, kv = jax.shard_map(layers, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs),
-                          check_vma=not opts.skip_collectives)(state, kv, tokens, meta)
-    return nnx.merge(graphdef, state).logits(h[meta.logits_index]), kv
-
-
 def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[Array, "T D"]:
     tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
     return nnx.merge(rest_gd, rest_state).embed(tokens)
 
 
-def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple, kv: KVCache,
-            x: Float[Array, "T D"], meta: AttentionMetadata, i0: Int[Array, ""]):
+def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple,
+            kv: KVCache, x: Float[Array, "T D"], meta: AttentionMetadata, i0: Int[Array, ""]):
     """Consecutive layers i0, i0 + 1, ... (one per state in `layer_states`) under the shard_map (local weight
     shards and KV heads; explicit psums in the ops). With one device there is no shard_map: XLA assigns GPU
     streams (`compute_on`) only to calls reachable from the program's entry, and a shard_map body is an
@@ -156,7 +137,7 @@ class Runner:
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
-        self._layer_ids = [jax.device_put(jnp.int32(i), NamedSharding(mesh, P())) for i in range(model.cfg.num_layers)]
+        self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
         g = max(1, min((schedule or ScheduleConfig()).layers_per_program, model.cfg.num_layers))
         self.groups = layer_groups(model.cfg.num_layers, g)
         # Variants that split the batch run one layer per program: in a multi-layer program a later layer's
@@ -167,7 +148,8 @@ class Runner:
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[int, object] = {}                   # bucket -> compiled head (norm, logits, sampling)
-        self._steps: dict[tuple[int, str], object] = {}       # (bucket, strategy label[, group size]) -> compiled layer-group program
+        # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
+        self._steps: dict[tuple, object] = {}
         self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
