@@ -12,7 +12,6 @@ from bench.step_bench import make_step_input, run_step
 from nfjax.config import CacheConfig, ModelConfig
 
 Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
-SeqSpec = tuple[int, int, int]               # (num_pages, first position, query tokens) of one sequence
 
 
 def gemm_tflops() -> float:
@@ -92,22 +91,6 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
               f"{v['put_ms']:.1f}, dispatch {v['dispatch_ms']:.1f}; blocked on read {v['wait_ms']:.1f} ms)",
               flush=True)
     return res
-
-
-# ---- fixed synthetic batches ------------------------------------------------------------------------------
-def decode_batch(n: int, ctx: int, page_size: int) -> tuple[int, list[SeqSpec], int]:
-    """(bucket, seqs, num_decode): `n` decode tokens, each at context `ctx`."""
-    return n, [(-(-(ctx + 1) // page_size), ctx, 1)] * n, n
-
-
-def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = None,
-                chunks: int = 2) -> tuple[int, list[SeqSpec], int]:
-    """A full `bucket`: `num_decode` decodes at context `ctx` (default bucket / 16, the engine's usual mix
-    late in a 1024/512 run), the rest as `chunks` equal first prefill chunks."""
-    nd = bucket // 16 if num_decode is None else num_decode
-    dec = [(-(-(ctx + 1) // page_size), ctx, 1)] * nd
-    per = (bucket - nd) // chunks
-    return bucket, dec + [(-(-per // page_size), 0, per)] * chunks, nd
 
 
 def synthetic_pages(batches: dict) -> int:

@@ -35,7 +35,7 @@ def step_ablation(args, cfg, out: dict) -> None:
 
     ps = 16
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    batches = {b: mixed_batch(b, args.decode * b // max(buckets), args.ctx, ps) for b in buckets}
+    batches = {b: mixed_batch(b, args.ctx, ps, num_decode=args.decode * b // max(buckets))[1] for b in buckets}
     pages = max(sum(p for p, _, _ in s) for s in batches.values()) + 8
     per_seq = max(p for s in batches.values() for p, _, _ in s)
     mesh = make_mesh(1)

@@ -27,14 +27,10 @@ VARIANTS = {
 
 def synthetic_batches(ctx: int, page_size: int):
     """name -> (bucket, [(num_pages, start, n_tokens)], num_decode)."""
-    pages = -(-max(ctx + 1, 1024) // page_size)
-    dec = lambda n: [(pages, ctx, 1)] * n                              # noqa: E731
-    return {
-        "decode256": (256, dec(256), 256),
-        "decode128": (128, dec(128), 128),
-        "mixed2048": (2048, dec(128) + [(pages, 0, 960), (pages, 0, 960)], 128),
-        "prefill2048": (2048, [(pages, 0, 1024), (pages, 0, 1024)], 0),
-    }
+    from bench.step_bench import decode_batch, mixed_batch
+    return {"decode256": decode_batch(256, ctx, page_size), "decode128": decode_batch(128, ctx, page_size),
+            "mixed2048": mixed_batch(2048, ctx, page_size, num_decode=128),
+            "prefill2048": mixed_batch(2048, ctx, page_size, num_decode=0)}
 
 
 def child(args) -> dict:
@@ -52,7 +48,7 @@ def child(args) -> dict:
     ps = 16
     batches = synthetic_batches(args.ctx, ps)
     max_seqs = 256
-    pages_per = -(-max(args.ctx + 1, 1024) // ps)
+    pages_per = max(p for _, seqs, _ in batches.values() for p, _, _ in seqs)
     need = max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values())
     cache = CacheConfig(page_size=ps, num_pages=need + 8, max_pages_per_seq=pages_per)
     sched = SchedulerConfig(token_buckets=tuple(sorted({b for b, _, _ in batches.values()})), max_seqs=max_seqs)

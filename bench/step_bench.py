@@ -10,6 +10,8 @@ import glob
 import os
 import shutil
 
+SeqSpec = tuple[int, int, int]               # (num_pages, first position, query tokens) of one sequence
+
 
 def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
     """A device `StepInput` for `runner` (greedy sampling, random token ids)."""
@@ -30,16 +32,19 @@ def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
                                        z.astype(np.float32) + 1, z.astype(np.uint32), z))
 
 
-def mixed_batch(bucket: int, num_decode: int, ctx: int, page_size: int, chunk: int = 1024):
-    """`num_decode` decodes at context `ctx`, then prefill chunks (from position 0) filling the bucket."""
-    pages = -(-max(ctx + 1, chunk) // page_size)
-    seqs = [(pages, ctx, 1)] * num_decode
-    left = bucket - num_decode
-    while left > 0:
-        n = min(chunk, left)
-        seqs.append((pages, 0, n))
-        left -= n
-    return seqs
+def decode_batch(n: int, ctx: int, page_size: int) -> tuple[int, list[SeqSpec], int]:
+    """(bucket, seqs, num_decode): `n` decode tokens, each at context `ctx`."""
+    return n, [(-(-(ctx + 1) // page_size), ctx, 1)] * n, n
+
+
+def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = None,
+                chunks: int = 2) -> tuple[int, list[SeqSpec], int]:
+    """A full `bucket`: `num_decode` decodes at context `ctx` (default bucket / 16, the engine's usual mix
+    late in a 1024/512 run), the rest as `chunks` equal first prefill chunks."""
+    nd = bucket // 16 if num_decode is None else num_decode
+    dec = [(-(-(ctx + 1) // page_size), ctx, 1)] * nd
+    per = (bucket - nd) // chunks
+    return bucket, dec + [(-(-per // page_size), 0, per)] * chunks, nd
 
 
 def run_step(runner, bucket: int, label: str, inp):

@@ -44,7 +44,8 @@ def child(args) -> dict:
     import jax
     from flax import nnx
     from bench.common import device_info
-    from bench.engine_bench import (cache_for, decode_batch, gemm_tflops, kv_pages, mixed_batch, pages_needed,
+    from bench.step_bench import decode_batch, mixed_batch
+    from bench.engine_bench import (cache_for, gemm_tflops, kv_pages, pages_needed,
                                     run_workload, synthetic_pages, time_batches)
     from bench.workloads import parse
     from nfjax.config import EngineConfig, ParallelConfig, SchedulerConfig
