@@ -36,7 +36,7 @@ def engine_run(args, workloads: list[str]) -> dict:
     from bench.common import device_name
     from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, SchedulerConfig
+    from nfjax.config import EngineConfig, ScheduleConfig, SchedulerConfig
     from nfjax.engine import Engine
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.tokenizer.silent import SilentTokenizer
@@ -55,7 +55,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
-    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched))
+    schedule = ScheduleConfig(command_buffers=not args.no_command_buffers)
+    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, schedule=schedule))
     compile_s = time.perf_counter() - t
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    ap.add_argument("--no-command-buffers", action="store_true", help="XLA CUDA-graph command buffers off")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     args = ap.parse_args()

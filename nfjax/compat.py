@@ -66,3 +66,8 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
     if fn is None:
         from jax._src.lax.parallel import all_gather_invariant as fn
     return fn(x, axis_name, axis=axis, tiled=tiled)
+
+
+# XLA's CUDA-graph command buffers off: the empty list of command types. A DebugOptions field as well; the
+# candidate cause of the host waiting in dispatch for the GPU's step time (bench/NOTES.md section 3).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}

@@ -249,6 +249,8 @@ class ScheduleConfig:
     # programs with stream annotations ("No ExecutionStreamId found for call-start", bench/NOTES.md).
     streams: bool = False
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
+    command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches; to test
+                                        # whether they make dispatch wait for the GPU, bench/NOTES.md section 3)
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

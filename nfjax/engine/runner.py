@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, UInt32
 
+from nfjax.compat import NO_COMMAND_BUFFERS
 from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.scheduler import Batch
@@ -157,6 +158,8 @@ class Runner:
         self._swap_in = None
         self.compile_seconds = 0.0
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
+        sc = schedule or ScheduleConfig()
+        self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
 
     # ---- compilation ------------------------------------------------------------------------------
     def _example_input(self, bucket: int) -> StepInput:
@@ -183,9 +186,9 @@ class Runner:
             x = x_sh.update(shape=(b, self.cfg.hidden_size))
             if b not in self._embed:
                 self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
-                    self.rest_state, self._prev, inp).compile()
+                    self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
                 self._head[b] = jax.jit(partial(_head, self.rest_gd), out_shardings=rep).lower(
-                    self.rest_state, x, inp).compile()
+                    self.rest_state, x, inp).compile(compiler_options=self.xla_options or None)
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
             layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
                                      self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
@@ -194,7 +197,7 @@ class Runner:
                 key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
                 self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
                                                 self._layer_ids[0]).compile(
-                    compiler_options=v.compiler_options() or None)
+                    compiler_options={**self.xla_options, **v.compiler_options()} or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),

@@ -131,3 +131,14 @@ def test_layer_groups_with_a_remainder_match_the_naive_loop():
     outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == naive_greedy(eng, eng.tokenizer.encode(p), 8), p
+
+
+def test_command_buffers_off_compiles_and_matches():
+    """The XLA option that turns CUDA-graph command buffers off is accepted (it is a no-op on CPU)."""
+    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from tests.engine.conftest import make_engine
+    eng = make_engine(CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=16),
+                      SchedulerConfig(token_buckets=(32,), max_seqs=4), schedule=ScheduleConfig(command_buffers=False))
+    assert eng.runner.xla_options == {"xla_gpu_enable_command_buffer": ""}
+    out = eng.generate("command buffers", SamplingParams.greedy(max_tokens=6, ignore_eos=True))[0]
+    assert out.token_ids == naive_greedy(eng, eng.tokenizer.encode("command buffers"), 6)
