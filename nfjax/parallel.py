@@ -115,8 +115,9 @@ def unstack_layers(stacked, layer_specs, mesh: Mesh, release: bool = False) -> l
     spec_leaves = treedef.flatten_up_to(layer_specs)
     per_leaf = []
     for a, sp in zip(leaves, spec_leaves):
-        sh = NamedSharding(mesh, sp)
-        per_leaf.append([jax.jit(lambda a, i=i: a[i], out_shardings=sh)(a) for i in range(a.shape[0])])
+        n = a.shape[0]
+        split = jax.jit(lambda a: tuple(a[i] for i in range(n)), out_shardings=(NamedSharding(mesh, sp),) * n)
+        per_leaf.append(list(split(a)))                  # one compiled split per leaf, not one per slice
         if release:
             a.delete()
     return [jax.tree_util.tree_unflatten(treedef, [pl[i] for pl in per_leaf]) for i in range(len(per_leaf[0]))]

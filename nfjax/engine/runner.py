@@ -1,13 +1,12 @@
 """Compiled step programs (all compiled at start) and their asynchronous launch.
 
-A step is L + 2 launches of compiled programs: `embed` (input tokens, some taken on device from the previous
-step's samples), one *layer program* called once per layer with that layer's own weight arrays, and `head`
-(final norm, logits of each sequence's last token, sampling). Why not one program for the step: a `lax.scan`
-over stacked layer weights makes XLA copy every layer's weights before its GEMMs each step (a dynamic slice
-feeding cuBLAS: 9.5 of the 40 ms of an 8B decode step on an H100), and unrolling the layers inside one program
-removes the copies but costs ~40 s of compilation per bucket. A program of a few layers (`layers_per_program`,
-each layer's weights its own arrays) has neither cost. Few launches per step matter too: the GPU client admits
-32 computations in flight, and with one launch per layer the host could queue barely one step ahead.
+A step is a few launches of compiled programs: `embed` (input tokens, some taken on device from the previous
+step's samples), one *layer-group program* per `layers_per_program` consecutive layers, each layer's weights
+its own arrays, and `head` (final norm, logits of each sequence's last token, sampling). Why not one program
+for the step: a `lax.scan` over stacked layer weights makes XLA copy every layer's weights before its GEMMs
+each step (a dynamic slice feeding the GEMM: 9.5 of the 40 ms of an 8B decode step on an H100), and unrolling
+all layers inside one program removes the copies but costs ~40 s of compilation per bucket. A program of a few
+layers has neither cost.
 
 The sampled tokens of a step stay on the device and feed the next step's decode inputs; the host reads a
 step's tokens only after the next step has been launched.
@@ -121,7 +120,8 @@ class Runner:
         `skip_collectives`: BENCHMARK ONLY, compile without the row-parallel all-reduces (wrong tokens).
         The layers run from per-layer copies of the weights; `take_weights` deletes the model's stacked layer
         arrays as they are copied (the model is unusable afterwards; `model()` rebuilds one)."""
-        from nfjax.schedule.variants import Variants
+        from nfjax.schedule.variants import SEQUENTIAL, Variants
+        sc = schedule or ScheduleConfig()
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched
@@ -137,16 +137,16 @@ class Runner:
         self.kv = KVCache.create(model.cfg, cache, sharding=self.kv_sharding.k)
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
-        self.variants = Variants(schedule or ScheduleConfig(), sched.token_buckets, mesh.shape[TP_AXIS])
+        self.variants = Variants(sc, sched.token_buckets, tp)
         self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
-        g = max(1, min((schedule or ScheduleConfig()).layers_per_program, model.cfg.num_layers))
-        self.groups = layer_groups(model.cfg.num_layers, g)
+        g = max(1, min(sc.layers_per_program, model.cfg.num_layers))
         # Variants that split the batch run one layer per program: in a multi-layer program a later layer's
         # in-place cache writes for one nano-batch could be ordered before an earlier layer's cache reads for
         # another, and XLA copies the whole cache to keep them apart (seen in the HLO; an optimization
         # barrier does not prevent it). A program boundary orders them for free.
         self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
+        self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[int, object] = {}                   # bucket -> compiled head (norm, logits, sampling)
         # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
@@ -158,7 +158,6 @@ class Runner:
         self._swap_in = None
         self.compile_seconds = 0.0
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
-        sc = schedule or ScheduleConfig()
         self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
 
     # ---- compilation ------------------------------------------------------------------------------

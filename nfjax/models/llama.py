@@ -192,7 +192,7 @@ class LlamaModel(nnx.Module):
         `split_carry` / `join_carry` attributes, the residual stream crosses layers as `split_carry(x)` (e.g.
         nano-batch pieces) and is joined after the last layer.
         Under a shard_map, `tp_axis` names the mesh axis the row-parallel outputs are summed over.
-        `opts`: the static choices of `ForwardOptions` (layer loop form, prefill bound, benchmark switches).
+        `opts`: the static choices of `ForwardOptions` (prefill tile bound, benchmark switches).
         """
         layer_fn = layer_fn or sequential_layer_fn
         inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
