@@ -20,7 +20,11 @@ def strategies(args):
     from nfjax.config import StrategyConfig
     out = [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
            StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
-    out += [StrategyConfig("nanoflow", plan=p) for p in args.plan.split(",") if p]
+    for p in filter(None, args.plan.split(",")):
+        out.append(StrategyConfig("nanoflow", plan=p))
+        if args.streams:        # the same plan as an op order only: what the streams themselves add
+            out.append(StrategyConfig("nanoflow", plan=p, streams=False,
+                                      name=f"nanoflow-nostreams:{os.path.splitext(os.path.basename(p))[0]}"))
     return tuple(out)
 
 
@@ -42,7 +46,7 @@ def step_ablation(args, cfg, out: dict) -> None:
     model = random_model(cfg)
     shard_model(model, mesh)
     runner = Runner(model, CacheConfig(ps, pages, per_seq), SchedulerConfig(buckets, max_seqs=args.max_seqs), mesh,
-                    ScheduleConfig(strategies=strategies(args)))
+                    ScheduleConfig(strategies=strategies(args), streams=args.streams))
     runner.compile_all()
     out["compile_s"] = runner.compile_seconds
     out["skipped"] = {f"{b}:{lb}": why for (b, lb), why in runner.variants.skipped.items()}
@@ -58,7 +62,7 @@ def step_ablation(args, cfg, out: dict) -> None:
             print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms  (dispatch {res[label]['dispatch_ms']:.2f} ms)",
                   flush=True)
         seq = res["sequential"]["step_ms"]
-        best = min((lb for lb in res if lb not in ("sequential",) and not lb.startswith("nanobatch")),
+        best = min((lb for lb in res if lb != "sequential" and not lb.startswith(("nanobatch", "nanoflow-nostreams"))),
                    key=lambda lb: res[lb]["step_ms"], default=None)
         out["buckets"][str(b)] = {"strategies": res, "decode": args.decode * b // max(buckets), "ctx": args.ctx,
                                   "best_overlapped": best,
@@ -201,6 +205,8 @@ def main() -> None:
     ap.add_argument("--align", type=int, default=64)
     ap.add_argument("--plan", default="llama3-8b_h100_tp1", help="comma-separated plan names/paths")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--no-streams", dest="streams", action="store_false",
+                    help="overlapping strategies as op orders only (no compute_on stream regions)")
     ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
     ap.add_argument("--rp-gemm", default="1024,4096,14336")
     ap.add_argument("--rp-shares", default="0.5,0.6,0.67,0.75,0.8,0.9")

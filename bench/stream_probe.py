@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,16 +61,14 @@ def build(args):
     fusion = lambda a: jnp.sin(a) * 2.0 + 1.0                                    # noqa: E731
     nested = lambda x: jax.jit(lambda v: persistent_gemm(v, w, num_programs=pg))(x)  # noqa: E731
     cb_off = dict(NO_COMMAND_BUFFERS)
-    return {
+    return {                                            # most telling first; command buffers off last
         "spin|spin": (spin, spin, (small, small), {}),
-        "fusion|fusion": (fusion, fusion, (big, big), {}),
-        "spin|spin cb_off": (spin, spin, (small, small), cb_off),
         "gemm|attn": (gemm, attn, (x, q), {}),
-        "gemm|attn cb_off": (gemm, attn, (x, q), cb_off),
-        "gemm|spin": (gemm, spin, (x, small), {}),
         "spin|attn": (spin, attn, (small, q), {}),
-        "nested_gemm|attn cb_off": (nested, attn, (x, q), cb_off),
-        "cublas|attn cb_off": (cublas, attn, (x, q), cb_off),
+        "cublas|attn": (cublas, attn, (x, q), {}),
+        "nested_gemm|attn": (nested, attn, (x, q), {}),
+        "fusion|fusion": (fusion, fusion, (big, big), {}),
+        "gemm|attn cb_off": (gemm, attn, (x, q), cb_off),
     }
 
 
@@ -107,6 +106,7 @@ def main() -> None:
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
     rows, data = [], {}
+    t0 = time.perf_counter()
     for name, (fa, fb, (a, b), opts) in variants.items():
         seq = probe(name, fa, fb, a, b, opts, False, args.iters)
         par = probe(name, fa, fb, a, b, opts, True, args.iters)
@@ -115,7 +115,7 @@ def main() -> None:
         data[name]["seq_over_par"] = gain
         rows.append([name, seq.get("ms"), par.get("ms") if par["ok"] else "REJECTED", gain,
                      par.get("call_starts"), (par.get("error") or "")[:90]])
-        print(name, data[name], flush=True)
+        print(f"{time.perf_counter() - t0:6.1f}s", name, data[name], flush=True)
     print_table(["variant", "one stream ms", "two streams ms", "seq/par", "call-starts", "error"], rows)
     summary = {f"accepted[{k}]": v["streams"]["ok"] for k, v in data.items()}
     summary.update({f"seq_over_par[{k}]": v["seq_over_par"] for k, v in data.items() if v["seq_over_par"]})

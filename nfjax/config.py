@@ -210,6 +210,7 @@ class StrategyConfig:
     min_tokens: int = 0                 # chosen only for batches with at least this many real tokens
     min_decode: int = 0                 # ... and at least this many decode tokens
     name: str | None = None             # label in stats and `Runner.pin_strategy` (default: derived)
+    streams: bool | None = None         # put ops on the streams the schedule names (None: ScheduleConfig.streams)
 
     def __post_init__(self):
         if self.kind not in STRATEGY_KINDS:
@@ -245,8 +246,8 @@ class ScheduleConfig:
     """How a step's layers run: variants compiled per bucket, chosen per batch (first eligible in order;
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
-    # Put ops on the GPU streams a schedule names. Off by default: XLA in jax 0.11.2 fails to compile our layer
-    # programs with stream annotations ("No ExecutionStreamId found for call-start", bench/NOTES.md).
+    # Put ops on the GPU streams a schedule names (compute_on regions; a strategy may override). Off by default
+    # until a measured plan gains from them (bench/nanoflow.py, bench/NOTES.md section 6).
     streams: bool = False
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
     command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches; to test

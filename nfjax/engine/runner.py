@@ -56,9 +56,8 @@ def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[
 def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple,
             kv: KVCache, x: Float[Array, "T D"], meta: AttentionMetadata, i0: Int[Array, ""]):
     """Consecutive layers i0, i0 + 1, ... (one per state in `layer_states`) under the shard_map (local weight
-    shards and KV heads; explicit psums in the ops). With one device there is no shard_map: XLA assigns GPU
-    streams (`compute_on`) only to calls reachable from the program's entry, and a shard_map body is an
-    embedded computation ("No ExecutionStreamId found")."""
+    shards and KV heads; explicit psums in the ops). With one device there is no shard_map, so stream regions
+    (`compute_on`) sit directly in the program's entry computation."""
     tp = mesh.shape[TP_AXIS]
 
     def body(layer_states, kv, x, meta, i0):

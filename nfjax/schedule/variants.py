@@ -35,7 +35,8 @@ class Variant:
     splits: bool
 
     def layer_fn(self, streams: bool):
-        return program_layer_fn(self.program, streams)
+        """`streams`: the schedule-wide default, which the strategy's own setting overrides."""
+        return program_layer_fn(self.program, streams if self.config.streams is None else self.config.streams)
 
     def compiler_options(self) -> dict:
         return dict(NO_DOT_MERGER) if self.splits else {}
