@@ -20,6 +20,8 @@ def strategies(args):
     from nfjax.config import StrategyConfig
     out = [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
            StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
+    if args.tp > 1:                 # each nano-batch's all-reduce under the other's GEMMs (async collectives)
+        out.append(StrategyConfig("comm_overlap", split=(1, 1), align=args.align))
     for p in filter(None, args.plan.split(",")):
         out.append(StrategyConfig("nanoflow", plan=p))
         if args.streams:        # the same plan as an op order only: what the streams themselves add
@@ -42,7 +44,7 @@ def step_ablation(args, cfg, out: dict) -> None:
     batches = {b: mixed_batch(b, args.ctx, ps, num_decode=args.decode * b // max(buckets))[1] for b in buckets}
     pages = max(sum(p for p, _, _ in s) for s in batches.values()) + 8
     per_seq = max(p for s in batches.values() for p, _, _ in s)
-    mesh = make_mesh(1)
+    mesh = make_mesh(args.tp)
     model = random_model(cfg)
     shard_model(model, mesh)
     runner = Runner(model, CacheConfig(ps, pages, per_seq), SchedulerConfig(buckets, max_seqs=args.max_seqs), mesh,
@@ -133,7 +135,8 @@ def rp_table(args, out: dict) -> None:
         return persistent_gemm(x, w, num_programs=p)
 
     def attn(q, p):
-        return paged_decode_attention(q, kc, vc, layer, pt, lens, scale=d ** -0.5, num_programs=p)
+        return paged_decode_attention(q, kc, vc, layer, pt, lens, scale=d ** -0.5, num_programs=p,
+                                      num_stages=args.rp_stages)
 
     def timed(f, *a):
         return time_fn(jax.jit(f), *a, iters=10, reps=5)["median_s"] * 1e3
@@ -198,6 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (adds CommOverlap when > 1)")
     ap.add_argument("--buckets", default="2048,1024")
     ap.add_argument("--decode", type=int, default=256, help="decode sequences in the largest bucket (scaled)")
     ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
@@ -208,6 +212,8 @@ def main() -> None:
     ap.add_argument("--no-streams", dest="streams", action="store_false",
                     help="overlapping strategies as op orders only (no compute_on stream regions)")
     ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
+    ap.add_argument("--no-ablation", dest="ablation", action="store_false", help="only the R -> P table")
+    ap.add_argument("--rp-stages", type=int, default=2, help="decode attention's KV pipeline depth in the table")
     ap.add_argument("--rp-gemm", default="1024,4096,14336")
     ap.add_argument("--rp-shares", default="0.5,0.6,0.67,0.75,0.8,0.9")
     ap.add_argument("--out", default=None)
@@ -215,24 +221,31 @@ def main() -> None:
     args = ap.parse_args()
     args.rp_gemm = tuple(int(v) for v in args.rp_gemm.split(","))
     args.rp_shares = [float(v) for v in args.rp_shares.split(",")]
-    from bench.common import device_info, print_table, result_path, write_results
+    from bench.common import device_info, print_table
     from nfjax.models.random_init import SHAPES
     cfg = SHAPES[args.shape]
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers)
     out = {"device": device_info(), "config": cfg.to_json(), "buckets": {}}
+    if args.ablation:
+        step_ablation(args, cfg, out)
+        print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this"], out["table"])
+        save(args, out)                 # written before the R -> P table, which may run out of time
     if args.rp:
         try:
             rp_table(args, out)
-        except Exception as e:  # noqa: BLE001 - the ablation below still runs
+        except Exception as e:  # noqa: BLE001 - what was measured is still written
             out["rp"] = {"error": repr(e)[:800]}
             print(f"R->P table failed: {e!r}"[:800], flush=True)
-    step_ablation(args, cfg, out)
-    print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this"], out["table"])
+        save(args, out)
+
+
+def save(args, out: dict) -> None:
+    from bench.common import write_results
     summary = {}
     big = out["buckets"].get(args.buckets.split(",")[0], {})
     if big.get("overlap_ratio"):
-        summary["overlap_ratio_1gpu"] = big["overlap_ratio"]
+        summary["overlap_ratio_1gpu" if args.tp == 1 else f"overlap_ratio_tp{args.tp}"] = big["overlap_ratio"]
         summary["overlap_strategy"] = big["best_overlapped"]
     for b, r in out["buckets"].items():
         summary[f"sequential_step_ms_{b}"] = r["strategies"]["sequential"]["step_ms"]
@@ -245,7 +258,6 @@ def main() -> None:
     path = write_results(args.name, summary, {"args": vars(args), **out}, out_dir=args.out)
     if out.get("timelines"):
         plot_timeline(path.replace(".json", "-timeline.png"), out["timelines"])
-    print(result_path(args.name, args.out))
 
 
 if __name__ == "__main__":
