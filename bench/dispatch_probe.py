@@ -1,0 +1,81 @@
+"""Does enqueueing a jitted program wait for the GPU? (GPU only; bench/NOTES.md section 3.)
+
+A chain of N programs, each ~1 ms of GEMM work on the output of the one before, is enqueued from Python. The
+host time to enqueue the chain is compared with the time until its result is ready. If enqueueing does not
+wait, the first is a small fraction of the second. Variants: no donation; donating the chained activation
+(not yet computed when its consumer is enqueued); donating a large state buffer that each program updates in
+place (the KV cache's pattern), which was computed long before.
+
+    python3 bench/dispatch_probe.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def chain_times(fn, state, x, w, n: int, reps: int = 5) -> dict:
+    import jax
+    enq, total = [], []
+    for _ in range(reps + 1):
+        jax.block_until_ready((state, x))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            state, x = fn(state, x, w)
+        t1 = time.perf_counter()
+        jax.block_until_ready((state, x))
+        t2 = time.perf_counter()
+        enq.append((t1 - t0) * 1e3)
+        total.append((t2 - t0) * 1e3)
+    return {"enqueue_ms": statistics.median(enq[1:]), "total_ms": statistics.median(total[1:])}, state, x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20, help="programs in the chain")
+    ap.add_argument("--dim", type=int, default=8192)
+    ap.add_argument("--state-mb", type=int, default=4096, help="size of the in-place state buffer")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+    from bench.common import print_table, write_results
+
+    d = args.dim
+    w = jax.random.normal(jax.random.key(0), (d, d), jnp.bfloat16) * (d ** -0.5)
+    x0 = jax.random.normal(jax.random.key(1), (d, d), jnp.bfloat16)
+    rows = args.state_mb * (1 << 20) // (d * 2)
+    st0 = jnp.zeros((rows, d), jnp.bfloat16)
+
+    def step(state, x, w):
+        y = jnp.tanh(x @ w)
+        return state.at[:8].set(y[:8]), y                    # an in-place update of a big buffer
+
+    variants = {
+        "no donation": jax.jit(step),
+        "donate activation": jax.jit(step, donate_argnums=(1,)),
+        "donate state": jax.jit(step, donate_argnums=(0,)),
+        "donate both": jax.jit(step, donate_argnums=(0, 1)),
+    }
+    data, table = {}, []
+    for name, fn in variants.items():
+        st, x = jnp.copy(st0), jnp.copy(x0)
+        st, x = fn(st, x, w)                                 # compile + warm up
+        r, st, x = chain_times(fn, st, x, w, args.n)
+        r["enqueue_share"] = r["enqueue_ms"] / r["total_ms"]
+        data[name] = r
+        table.append([name, r["enqueue_ms"], r["total_ms"], r["enqueue_share"]])
+        print(name, r, flush=True)
+        del st, x
+    print_table(["variant", f"enqueue {args.n} ms", "until ready ms", "enqueue / total"], table)
+    summary = {f"enqueue_share[{k}]": v["enqueue_share"] for k, v in data.items()}
+    write_results("dispatch_probe", summary, {"args": vars(args), "variants": data}, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
