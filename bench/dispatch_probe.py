@@ -4,7 +4,7 @@ A chain of N programs, each ~1 ms of GEMM work on the output of the one before, 
 host time to enqueue the chain is compared with the time until its result is ready. If enqueueing does not
 wait, the first is a small fraction of the second. Variants: no donation; donating the chained activation
 (not yet computed when its consumer is enqueued); donating a large state buffer that each program updates in
-place (the KV cache's pattern), which was computed long before.
+place (the KV cache's pattern); and the same chain with our Mosaic GPU GEMM (a custom call) in place of XLA's.
 
     python3 bench/dispatch_probe.py [--out DIR]
 """
@@ -56,12 +56,21 @@ def main() -> None:
         y = jnp.tanh(x @ w)
         return state.at[:8].set(y[:8]), y                    # an in-place update of a big buffer
 
+    def mosaic_step(state, x, w):                            # the same with our Mosaic GPU GEMM
+        from pallas_kernels.persistent_gemm import persistent_gemm
+        y = jnp.tanh(persistent_gemm(x, w))
+        return state.at[:8].set(y[:8]), y
+
     variants = {
         "no donation": jax.jit(step),
         "donate activation": jax.jit(step, donate_argnums=(1,)),
         "donate state": jax.jit(step, donate_argnums=(0,)),
         "donate both": jax.jit(step, donate_argnums=(0, 1)),
+        "mosaic gemm, donate both": jax.jit(mosaic_step, donate_argnums=(0, 1)),
+        "mosaic gemm, no donation": jax.jit(mosaic_step),
     }
+    if jax.default_backend() != "gpu":
+        variants = {k: v for k, v in variants.items() if not k.startswith("mosaic")}
     data, table = {}, []
     for name, fn in variants.items():
         st, x = jnp.copy(st0), jnp.copy(x0)

@@ -158,10 +158,11 @@ def rp_table(args, out: dict) -> None:
                      "together_ms": t, "serial_full_ms": g_full + a_full,
                      "gain_vs_serial_full": (g_full + a_full) / t,
                      "P_gemm": g_full / g, "P_attn": a_full / a})
+        out["rp"] = {"gemm_shape": [m, k, n], "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
+                     "attn_full_ms": a_full, "num_stages": args.rp_stages, "rows": rows}
+        save(args, out)                 # after every row: the table is slow to compile
         print(f"R={r:.2f} gemm {pg:3d} progs {g:.3f} ms  attn {pa:3d} progs {a:.3f} ms  together {t:.3f} ms  "
               f"serial(full) {g_full + a_full:.3f} ms  gain {(g_full + a_full) / t:.3f}x", flush=True)
-    out["rp"] = {"gemm_shape": [m, k, n], "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
-                 "attn_full_ms": a_full, "rows": rows}
 
 
 def plot_timeline(path: str, timelines: dict) -> str | None:
