@@ -35,11 +35,54 @@ def chain_times(fn, state, x, w, n: int, reps: int = 5) -> dict:
     return {"enqueue_ms": statistics.median(enq[1:]), "total_ms": statistics.median(total[1:])}, state, x
 
 
+def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5) -> dict:
+    """Enqueue time of each program of one engine step (embed, layer groups, head) on an idle GPU."""
+    import jax
+    import numpy as np
+    from bench.step_bench import make_step_input, mixed_batch
+    from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
+    from nfjax.engine.runner import Runner
+    from nfjax.models.random_init import SHAPES, random_model
+    from nfjax.parallel import make_mesh, shard_model
+
+    cfg = SHAPES["llama3-8b"].replace(num_layers=layers)
+    _, seqs, nd = mixed_batch(bucket, ctx, 16, num_decode=decode)
+    mesh = make_mesh(1)
+    model = random_model(cfg)
+    shard_model(model, mesh)
+    pages = sum(p for p, _, _ in seqs) + 8
+    r = Runner(model, CacheConfig(16, pages, max(p for p, _, _ in seqs)), SchedulerConfig((bucket,), max_seqs=272),
+               mesh, ScheduleConfig())
+    r.compile_all()
+    inp = make_step_input(r, seqs, bucket, nd, np.random.default_rng(0))
+    calls: dict[str, list[float]] = {}
+    for rep in range(reps + 1):
+        jax.block_until_ready(r.run_step(bucket, "sequential", inp, any_sampled=False))
+        t = [time.perf_counter()]
+        x = r._embed[bucket](r.rest_state, r._prev, inp)
+        t.append(time.perf_counter())
+        for i0, n in r._groups["sequential"]:
+            prog = r._steps[(bucket, "sequential") if n == r._groups["sequential"][0][1] else (bucket, "sequential", n)]
+            x, r.kv = prog(tuple(r.layer_states[i0:i0 + n]), r.kv, x, inp.meta, r._layer_ids[i0])
+            t.append(time.perf_counter())
+        r._prev = r._head[(bucket, False)](r.rest_state, x, inp)
+        t.append(time.perf_counter())
+        jax.block_until_ready(r._prev)
+        t.append(time.perf_counter())
+        names = ["embed"] + [f"layers{i0}" for i0, _ in r._groups["sequential"]] + ["head", "until ready"]
+        if rep:
+            for nm, a, b in zip(names, t, t[1:]):
+                calls.setdefault(nm, []).append((b - a) * 1e3)
+    return {k: statistics.median(v) for k, v in calls.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20, help="programs in the chain")
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--state-mb", type=int, default=4096, help="size of the in-place state buffer")
+    ap.add_argument("--engine-layers", type=int, default=0, help="also time each program of an engine step "
+                    "(Llama-3-8B shape with this many layers; 0 = skip)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -83,7 +126,11 @@ def main() -> None:
         del st, x
     print_table(["variant", f"enqueue {args.n} ms", "until ready ms", "enqueue / total"], table)
     summary = {f"enqueue_share[{k}]": v["enqueue_share"] for k, v in data.items()}
-    write_results("dispatch_probe", summary, {"args": vars(args), "variants": data}, out_dir=args.out)
+    out = {"args": vars(args), "variants": data}
+    if args.engine_layers:
+        out["engine_calls_ms"] = engine_calls(args.engine_layers, 1024, 64, 1280)
+        print_table(["engine program", "ms"], list(out["engine_calls_ms"].items()))
+    write_results("dispatch_probe", summary, out, out_dir=args.out)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = 
 
 
 def run_step(runner, bucket: int, label: str, inp):
-    """One step of variant `label` on the runner's own KV (donated and replaced); returns the samples."""
-    return runner.run_step(bucket, label, inp)
+    """One step of variant `label` on the runner's own KV (donated and replaced); returns the samples.
+    Synthetic inputs are greedy (`make_step_input`)."""
+    return runner.run_step(bucket, label, inp, any_sampled=False)
 
 
 def trace(fn, root: str, name: str, calls: int = 3):

@@ -75,10 +75,10 @@ def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, i
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
 
 
-def _head(rest_gd, rest_state, x: Float[Array, "T D"], inp: StepInput) -> Int[Array, "S"]:
+def _head(rest_gd, any_sampled: bool, rest_state, x: Float[Array, "T D"], inp: StepInput) -> Int[Array, "S"]:
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters)
+    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled)
 
 
 def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
@@ -147,7 +147,7 @@ class Runner:
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
-        self._head: dict[int, object] = {}                   # bucket -> compiled head (norm, logits, sampling)
+        self._head: dict[tuple[int, bool], object] = {}      # (bucket, any_sampled) -> compiled head
         # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
         self._steps: dict[tuple, object] = {}
         self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
@@ -185,8 +185,10 @@ class Runner:
             if b not in self._embed:
                 self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
                     self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
-                self._head[b] = jax.jit(partial(_head, self.rest_gd), out_shardings=rep).lower(
-                    self.rest_state, x, inp).compile(compiler_options=self.xla_options or None)
+                for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
+                    self._head[(b, any_sampled)] = jax.jit(partial(_head, self.rest_gd, any_sampled),
+                                                           out_shardings=rep).lower(self.rest_state, x, inp).compile(
+                        compiler_options=self.xla_options or None)
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
             layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
                                      self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
@@ -268,20 +270,21 @@ class Runner:
         t1 = time.perf_counter()
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
-        sampled = self.run_step(t, label, inp)
+        sampled = self.run_step(t, label, inp, any_sampled=bool((temp > 0).any()))
         t2 = time.perf_counter()
         return StepHandle(batch, sampled, t2, put_ms=(t1 - t0) * 1e3, dispatch_ms=(t2 - t1) * 1e3)
 
-    def run_step(self, bucket: int, label: str, inp: StepInput) -> jax.Array:
+    def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
-        device (they also feed the next step). Benchmarks call this with synthetic inputs."""
+        device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
+        0). Benchmarks call this with synthetic inputs."""
         x = self._embed[bucket](self.rest_state, self._prev, inp)
         groups = self._groups[label]
         full = groups[0][1]
         for i0, n in groups:
             prog = self._steps[(bucket, label) if n == full else (bucket, label, n)]
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
-        self._prev = self._head[bucket](self.rest_state, x, inp)
+        self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
         return self._prev
 
     def logits(self, tokens: Int[Array, "T"], meta: AttentionMetadata) -> Float[Array, "S V"]:

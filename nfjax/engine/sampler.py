@@ -27,10 +27,14 @@ def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
 
 
 def sample(logits: Float[Array, "S V"], temperature: Float[Array, "S"], top_k: Int[Array, "S"],
-           top_p: Float[Array, "S"], seeds: UInt32[Array, "S"], counters: Int[Array, "S"]) -> Int[Array, "S"]:
-    """Rows with temperature 0 take the argmax; the sort for top-k/top-p runs only if some row samples."""
+           top_p: Float[Array, "S"], seeds: UInt32[Array, "S"], counters: Int[Array, "S"], *,
+           any_sampled: bool = True) -> Int[Array, "S"]:
+    """Rows with temperature 0 take the argmax. `any_sampled` (static, known on the host from the batch):
+    False compiles the argmax alone, True also the sort for top-k/top-p. It is not a `lax.cond` on the
+    temperatures: XLA:GPU reads a conditional's predicate back to the host, so enqueueing the program would
+    wait for the GPU to reach it, and the host could never run a step ahead (bench/dispatch_probe.py)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = jax.lax.cond(jnp.any(temperature > 0),
-                           lambda: _sample_rows(logits, temperature, top_k, top_p, seeds, counters).astype(jnp.int32),
-                           lambda: greedy)
+    if not any_sampled:
+        return greedy
+    sampled = _sample_rows(logits, temperature, top_k, top_p, seeds, counters).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
