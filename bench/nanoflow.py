@@ -73,12 +73,12 @@ def step_ablation(args, cfg, out: dict) -> None:
         for lb, r in res.items():
             rows.append([b, lb, r["step_ms"], r["per_layer_ms"], seq / r["step_ms"]])
         if args.trace and best:
-            for lb in ("sequential", best):
+            plans = [lb for lb in res if lb.startswith("nanoflow:")]
+            for lb in dict.fromkeys(("sequential", best, *plans[:1])):     # and the first plan on streams
                 pd = trace(lambda: run_step(runner, b, lb, inp), "/tmp/nfjax_prof", f"nanoflow_{b}_{lb}", calls=1)
                 out["buckets"][str(b)].setdefault("kernels", {})[lb] = kernel_table(pd, calls=1, top=25)
                 if b == max(buckets):
                     tl = stream_timeline(pd)
-                    out["timeline"] = {lb: tl} if lb == best else out.get("timeline", {})
                     out.setdefault("timelines", {})[lb] = _one_layer(tl, cfg.num_layers)
     out["table"] = rows
 
