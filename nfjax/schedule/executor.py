@@ -8,7 +8,8 @@ runner jits one step per (token bucket, strategy) with it. Per step of the progr
     nano-batch's tokens (`meta.nano_metadata`), `num_programs` from the step's resource share;
   * the KV cache is threaded through the steps that write it (in-place scatters; the graph's dependency
     rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
-  * `stream` k >= 1 wraps the call in `compat.on_stream` (compute_on "gpu_stream:k") when streams are on.
+  * with streams on, the call runs in a `compat.on_stream` region (compute_on "gpu_stream:k+1" for plan
+    stream k; `gpu_stream`), except cache writers and collectives.
 
 Merges. The pieces of a merged read are joined by one `concatenate` of complete, never-rewritten pieces, which
 XLA fuses with the pieces' producers (each producer writes its rows of the merged buffer) or into the consumer
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nfjax.compat import num_sms, on_gpu, on_stream
-from nfjax.models.ops import GLOBAL_VALUES
+from nfjax.models.ops import GLOBAL_VALUES, Resource
 from nfjax.schedule.api import Program, Step
 from nfjax.schedule.meta import nano_metadata
 
@@ -85,6 +86,7 @@ class _Values:
 def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None) -> dict:
     """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge."""
     vals = _Values(program, env)
+    streams = streams and any(st.stream for st in program.steps)     # a one-stream program gets no regions
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
     for step in program.steps:
@@ -119,9 +121,20 @@ def _call(step: Step, layer, ctx, ins, streams: bool) -> tuple:
         res = step.fn(layer, ctx, *args)
         return tuple(res) if len(step.outs) > 1 else (res,)
 
-    if streams and step.stream:
-        f = on_stream(f, step.stream)
+    k = gpu_stream(step) if streams else None
+    if k:
+        f = on_stream(f, k)
     return f(*ins)
+
+
+def gpu_stream(step: Step) -> int | None:
+    """The GPU stream of a step when streams are on: plan stream k runs on GPU stream k + 1, so plan stream 0
+    gets regions too. XLA's scheduler puts a region's call-done right after its call-start unless another
+    region can start in between: work left on the main stream never overlapped a region (the optimized HLO
+    of the 8B plan, bench/NOTES.md section 6). Cache writers and collectives stay on the main stream."""
+    if any(v in GLOBAL_VALUES for v in step.outs) or step.resource is Resource.NETWORK:
+        return None
+    return (step.stream or 0) + 1
 
 
 def program_layer_fn(program: Program, streams: bool = False):
