@@ -128,7 +128,9 @@ def write_results(name: str, summary: dict, data: dict, out_dir: str | None = No
         dev = device_info()
     except Exception as e:  # noqa: BLE001 - results still get written
         dev = {"error": repr(e)}
-    doc = {"name": name, "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+    env = {k: os.environ[k] for k in ("XLA_FLAGS",) if os.environ.get(k)}     # part of the command when set
+    doc = {"name": name, "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+                                              *(shlex.quote(a) for a in [sys.executable, *sys.argv])]),
            "device": dev, "date": now.isoformat(timespec="seconds"), "summary": summary, "data": data}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=_json_default)
