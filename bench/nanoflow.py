@@ -112,31 +112,21 @@ def _one_layer(tl: dict, layers: int) -> dict:
 def rp_table(args, out: dict) -> None:
     """Share R of the SMs for a persistent GEMM (stream 1) vs decode attention (the rest, stream 2)."""
     import jax
-    import jax.numpy as jnp
     from bench.common import time_fn
+    from bench.step_bench import gemm_beside_attention
     from nfjax.compat import num_sms, on_stream
-    from pallas_kernels.paged_decode_attention import paged_decode_attention
     from pallas_kernels.persistent_gemm import persistent_gemm
 
     sms = num_sms()
     m, k, n = args.rp_gemm
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
-    b, ctx, ps, kvh, h, d = args.decode, args.ctx, 16, 8, 32, 128
-    pages = -(-ctx // ps)
-    kc = jax.random.normal(jax.random.key(3), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
-    vc = jax.random.normal(jax.random.key(4), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
-    q = jax.random.normal(jax.random.key(5), (b, h, d), jnp.bfloat16)
-    pt = (1 + jnp.arange(b * pages, dtype=jnp.int32)).reshape(b, pages)
-    lens = jnp.full((b,), ctx, jnp.int32)
-    layer = jnp.int32(0)
+    b, ctx = args.decode, args.ctx
+    x, w, q, paged_attn = gemm_beside_attention(args.rp_gemm, b, ctx)
 
     def gemm(x, w, p):
         return persistent_gemm(x, w, num_programs=p)
 
     def attn(q, p):
-        return paged_decode_attention(q, kc, vc, layer, pt, lens, scale=d ** -0.5, num_programs=p,
-                                      num_stages=args.rp_stages)
+        return paged_attn(q, p, args.rp_stages)
 
     def timed(f, *a):
         return time_fn(jax.jit(f), *a, iters=10, reps=5)["median_s"] * 1e3

@@ -142,3 +142,26 @@ def _op_scope(stats: dict) -> str:
             if "@" in seg and not seg.startswith("jit("):
                 return seg
     return ""
+
+
+def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: int):
+    """Random bf16 inputs for the R -> P pair: (x, w, q, attn) with x [M, K] @ w [K, N], and attn(q, programs,
+    stages=2) the paged decode attention of `decode` sequences at context `ctx` (8B heads, page size 16)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    m, k, n = gemm_shape
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
+    b, ps, kvh, h, d = decode, 16, 8, 32, 128
+    pages = -(-ctx // ps)
+    kc = jax.random.normal(jax.random.key(3), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
+    vc = jax.random.normal(jax.random.key(4), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(5), (b, h, d), jnp.bfloat16)
+    pt = (1 + jnp.arange(b * pages, dtype=jnp.int32)).reshape(b, pages)
+    lens = jnp.full((b,), ctx, jnp.int32)
+
+    def attn(q, programs: int, stages: int = 2):
+        return paged_decode_attention(q, kc, vc, jnp.int32(0), pt, lens, scale=d ** -0.5, num_programs=programs,
+                                      num_stages=stages)
+    return x, w, q, attn

@@ -34,29 +34,19 @@ def build(args):
     """name -> (f(a, b) -> (ya, yb) with a on stream 1 and b on stream 2 when `streams`, args, options)."""
     import jax
     import jax.numpy as jnp
+    from bench.step_bench import gemm_beside_attention
     from nfjax.compat import NO_COMMAND_BUFFERS, num_sms
-    from pallas_kernels.paged_decode_attention import paged_decode_attention
     from pallas_kernels.persistent_gemm import persistent_gemm
 
     sms = num_sms()
-    m, k, n = args.gemm
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
-    b, ctx, ps, kvh, h, d = args.decode, args.ctx, 16, 8, 32, 128
-    pages = -(-ctx // ps)
-    kc = jax.random.normal(jax.random.key(3), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
-    vc = jax.random.normal(jax.random.key(4), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
-    q = jax.random.normal(jax.random.key(5), (b, h, d), jnp.bfloat16)
-    pt = (1 + jnp.arange(b * pages, dtype=jnp.int32)).reshape(b, pages)
-    lens = jnp.full((b,), ctx, jnp.int32)
+    x, w, q, paged_attn = gemm_beside_attention(args.gemm, args.decode, args.ctx)
     pg = round(args.share * sms)
     pa = sms - pg
     small = jnp.ones((128, 128), jnp.float32)
     big = jax.random.normal(jax.random.key(6), (8192, 8192), jnp.float32)
 
     gemm = lambda x: persistent_gemm(x, w, num_programs=pg)                      # noqa: E731
-    attn = lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), pt, lens,  # noqa: E731
-                                            scale=d ** -0.5, num_programs=pa)
+    attn = lambda q: paged_attn(q, pa)                                            # noqa: E731
     cublas = lambda x: jnp.dot(x, w)                                              # noqa: E731
     fusion = lambda a: jnp.sin(a) * 2.0 + 1.0                                    # noqa: E731
     nested = lambda x: jax.jit(lambda v: persistent_gemm(v, w, num_programs=pg))(x)  # noqa: E731

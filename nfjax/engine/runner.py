@@ -197,7 +197,7 @@ class Runner:
                 key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
                 self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
                                                 self._layer_ids[0]).compile(
-                    compiler_options={**self.xla_options, **v.compiler_options()} or None)
+                    compiler_options={**self.xla_options, **v.compiler_options(self.variants.streams)} or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nfjax.compat import NO_DOT_MERGER
+from nfjax.compat import NO_COMMAND_BUFFERS, NO_DOT_MERGER
 from nfjax.config import ScheduleConfig, StrategyConfig
 from nfjax.schedule.api import Program, ScheduleContext, Scheduler
 from nfjax.schedule.executor import program_layer_fn
@@ -34,12 +34,22 @@ class Variant:
     program: Program
     splits: bool
 
-    def layer_fn(self, streams: bool):
-        """`streams`: the schedule-wide default, which the strategy's own setting overrides."""
-        return program_layer_fn(self.program, streams if self.config.streams is None else self.config.streams)
+    def streams(self, default: bool) -> bool:
+        """Whether this variant runs stream regions: the strategy's own setting, else the schedule's `default`,
+        and only if its program names a stream."""
+        on = default if self.config.streams is None else self.config.streams
+        return bool(on) and any(st.stream for st in self.program.steps)
 
-    def compiler_options(self) -> dict:
-        return dict(NO_DOT_MERGER) if self.splits else {}
+    def layer_fn(self, streams: bool):
+        return program_layer_fn(self.program, self.streams(streams))
+
+    def compiler_options(self, streams: bool = False) -> dict:
+        """The dot merger off for split variants; command buffers off for stream variants (a CUDA graph ran
+        every region's kernels on one stream, bench/NOTES.md section 6)."""
+        opts = dict(NO_DOT_MERGER) if self.splits else {}
+        if self.streams(streams):
+            opts.update(NO_COMMAND_BUFFERS)
+        return opts
 
 
 class Variants:

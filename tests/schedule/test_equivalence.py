@@ -72,4 +72,6 @@ def test_streams_reach_the_hlo_and_dot_merger_is_off():
     assert "_xla_stream_annotation" not in r._steps[(64, "sequential")].as_text()
     v = r.variants.by_bucket[64]
     assert v["dual_batch:1-1"].compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
-    assert v["sequential"].compiler_options() == {}
+    assert v["dual_batch:1-1"].compiler_options(True) == {"xla_gpu_dot_merger_threshold_mb": 0,
+                                                         "xla_gpu_enable_command_buffer": ""}
+    assert v["sequential"].compiler_options(True) == {}
