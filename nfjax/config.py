@@ -250,8 +250,8 @@ class ScheduleConfig:
     # until a measured plan gains from them (bench/nanoflow.py, bench/NOTES.md section 6).
     streams: bool = False
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
-    command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches; to test
-                                        # whether they make dispatch wait for the GPU, bench/NOTES.md section 3)
+    command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches); variants
+                                        # that run stream regions always compile without them (bench/NOTES.md s6)
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

@@ -1,0 +1,25 @@
+"""bench/stream_schedule.py's reading of a scheduled HLO entry computation (the text XLA prints in order)."""
+from bench.stream_schedule import region_windows
+
+HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %call-start = ((f32[8]{0}), f32[8]{0}) call-start(%p), to_apply=%a
+  %call-start.1 = ((f32[8]{0}), f32[8]{0}) call-start(%p), to_apply=%b
+  %fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, calls=%f
+  %call-done = f32[8]{0} call-done(%call-start)
+  %call-start.2 = ((f32[8]{0}), f32[8]{0}) call-start(%p), to_apply=%c
+  %call-done.2 = f32[8]{0} call-done(%call-start.2)
+  %call-done.1 = f32[8]{0} call-done(%call-start.1)
+  ROOT %add = f32[8]{0} add(%call-done, %call-done.1)
+}
+"""
+
+
+def test_region_windows_count_what_runs_before_each_done():
+    w = {x["start"]: x for x in region_windows(HLO)}
+    assert w["call-start"]["between"] == 2
+    assert w["call-start"]["kernels_or_regions"] == ["call-start.1", "fusion.3"]
+    assert w["call-start.2"]["between"] == 0                     # a lone region: its done follows at once
+    assert w["call-start.1"]["between"] == 4
