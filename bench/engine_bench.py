@@ -60,6 +60,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     from nfjax.engine import SamplingParams
     engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
     engine.trace.steps.clear()
+    engine.runner.strategy_counts.clear()
     sps = [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for _, o in work]
     t = time.perf_counter()
     outs = engine.generate([p for p, _ in work], sps)
@@ -74,7 +75,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     def mean(v, f):
         return sum(f(st) for st in v) / len(v)
     res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
-           "total_tok_s": tot, "trace": engine.trace.summary(),
+           "total_tok_s": tot, "trace": engine.trace.summary(), "steps_by_strategy": dict(engine.runner.strategy_counts),
            "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": mean(v, lambda s: s.seconds * 1e3),
                                    "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms),
                                    "put_ms": mean(v, lambda s: s.put_ms),

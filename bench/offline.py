@@ -36,7 +36,7 @@ def engine_run(args, workloads: list[str]) -> dict:
     from bench.common import device_name
     from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, ScheduleConfig, SchedulerConfig
+    from nfjax.config import EngineConfig, ScheduleConfig, SchedulerConfig, StrategyConfig
     from nfjax.engine import Engine
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.tokenizer.silent import SilentTokenizer
@@ -55,7 +55,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
-    schedule = ScheduleConfig(command_buffers=not args.no_command_buffers)
+    strategies = tuple(StrategyConfig.from_spec(sp, align=64) for sp in filter(None, args.strategies.split(",")))
+    schedule = ScheduleConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers)
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, schedule=schedule))
     compile_s = time.perf_counter() - t
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
@@ -81,6 +82,9 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     ap.add_argument("--no-command-buffers", action="store_true", help="XLA CUDA-graph command buffers off")
+    ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
+                    "nanoflow:llama3-8b_h100_tp1_fullsm,dual_batch:1-1 (default: Sequential only)")
+    ap.add_argument("--streams", action="store_true", help="run the strategies' GPU stream regions")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     args = ap.parse_args()

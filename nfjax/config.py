@@ -230,6 +230,21 @@ class StrategyConfig:
             if getattr(self, f) < 0:
                 raise ConfigError(f"schedule.strategies[{self.label}]: {f} must be >= 0")
 
+    @classmethod
+    def from_spec(cls, spec: str, **kw) -> "StrategyConfig":
+        """A variant from its label syntax: "sequential", "<kind>:<split>" (e.g. "dual_batch:1-1") or
+        "nanoflow:<plan name or path>"; `kw` sets the other fields."""
+        kind, _, arg = spec.strip().partition(":")
+        if kind == "nanoflow":
+            return cls(kind, plan=arg or None, **kw)
+        if not arg:
+            return cls(kind, **kw)
+        try:
+            split = tuple(float(w) for w in arg.split("-"))
+        except ValueError:
+            raise ConfigError(f"strategy {spec!r}: the split after ':' must be weights like 1-1, got {arg!r}") from None
+        return cls(kind, split=split, **kw)
+
     @property
     def label(self) -> str:
         if self.name:

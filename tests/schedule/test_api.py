@@ -201,6 +201,20 @@ def test_strategy_config_errors(kw, msg):
         ScheduleConfig((StrategyConfig("nanobatch"), StrategyConfig("nanobatch")))
 
 
+@pytest.mark.parametrize("spec", ["sequential", "nanobatch:1-1", "dual_batch:1-3", "comm_overlap:1-1-2",
+                                  "nanoflow:llama3-8b_h100_tp1"])
+def test_strategy_spec_round_trips_through_its_label(spec):
+    sc = StrategyConfig.from_spec(spec, align=64)
+    assert sc.label == spec and sc.align == 64
+
+
+@pytest.mark.parametrize("spec,msg", [("nanobatch:a-b", "weights like 1-1"), ("nanoflow", "plan is required"),
+                                      ("bogus:1-1", "kind must be one of")])
+def test_bad_strategy_spec_names_the_problem(spec, msg):
+    with pytest.raises(ConfigError, match=msg):
+        StrategyConfig.from_spec(spec)
+
+
 def test_sequential_is_the_plain_forward():
     prog = Sequential().plan(ctx())
     assert [s.ops[0] for s in prog.steps] == list(G.names) and prog.carry_ranges == ((0, 64),)
