@@ -61,15 +61,15 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5)
         t = [time.perf_counter()]
         x = r._embed[bucket](r.rest_state, r._prev, inp)
         t.append(time.perf_counter())
-        for i0, n in r._groups["sequential"]:
-            prog = r._steps[(bucket, "sequential") if n == r._groups["sequential"][0][1] else (bucket, "sequential", n)]
+        programs = r.layer_programs(bucket, "sequential")
+        for i0, n, prog in programs:
             x, r.kv = prog(tuple(r.layer_states[i0:i0 + n]), r.kv, x, inp.meta, r._layer_ids[i0])
             t.append(time.perf_counter())
         r._prev = r._head[(bucket, False)](r.rest_state, x, inp)
         t.append(time.perf_counter())
         jax.block_until_ready(r._prev)
         t.append(time.perf_counter())
-        names = ["embed"] + [f"layers{i0}" for i0, _ in r._groups["sequential"]] + ["head", "until ready"]
+        names = ["embed"] + [f"layers{i0}" for i0, _, _ in programs] + ["head", "until ready"]
         if rep:
             for nm, a, b in zip(names, t, t[1:]):
                 calls.setdefault(nm, []).append((b - a) * 1e3)

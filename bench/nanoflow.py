@@ -118,7 +118,6 @@ def rp_table(args, out: dict) -> None:
     from pallas_kernels.persistent_gemm import persistent_gemm
 
     sms = num_sms()
-    m, k, n = args.rp_gemm
     b, ctx = args.decode, args.ctx
     x, w, q, paged_attn = gemm_beside_attention(args.rp_gemm, b, ctx)
 
@@ -148,7 +147,7 @@ def rp_table(args, out: dict) -> None:
                      "together_ms": t, "serial_full_ms": g_full + a_full,
                      "gain_vs_serial_full": (g_full + a_full) / t,
                      "P_gemm": g_full / g, "P_attn": a_full / a})
-        out["rp"] = {"gemm_shape": [m, k, n], "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
+        out["rp"] = {"gemm_shape": list(args.rp_gemm), "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
                      "attn_full_ms": a_full, "num_stages": args.rp_stages, "rows": rows}
         save(args, out)                 # after every row: the table is slow to compile
         print(f"R={r:.2f} gemm {pg:3d} progs {g:.3f} ms  attn {pa:3d} progs {a:.3f} ms  together {t:.3f} ms  "

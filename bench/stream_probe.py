@@ -62,7 +62,7 @@ def build(args):
     }
 
 
-def probe(name, fa, fb, a, b, options, streams: bool, iters: int):
+def probe(fa, fb, a, b, options, streams: bool, iters: int):
     import jax
     from bench.common import time_fn
     from nfjax.compat import on_stream
@@ -98,8 +98,8 @@ def main() -> None:
     rows, data = [], {}
     t0 = time.perf_counter()
     for name, (fa, fb, (a, b), opts) in variants.items():
-        seq = probe(name, fa, fb, a, b, opts, False, args.iters)
-        par = probe(name, fa, fb, a, b, opts, True, args.iters)
+        seq = probe(fa, fb, a, b, opts, False, args.iters)
+        par = probe(fa, fb, a, b, opts, True, args.iters)
         data[name] = {"sequential": seq, "streams": par}
         gain = seq["ms"] / par["ms"] if seq.get("ok") and par.get("ok") else None
         data[name]["seq_over_par"] = gain

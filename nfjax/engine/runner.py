@@ -279,13 +279,16 @@ class Runner:
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
         0). Benchmarks call this with synthetic inputs."""
         x = self._embed[bucket](self.rest_state, self._prev, inp)
-        groups = self._groups[label]
-        full = groups[0][1]
-        for i0, n in groups:
-            prog = self._steps[(bucket, label) if n == full else (bucket, label, n)]
+        for i0, n, prog in self.layer_programs(bucket, label):
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
         self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
         return self._prev
+
+    def layer_programs(self, bucket: int, label: str) -> list[tuple[int, int, object]]:
+        """(first layer, layer count, compiled program) of each layer group of one step, in order."""
+        groups = self._groups[label]
+        full = groups[0][1]
+        return [(i0, n, self._steps[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
 
     def logits(self, tokens: Int[Array, "T"], meta: AttentionMetadata) -> Float[Array, "S V"]:
         """Each sequence's last-token logits through the layer-program code (sequential schedule), compiled on

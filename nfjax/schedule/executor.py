@@ -86,7 +86,6 @@ class _Values:
 def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None) -> dict:
     """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge."""
     vals = _Values(program, env)
-    streams = streams and any(st.stream for st in program.steps)     # a one-stream program gets no regions
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
     for step in program.steps:
@@ -138,7 +137,8 @@ def gpu_stream(step: Step) -> int | None:
 
 
 def program_layer_fn(program: Program, streams: bool = False):
-    """The `layer_fn` hook running `program` on every layer.
+    """The `layer_fn` hook running `program` on every layer; `streams`: put its steps in stream regions
+    (decided by `Variant.streams`, which turns them off for a program that names no stream).
 
     When the program writes the layer output in several pieces, the residual stream crosses layers as those
     pieces (`split_carry` before the layer loop, `join_carry` after it, both read by `LlamaModel`): the next
