@@ -100,7 +100,6 @@ def check_dispatch(rng, ps=16):
     from nfjax.kv.attention import paged_attention
     from nfjax.kv.cache import KVCache
     from nfjax.kv.metadata import build_metadata
-    g = H // KVH
     specs = [(300, 1), (17, 1), (1000, 1), (0, 200), (450, 77)]      # (cached before, new tokens)
     num_tokens, max_seqs, max_pages = 320, 8, 128
     if KW:
