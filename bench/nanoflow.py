@@ -119,7 +119,7 @@ def rp_table(args, out: dict) -> None:
 
     sms = num_sms()
     b, ctx = args.decode, args.ctx
-    x, w, q, paged_attn = gemm_beside_attention(args.rp_gemm, b, ctx)
+    x, w, q, paged_attn = gemm_beside_attention(args.rp_gemm, b, ctx, swapped=args.rp_swapped)
 
     def gemm(x, w, p):
         return persistent_gemm(x, w, num_programs=p)
@@ -148,7 +148,7 @@ def rp_table(args, out: dict) -> None:
                      "gain_vs_serial_full": (g_full + a_full) / t,
                      "P_gemm": g_full / g, "P_attn": a_full / a})
         out["rp"] = {"gemm_shape": list(args.rp_gemm), "decode_batch": b, "ctx": ctx, "sms": sms, "gemm_full_ms": g_full,
-                     "attn_full_ms": a_full, "num_stages": args.rp_stages, "rows": rows}
+                     "attn_full_ms": a_full, "num_stages": args.rp_stages, "swapped": args.rp_swapped, "rows": rows}
         save(args, out)                 # after every row: the table is slow to compile
         print(f"R={r:.2f} gemm {pg:3d} progs {g:.3f} ms  attn {pa:3d} progs {a:.3f} ms  together {t:.3f} ms  "
               f"serial(full) {g_full + a_full:.3f} ms  gain {(g_full + a_full) / t:.3f}x", flush=True)
@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
     ap.add_argument("--no-ablation", dest="ablation", action="store_false", help="only the R -> P table")
     ap.add_argument("--rp-stages", type=int, default=2, help="decode attention's KV pipeline depth in the table")
+    ap.add_argument("--rp-swapped", action="store_true", help="the positions-as-rows decode kernel in the table")
     ap.add_argument("--rp-gemm", default="1024,4096,14336")
     ap.add_argument("--rp-shares", default="0.5,0.6,0.67,0.75,0.8,0.9")
     ap.add_argument("--out", default=None)

@@ -144,12 +144,15 @@ def _op_scope(stats: dict) -> str:
     return ""
 
 
-def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: int):
+def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: int, swapped: bool = False):
     """Random bf16 inputs for the R -> P pair: (x, w, q, attn) with x [M, K] @ w [K, N], and attn(q, programs,
-    stages=2) the paged decode attention of `decode` sequences at context `ctx` (8B heads, page size 16)."""
+    stages=2) the paged decode attention of `decode` sequences at context `ctx` (8B heads, page size 16);
+    `swapped`: the positions-as-rows decode kernel."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.paged_decode_attention import paged_decode_attention
+    from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
+    kernel = paged_decode_attention_swapped if swapped else paged_decode_attention
     m, k, n = gemm_shape
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
@@ -162,6 +165,5 @@ def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: in
     lens = jnp.full((b,), ctx, jnp.int32)
 
     def attn(q, programs: int, stages: int = 2):
-        return paged_decode_attention(q, kc, vc, jnp.int32(0), pt, lens, scale=d ** -0.5, num_programs=programs,
-                                      num_stages=stages)
+        return kernel(q, kc, vc, jnp.int32(0), pt, lens, scale=d ** -0.5, num_programs=programs, num_stages=stages)
     return x, w, q, attn

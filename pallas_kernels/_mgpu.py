@@ -80,6 +80,31 @@ class Ops:
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((q_s.shape[0], k_s.shape[0]), jnp.float32))
 
+    def col_layout(self, x):
+        return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0))
+
+    def kq(self, k_s, q_s):
+        """[BKV, D] x [GP, D]^T -> [BKV, GP] f32: cache positions are the wgmma rows (both in SMEM)."""
+        if self.interpret:
+            return jnp.dot(k_s[...], q_s[...].T, preferred_element_type=jnp.float32)
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, k_s, q_s.transpose((1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.float32))
+
+    def vp(self, acc, p, v_s, p_s):
+        """acc + v^T @ p with acc [D, GP] f32, p [BKV, GP] (16-bit, registers), v [BKV, D] in SMEM. On the GPU
+        p goes through `p_s` ([GP, BKV] SMEM, the wgmma B operand) with a transposed store."""
+        if self.interpret:
+            return acc + jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32)
+        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
+        return pl.run_state(f)(plgpu.ACC.init(acc))
+
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""
         if self.interpret:
@@ -116,8 +141,6 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     starts half a step late, so one warpgroup's softmax runs while the other's matmuls use the tensor cores.
     """
     num_stages, block_kv, _ = k_s.shape
-    page_size = k_hbm.shape[2]
-    max_pages = pt_hbm.shape[1]
     rows, d = q_s.shape
     n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
 
@@ -132,23 +155,8 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
             pl.when(wg == leader)(lambda: issue_now(i, slot))
 
     def issue_now(i, slot):
-        tok0 = kv_lo + i * block_kv
-        if block_kv >= page_size:
-            per = block_kv // page_size
-            first = lax.div(tok0, page_size)
-            for j in range(per):
-                page = pt_hbm[seq, jnp.minimum(first + j, max_pages - 1)]
-                dk = k_s.at[slot] if per == 1 else k_s.at[slot, pl.ds(j * page_size, page_size)]
-                dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
-                plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
-        else:
-            page = pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)]
-            off = lax.rem(tok0, page_size)
-            plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, pl.ds(off, block_kv), kh], k_s.at[slot],
-                                    k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, pl.ds(off, block_kv), kh], v_s.at[slot],
-                                    v_bar.at[slot])
+        copy_kv_block(k_hbm=k_hbm, v_hbm=v_hbm, pt_hbm=pt_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar,
+                      layer=layer, seq=seq, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
 
     for i in range(num_stages):
         pl.when(i < n_blk)(lambda i=i: issue(i, i))
@@ -218,6 +226,26 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
             return c
         pl.when(wg == 0)(lambda: lax.fori_loop(jnp.maximum(n_blk - num_stages, 0), n_blk, drain, None))
     return carry
+
+
+def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot):
+    """Start the TMA copies of cache positions [tok0, tok0 + block_kv) of page-table row `seq`, kv head `kh`,
+    into stage `slot` of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. tok0 is a multiple of block_kv."""
+    block_kv, page_size, max_pages = k_s.shape[1], k_hbm.shape[2], pt_hbm.shape[1]
+    if block_kv >= page_size:
+        per = block_kv // page_size
+        first = lax.div(tok0, page_size)
+        for j in range(per):
+            page = pt_hbm[seq, jnp.minimum(first + j, max_pages - 1)]
+            dk = k_s.at[slot] if per == 1 else k_s.at[slot, pl.ds(j * page_size, page_size)]
+            dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
+            plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
+    else:
+        page = pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)]
+        off = lax.rem(tok0, page_size)
+        plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, pl.ds(off, block_kv), kh], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, pl.ds(off, block_kv), kh], v_s.at[slot], v_bar.at[slot])
 
 
 def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int):

@@ -1,0 +1,153 @@
+"""Decode attention on a share of the SMs: bandwidth against persistent program count for the heads-as-rows
+kernel (pallas_kernels/paged_decode_attention.py) and the positions-as-rows one (paged_decode_swapped.py).
+NanoFlow's overlap needs decode attention to reach HBM bandwidth on few SMs; this measures how few.
+Correctness of both kernels on the device against the jnp reference comes first. One device call.
+
+usage: PYTHONPATH=. python3 bench/decode_share.py [--out DIR] [--smoke]
+Writes <out>/decode_share-<YYYYMMDD>.json (+ .png); summary: per kernel, TB/s at 33 and 132 programs and
+the fewest programs reaching 90% of the measured copy bandwidth (8B heads, batch 256 x context 1280).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import device_info, measure_copy_bandwidth, print_table, save_plot, time_fn, write_results
+from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
+
+KERNELS = {"heads": paged_decode_attention, "swapped": paged_decode_attention_swapped}
+# name -> (kernel, kwargs); the heads kernel's default is its measured best (bench/attention.py)
+CONFIGS = {"heads_bkv128_s2": ("heads", {}),
+           "swapped_bkv128_s2": ("swapped", {"num_stages": 2}),
+           "swapped_bkv128_s3": ("swapped", {"num_stages": 3}),
+           "swapped_bkv192_s2": ("swapped", {"block_kv": 192, "num_stages": 2}),
+           "swapped_bkv64_s4": ("swapped", {"block_kv": 64, "num_stages": 4})}
+H, KVH, D = 32, 8, 128
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def cache_case(b, ctx, ps, seed, ragged=False, interpret=False):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, ctx + 1, b) if ragged else np.full(b, ctx)
+    if ragged:
+        lens[0] = 0
+    pages = [-(-int(n) // ps) for n in lens]
+    p = max(1, max(pages))
+    n = sum(pages) + 1
+    kc = jax.random.normal(jax.random.key(seed), (1, n, ps, KVH, D), jnp.bfloat16)
+    vc = jax.random.normal(jax.random.key(seed + 1), (1, n, ps, KVH, D), jnp.bfloat16)
+    perm = rng.permutation(np.arange(1, n))
+    table = np.zeros((b, p), np.int32)
+    off = 0
+    for i, k in enumerate(pages):
+        table[i, :k] = perm[off:off + k]
+        off += k
+    q = jax.random.normal(jax.random.key(seed + 2), (b, H, D), jnp.bfloat16)
+    return q, kc, vc, jnp.asarray(table), jnp.asarray(lens, jnp.int32)
+
+
+def relerr(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("nan")
+
+
+def checks(kw) -> dict:
+    res = {}
+    b, ctx = (3, 100) if kw else (24, 3000)
+    for ps in (16, 64):
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=ps, ragged=True)
+        ref = paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
+        for name, (kern, cfg) in CONFIGS.items():
+            try:
+                out = KERNELS[kern](q, kc, vc, jnp.int32(0), pt, lens, scale=D ** -0.5, num_programs=40, **cfg,
+                                    **kw)
+                res[f"{name} ps={ps}"] = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
+            except Exception as ex:  # noqa: BLE001 - report and go on
+                traceback.print_exc()
+                res[f"{name} ps={ps}"] = f"error: {type(ex).__name__}: {str(ex)[:300]}"
+    print_table(["check vs f32 reference (ragged, one empty)", "rel err"],
+                [[k, v if isinstance(v, str) else f"{v:.2e}"] for k, v in res.items()], title="\n== correctness ==")
+    return res
+
+
+def sweep(b, ctx, ps, programs, kw) -> dict:
+    q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=7)
+    q2 = q[::-1]
+    nbytes = 2 * b * ctx * KVH * D * 2
+    out = {"batch": b, "ctx": ctx, "page_size": ps, "bytes": nbytes, "rows": {}}
+    for name, (kern, cfg) in CONFIGS.items():
+        rows = []
+        for p in programs:
+            try:
+                f = jax.jit(functools.partial(KERNELS[kern], scale=D ** -0.5, num_programs=p, **cfg, **kw))
+                t = time_fn(f, arg_sets=[(qq, kc, vc, jnp.int32(0), pt, lens) for qq in (q, q2)], iters=10, reps=3)
+                rows.append({"programs": p, "s": t["median_s"], "bytes_per_s": nbytes / t["median_s"]})
+            except Exception as ex:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append({"programs": p, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+        out["rows"][name] = rows
+        log(f"b={b} ctx={ctx} ps={ps} {name}: "
+            + " ".join(f"{r['programs']}:{r.get('bytes_per_s', 0) / 1e12:.2f}" for r in rows))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="decode_share")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
+    args = ap.parse_args()
+    kw = {"interpret": True} if args.smoke else {}
+    t0 = time.perf_counter()
+    data = {"device": device_info(), "checks": checks(kw)}
+    copy = measure_copy_bandwidth((2 << 30) if not kw else (1 << 20), iters=10, reps=5)
+    cbw = data["copy_bytes_per_s"] = copy["bytes_per_s"]
+    log(f"copy {cbw / 1e12:.2f} TB/s  [{time.perf_counter() - t0:.0f}s]")
+    programs = [2, 4] if kw else [16, 22, 33, 44, 66, 99, 132]
+    cases = [(4, 64, 16)] if kw else [(256, 1280, 16), (64, 4096, 16), (256, 1280, 64)]
+    data["sweeps"] = []
+    summary = {}
+    for b, ctx, ps in cases:
+        data["sweeps"].append(sweep(b, ctx, ps, programs if ps == 16 else programs[2:], kw))
+        write_results(args.name, {"partial": True}, data, out_dir=args.out)
+    head = data["sweeps"][0]
+    for name, rows in head["rows"].items():
+        ok = [r for r in rows if "bytes_per_s" in r]
+        by = {r["programs"]: r["bytes_per_s"] for r in ok}
+        summary[f"{name}_tbs_33"] = by.get(33, 0) / 1e12 or None
+        summary[f"{name}_tbs_full"] = by.get(programs[-1], 0) / 1e12 or None
+        summary[f"{name}_programs_for_90pct_copy"] = min((p for p, v in by.items() if v >= 0.9 * cbw), default=None)
+    summary["copy_tbs"] = cbw / 1e12
+    for s in data["sweeps"]:
+        names = list(s["rows"])
+        progs = [r["programs"] for r in s["rows"][names[0]]]
+        rows = [[p] + [next((r.get("bytes_per_s", 0) / 1e12 for r in s["rows"][n] if r["programs"] == p), None)
+                       for n in names] for p in progs]
+        print_table(["programs"] + [f"{n} TB/s" for n in names], rows,
+                    title=f"\n== decode b={s['batch']} ctx={s['ctx']} page {s['page_size']}; copy {cbw / 1e12:.2f} TB/s ==")
+    path = write_results(args.name, summary, data, out_dir=args.out)
+    save_plot(path.replace(".json", ".png"), [
+        {"title": f"decode b={s['batch']} ctx={s['ctx']} page {s['page_size']}", "xlabel": "programs (SMs)",
+         "ylabel": "TB/s", "hlines": {"copy": cbw / 1e12},
+         "series": {n: ([r["programs"] for r in rs if "bytes_per_s" in r],
+                        [r["bytes_per_s"] / 1e12 for r in rs if "bytes_per_s" in r]) for n, rs in s["rows"].items()}}
+        for s in data["sweeps"]])
+    log(f"wrote {path}  [{time.perf_counter() - t0:.0f}s]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Paged decode attention with cache positions as the wgmma rows ("swapped"). Pallas Mosaic GPU.
+
+Why a second decode kernel: wgmma's M is 64 rows. The heads-as-rows kernel (paged_decode_attention.py) puts
+the G = H / KH query heads of one kv head in those rows, so with G = 4 (padded to 8) seven eighths of its
+tensor-core work and softmax are padding. That caps one SM at roughly 60 GB/s of K/V, so decode attention
+needs most of the SMs to reach HBM bandwidth, which leaves nothing for a GEMM beside it (NanoFlow's overlap).
+Here the roles swap: S^T = K Q^T ([block_kv, GP], block_kv rows, N = GP columns) and O^T += V^T P^T, so
+the tensor cores and the softmax do 1/8 of the work per K/V block, and the per-SM rate is set by the copies.
+
+Work mapping, splits, persistence (`num_programs` = NanoFlow's resource share R), the page-by-page TMA
+copies and the split reduction are those of paged_decode_attention.py, whose `paged_decode_attention_ref`
+is this kernel's reference too. Two warpgroups per program: a producer issues the TMA copies of every K/V
+block of the program's items through `num_stages` stages (one block counter across items, so the pipeline
+does not drain between items; q is double-buffered), and a consumer computes. Copy issue was a measured
+third of a block's time at 16-position pages when the computing warpgroup issued them.
+The softmax runs over axis 0 (positions), a cross-warp reduction through Mosaic's reduction scratch, which
+is one buffer per CTA: so only one warpgroup may compute. P^T is stored to SMEM transposed
+(WGMMA_TRANSPOSED layout) as wgmma's B operand; V^T is wgmma's transposed A operand (16-bit types allow it).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from nfjax.compat import mosaic_gpu_interpret_params
+from pallas_kernels._mgpu import LOG2E, MASK_VALUE, ROWS, Ops, cdiv, check_block, compiler_params, \
+    copy_kv_block, kv_scratch, smem_tile_transforms
+from pallas_kernels.paged_decode_attention import choose_num_splits, combine_splits
+
+
+def _cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
+    """Work item w -> (sequence, kv head, first position, end position, blocks)."""
+    b = lax.div(w, num_kv_heads * num_splits)
+    r = lax.rem(w, num_kv_heads * num_splits)
+    kh = lax.div(r, num_splits)
+    sp = lax.rem(r, num_splits)
+    seq_len = lens_hbm[b]
+    split_len = lax.div(lax.div(seq_len + (num_splits - 1), num_splits) + (block_kv - 1), block_kv) * block_kv
+    kv_lo = sp * split_len
+    kv_hi = jnp.minimum(kv_lo + split_len, seq_len)
+    n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
+    return b, kh, kv_lo, kv_hi, n_blk
+
+
+def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
+            q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads, num_splits,
+            num_programs, scale, interpret):
+    """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
+    counter, so the pipeline stays full across item boundaries); warpgroup 0 computes."""
+    ops = Ops(interpret)
+    num_stages, block_kv, _ = k_s.shape
+    gp = q_s.shape[1]
+    num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
+    pid = lax.axis_index("p")
+    wg = lax.axis_index("wg")
+    layer = params_hbm[0]
+    n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
+    coords = functools.partial(_item_coords, lens_hbm=lens_hbm, num_kv_heads=num_kv_heads,
+                               num_splits=num_splits, block_kv=block_kv)
+    c = scale * LOG2E
+
+    def producer():
+        def item(k, g):
+            b, kh, kv_lo, _, n_blk = coords(pid + k * num_programs)
+            qslot = lax.rem(k, 2)
+            pl.when(k >= 2)(lambda: plgpu.barrier_wait(q_free.at[qslot]))
+            plgpu.copy_gmem_to_smem(q_hbm.at[b * num_kv_heads + kh], q_s.at[qslot], q_bar.at[qslot])
+
+            def block(i, g):
+                slot = lax.rem(g, num_stages)
+                pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                copy_kv_block(k_hbm=k_hbm, v_hbm=v_hbm, pt_hbm=pt_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar,
+                              v_bar=v_bar, layer=layer, seq=b, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
+                return g + 1
+            return lax.fori_loop(0, n_blk, block, g)
+        total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
+        # every completion of a barrier is awaited by the thread that waits on it: observe the last ones
+        def drain(bars, n):
+            def body(i, cr):
+                plgpu.barrier_wait(bars.at[lax.rem(i, n)])
+                return cr
+            return body
+        lax.fori_loop(jnp.maximum(total - num_stages, 0), total, drain(consumed, num_stages), None)
+        lax.fori_loop(jnp.maximum(n_mine - 2, 0), n_mine, drain(q_free, 2), None)
+
+    def consumer():
+        def step(g, tok0, kv_hi, q, carry, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(g, num_stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = ops.kq(k_s.at[slot], q) * c                                # [BKV, GP]
+            if masked:
+                tok = ops.iota((block_kv, gp), 0) + tok0
+                s = jnp.where(tok < kv_hi, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - _cols(m_new, s.shape))
+            l = l * alpha + p.sum(axis=0)
+            acc = acc * _cols(alpha, acc.shape)
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
+            plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
+            return acc, m_new, l
+
+        def item(k, g):
+            w = pid + k * num_programs
+            _, _, kv_lo, kv_hi, n_blk = coords(w)
+            qslot = lax.rem(k, 2)
+            q = q_s.at[qslot]
+            plgpu.barrier_wait(q_bar.at[qslot])
+            acc = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
+            m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
+            l = ops.col_layout(jnp.zeros((gp,), jnp.float32))
+            n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
+            carry = lax.fori_loop(0, n_free, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, False),
+                                  (acc, m, l))
+            acc, m, l = lax.fori_loop(n_free, n_blk,
+                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, True), carry)
+            plgpu.barrier_arrive(q_free.at[qslot])
+            l_safe = jnp.maximum(l, 1e-30)          # empty split: acc == 0, so o == 0 and lse ~ -1e30
+            o = acc / _cols(l_safe, acc.shape)
+            lse = m + jnp.log2(l_safe)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous item's stores have left SMEM
+            o_s[...] = o
+            lse_s[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_hbm.at[w])
+            plgpu.copy_smem_to_gmem(lse_s, lse_hbm.at[w])
+            return g + n_blk
+        lax.fori_loop(0, n_mine, item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == 1)(producer)
+    pl.when(wg == 0)(consumer)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
+                                             "interpret"), inline=True)
+def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
+                                   v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
+                                   page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
+                                   num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
+                                   num_stages: int = 2, interpret: bool = False) -> Float[Array, "B H D"]:
+    """Same contract as `paged_decode_attention` (positions-as-rows formulation)."""
+    b, h, d = q.shape
+    _, _, ps, kvh, _ = k_cache.shape
+    g = h // kvh
+    if g * kvh != h or g > ROWS:
+        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
+    check_block(block_kv, ps, d)
+    gp = cdiv(g, 8) * 8
+    ns = num_splits or choose_num_splits(b * kvh, num_programs)
+    qr = q.reshape(b, kvh, g, d)
+    if gp != g:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    qr = qr.reshape(b * kvh, gp, d)
+    params = jnp.asarray(layer, jnp.int32).reshape(1)
+    items = b * kvh * ns
+    tf = smem_tile_transforms(q.dtype)
+
+    body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs, scale=scale,
+                             interpret=interpret)
+    o_t, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((items, d, gp), jnp.float32),
+                  jax.ShapeDtypeStruct((items, gp), jnp.float32)),
+        scratch_types=[plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
+                       plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
+                       plgpu.SMEM((d, gp), jnp.float32),
+                       plgpu.SMEM((gp,), jnp.float32),
+                       plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
+                       plgpu.Barrier(num_barriers=2),                     # q buffer free again
+                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
+                       plgpu.Barrier(num_barriers=num_stages)],           # stage consumed
+        grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
+    return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, g).astype(q.dtype)
