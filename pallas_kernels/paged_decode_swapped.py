@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params
+from nfjax.compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import LOG2E, MASK_VALUE, ROWS, Ops, cdiv, check_block, compiler_params, \
     copy_kv_block, kv_scratch, smem_tile_transforms
 from pallas_kernels.paged_decode_attention import choose_num_splits, combine_splits
@@ -150,8 +150,11 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int = 2, interpret: bool = False) -> Float[Array, "B H D"]:
-    """Same contract as `paged_decode_attention` (positions-as-rows formulation)."""
+                                   num_stages: int | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
+    """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
+    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json)."""
+    if num_stages is None:
+        num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     g = h // kvh

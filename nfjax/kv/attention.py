@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 from nfjax.compat import num_sms, on_gpu
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
-from pallas_kernels.paged_decode_attention import paged_decode_attention
+from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
@@ -57,8 +57,8 @@ def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""
     lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
     if not _use_kernels(use_kernels, q, kv):
         return _reference(q[:r], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
-    return paged_decode_attention(q[:r], kv.k, kv.v, layer, meta.page_table[:r], lens[:r], scale=scale,
-                                  num_programs=num_programs or num_sms(), interpret=interpret)
+    return paged_decode_attention_swapped(q[:r], kv.k, kv.v, layer, meta.page_table[:r], lens[:r], scale=scale,
+                                          num_programs=num_programs or num_sms(), interpret=interpret)
 
 
 def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,

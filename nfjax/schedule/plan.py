@@ -59,6 +59,10 @@ class Plan:
     def group(self, name: str) -> OpGroup:
         return next(g for g in self.groups if g.name == name)
 
+    def share_of(self, op: str, k: int) -> float | None:
+        """Resource share of `op` on its group's nano-batch k: the "OP:K" entry, else the "OP" one."""
+        return self.share.get(f"{op}:{k}", self.share.get(op))
+
     def scaled_sizes(self, g: OpGroup, num_tokens: int) -> list[int] | None:
         from nfjax.schedule.strategies import split_sizes
         return split_sizes(g.nano_batches, num_tokens, self.align)
@@ -175,9 +179,15 @@ class Plan:
                 for k in range(len(g.nano_batches)):
                     if (op, k) not in placed:
                         raise PlanError(f"{where}.streams: {op}:{k} (group {g.name!r}) is in no stream order")
-        for k in self.share:
-            if k not in graph:
-                raise PlanError(f"{where}.share.{k}: unknown op {k!r}")
+        group_of = {op: g for g in self.groups for op in g.ops}
+        for key in self.share:
+            op, sep, k = key.rpartition(":")
+            op = op if sep else key
+            if op not in graph:
+                raise PlanError(f"{where}.share.{key}: unknown op {op!r}")
+            if sep and (not k.isdigit() or int(k) >= len(group_of[op].nano_batches)):
+                raise PlanError(f"{where}.share.{key}: {k!r} is not a nano-batch index of group "
+                                f"{group_of[op].name!r} ({len(group_of[op].nano_batches)} nano-batches)")
         return self
 
 

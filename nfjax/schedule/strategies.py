@@ -226,7 +226,7 @@ class NanoFlow(Scheduler):
             for name, k in st.entries():
                 ops = self.flow_plan.group(name).ops if self.flow_plan.has_group(name) else (name,)
                 for op in sorted(ops, key=lambda o: ctx.graph[o].index):
-                    q.append((op, nbs_of(op, k), st.stream))
+                    q.append((op, nbs_of(op, k), st.stream, self.flow_plan.share_of(op, k)))
             queues.append(q)
         heads = [0] * len(queues)
         while any(h < len(q) for h, q in zip(heads, queues)):
@@ -234,10 +234,10 @@ class NanoFlow(Scheduler):
             for s, q in enumerate(queues):
                 if heads[s] >= len(q):
                     continue
-                op, nbs, stream = q[heads[s]]
+                op, nbs, stream, share = q[heads[s]]
                 nops = [self.nano_op(op, i) for i in nbs]
                 if self.is_ready(nops):
-                    self.execute(nops, stream=stream or None, share=self.flow_plan.share.get(op))
+                    self.execute(nops, stream=stream or None, share=share)
                     heads[s] += 1
                     progressed = True
             if not progressed:

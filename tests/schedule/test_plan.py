@@ -71,6 +71,9 @@ def _bad(tmp_path, mutate):
     (lambda d: d["streams"][1].update(stream=0), r"bad.json.streams: stream ids must be distinct"),
     (lambda d: d["share"].update(kqv=1.5), r"bad.json.share.kqv: must be a number in \(0, 1\], got 1.5"),
     (lambda d: d["share"].update(qkv=0.5), r"bad.json.share.qkv: unknown op 'qkv'"),
+    (lambda d: d["share"].update({"down:9": 0.5}), r"bad.json.share.down:9: '9' is not a nano-batch index of "
+                                                   r"group 'mlp'"),
+    (lambda d: d["share"].update({"dwn:1": 0.5}), r"bad.json.share.dwn:1: unknown op 'dwn'"),
 ])
 def test_validation_errors_name_the_field(tmp_path, mutate, msg):
     with pytest.raises(PlanError, match=msg):
@@ -99,3 +102,14 @@ def test_deadlocking_stream_orders_are_reported():
     plan = Plan.from_json(d).validate(G)
     with pytest.raises(ScheduleError, match="deadlock; every stream waits: stream 0: o_proj_op"):
         NanoFlow(plan).plan(ScheduleContext(64, G, 1))
+
+
+def test_per_nano_batch_share_wins_over_the_op_share():
+    d = json.loads(open(TINY_PLAN).read())
+    d["share"] = {"down": 0.5, "down:1": 0.75}
+    plan = Plan.from_json(d).validate(G)
+    assert (plan.share_of("down", 0), plan.share_of("down", 1), plan.share_of("kqv", 0)) == (0.5, 0.75, None)
+    prog = NanoFlow(plan).plan(ScheduleContext(64, G, 1))
+    # mlp's nano-batches are tokens [0:16] and [16:64]
+    assert [s for s in prog.order if s.startswith("down@")] == ["down@0,1[0:16] share=0.5",
+                                                                 "down@2,3[16:64] share=0.75"]
