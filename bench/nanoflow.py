@@ -18,8 +18,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 def strategies(args):
     from nfjax.config import StrategyConfig
-    out = [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
-           StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
+    out = [] if args.only_plans else [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
+                                      StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
     if args.tp > 1:                 # each nano-batch's all-reduce under the other's GEMMs (async collectives)
         out.append(StrategyConfig("comm_overlap", split=(1, 1), align=args.align))
     for p in filter(None, args.plan.split(",")):
@@ -201,6 +201,7 @@ def main() -> None:
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--no-streams", dest="streams", action="store_false",
                     help="overlapping strategies as op orders only (no compute_on stream regions)")
+    ap.add_argument("--only-plans", action="store_true", help="Sequential and the plans only (no split baselines)")
     ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
     ap.add_argument("--no-ablation", dest="ablation", action="store_false", help="only the R -> P table")
     ap.add_argument("--rp-stages", type=int, default=2, help="decode attention's KV pipeline depth in the table")
