@@ -8,8 +8,11 @@ runner jits one step per (token bucket, strategy) with it. Per step of the progr
     nano-batch's tokens (`meta.nano_metadata`), `num_programs` from the step's resource share;
   * the KV cache is threaded through the steps that write it (in-place scatters; the graph's dependency
     rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
-  * with streams on, the call runs in a `compat.on_stream` region (compute_on "gpu_stream:k+1" for plan
-    stream k; `gpu_stream`), except cache writers and collectives.
+  * with streams on, a step of plan stream k >= 1 runs in a `compat.on_stream` region (compute_on
+    "gpu_stream:k"; `gpu_stream`), except cache writers and collectives; stream 0 is the program's own.
+    XLA's scheduler otherwise puts a region's done right after its start, so the region and the main-stream
+    steps the plan runs beside it (those after it in program order, up to the first reader of its outputs)
+    share an XLA scheduling group (`_scheduling_group_id`), which keeps that work between start and done.
 
 Merges. The pieces of a merged read are joined by one `concatenate` of complete, never-rewritten pieces, which
 XLA fuses with the pieces' producers (each producer writes its rows of the merged buffer) or into the consumer
@@ -24,11 +27,15 @@ its piece once; a GEMM kernel that writes its tile at an output offset removes t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from nfjax.compat import num_sms, on_gpu, on_stream
 from nfjax.models.ops import GLOBAL_VALUES, Resource
@@ -83,9 +90,31 @@ class _Values:
             self.pieces.setdefault(name, []).append((lo, hi, arr))
 
 
-def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None) -> dict:
-    """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge."""
+class _OverlapGroups:
+    """Scheduling groups of one layer: a stream region opens a group; main-stream steps join the open group
+    until one reads the region's outputs (or the next region opens). Ids come from `ids` (unique per module)."""
+
+    def __init__(self, ids):
+        self.ids, self.open, self.outs = ids, None, set()
+
+    def enter(self, step: Step, region: bool) -> int | None:
+        if self.open is not None and (region or self.outs.intersection(step.ins)):
+            self.open, self.outs = None, set()
+        if region:
+            self.open, self.outs = next(self.ids), set(step.outs)
+        return self.open
+
+
+def _group_scope(gid: int | None):
+    return set_xla_metadata(_scheduling_group_id=str(gid)) if gid is not None else contextlib.nullcontext()
+
+
+def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None,
+                group_ids=None) -> dict:
+    """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge;
+    `group_ids`: the scheduling-group id source shared by all layers of a step (streams only)."""
     vals = _Values(program, env)
+    groups = _OverlapGroups(group_ids or itertools.count()) if streams else None
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
     for step in program.steps:
@@ -96,8 +125,10 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, 
         if step.share is not None and sms:
             sctx = dataclasses.replace(sctx, num_programs=max(1, round(step.share * sms)))
         ins = [vals.read(v, step.start, step.stop) for v in step.ins]
-        with jax.named_scope(f"{step.kernel or step.ops[0]}@{','.join(map(str, step.nbs))}"):  # names in traces
-            outs = _call(step, layer, sctx, ins, streams)
+        k = gpu_stream(step) if streams else None
+        gid = groups.enter(step, k is not None) if groups else None
+        with jax.named_scope(f"{step.kernel or step.ops[0]}@{','.join(map(str, step.nbs))}"), _group_scope(gid):
+            outs = _call(step, layer, sctx, ins, k)     # (the scope also names the op in traces)
         for v, arr in zip(step.outs, outs):
             vals.write(v, step.start, step.stop, arr)
     if trace is not None:
@@ -115,25 +146,22 @@ def join_pieces(parts):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _call(step: Step, layer, ctx, ins, streams: bool) -> tuple:
+def _call(step: Step, layer, ctx, ins, stream: int | None) -> tuple:
     def f(*args):
         res = step.fn(layer, ctx, *args)
         return tuple(res) if len(step.outs) > 1 else (res,)
 
-    k = gpu_stream(step) if streams else None
-    if k:
-        f = on_stream(f, k)
+    if stream:
+        f = on_stream(f, stream)
     return f(*ins)
 
 
 def gpu_stream(step: Step) -> int | None:
-    """The GPU stream of a step when streams are on: plan stream k runs on GPU stream k + 1, so plan stream 0
-    gets regions too. XLA's scheduler puts a region's call-done right after its call-start unless another
-    region can start in between: work left on the main stream never overlapped a region (the optimized HLO
-    of the 8B plan, bench/NOTES.md section 6). Cache writers and collectives stay on the main stream."""
+    """The GPU stream of a step when streams are on: plan stream k >= 1 on GPU stream k, plan stream 0 on the
+    program's own (None). Cache writers and collectives stay on the main stream."""
     if any(v in GLOBAL_VALUES for v in step.outs) or step.resource is Resource.NETWORK:
         return None
-    return (step.stream or 0) + 1
+    return step.stream or None
 
 
 def program_layer_fn(program: Program, streams: bool = False):
@@ -144,9 +172,10 @@ def program_layer_fn(program: Program, streams: bool = False):
     pieces (`split_carry` before the layer loop, `join_carry` after it, both read by `LlamaModel`): the next
     layer's nano-batches read their own piece, and the only join is one after the last layer."""
     merges: list = []
+    group_ids = itertools.count()
 
     def layer_fn(layer, ctx, env):
-        return run_program(program, layer, ctx, env, streams, merges)
+        return run_program(program, layer, ctx, env, streams, merges, group_ids)
     layer_fn.program = program
     layer_fn.merges = merges            # filled while tracing: what the HLO checks look for
     if len(program.carry_ranges) > 1:

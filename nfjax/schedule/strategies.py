@@ -7,7 +7,7 @@
                     next nano-batch's GEMM (with async collectives: GEMM1 -> AR1 start -> GEMM2 -> AR1 done).
   DualBatchOverlap  two nano-batches, the second one stage behind (stages end at cache writes and network
                     ops: qkv+rope, attention block, MLP block): nano-batch 1's attention block is issued
-                    together with nano-batch 0's MLP block, each nano-batch on its own GPU stream.
+                    together with nano-batch 0's MLP block; nano-batch 0 on the main stream, 1 on stream 1.
   FusedReduceNorm   CommOverlap with attn_reduce + ffn_norm replaced by one kernel: reduce-scatter, the
                     model's own ffn_norm op on the local 1/tp of the tokens, one all-gather of (x2, h2).
   NanoFlow(plan)    a plan file: nano-batch sizes per op group, op order per stream, resource share per op
@@ -171,7 +171,7 @@ class DualBatchOverlap(_Split):
                     continue                     # nano-batch 1 runs one stage behind nano-batch 0
                 if self.is_ready(nop):
                     own = not nop.node.writes_global and nop.node.resource is not Resource.NETWORK
-                    self.execute(nop, stream=i + 1 if own else None)
+                    self.execute(nop, stream=i if own else None)     # nano-batch 0 on the main stream
                     heads[i] += 1
                     progressed = True
             if not progressed:

@@ -63,12 +63,15 @@ def test_merges_and_cache_writes_compile_without_copies(tp):
 
 
 def test_streams_reach_the_hlo_and_dot_merger_is_off():
-    """streams=True: ops a schedule puts on plan stream k carry XLA's stream annotation k + 1 (compat.on_stream,
-    executor.gpu_stream); a split variant compiles with the dot merger off (the option is a DebugOptions
-    field, accepted on CPU)."""
+    """streams=True: ops a schedule puts on plan stream k >= 1 carry XLA's stream annotation k
+    (compat.on_stream, executor.gpu_stream), and share a scheduling group with the main-stream ops the plan
+    runs beside them; a split variant compiles with the dot merger off (the option is a DebugOptions field,
+    accepted on CPU)."""
     r = engine(2, True).runner
     hlo = r._steps[(64, "dual_batch:1-1")].as_text()
-    assert re.search(r'_xla_stream_annotation="2"', hlo) and re.search(r'_xla_stream_annotation="3"', hlo)
+    assert re.search(r'_xla_stream_annotation="1"', hlo) and not re.search(r'_xla_stream_annotation="2"', hlo)
+    annotated = re.findall(r'_scheduling_group_id="(\d+)"', hlo)
+    assert len(set(annotated)) >= 2, "each layer's regions open their own groups"
     assert "_xla_stream_annotation" not in r._steps[(64, "sequential")].as_text()
     v = r.variants.by_bucket[64]
     assert v["dual_batch:1-1"].compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
