@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--bucket", type=int, default=2048)
     ap.add_argument("--plan", default="llama3-8b_h100_tp1_fullsm")
+    ap.add_argument("--dump", default=None, help="folder for the optimized HLO text of each step program")
     args = ap.parse_args()
     from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig, StrategyConfig
     from nfjax.engine.runner import Runner
@@ -55,8 +56,15 @@ def main() -> None:
     r = Runner(model, CacheConfig(16, 512, 64), SchedulerConfig((args.bucket,), max_seqs=64), mesh, sc)
     r.compile_all()
     for key, exe in r._steps.items():
-        wins = region_windows(exe.as_text())
-        print(key, f"{len(wins)} regions")
+        text = exe.as_text()
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            label = re.sub(r"[^\w.-]", "_", str(key[1]))
+            with open(os.path.join(args.dump, f"step-{key[0]}-{label}.hlo.txt"), "w") as f:
+                f.write(text)
+        wins = region_windows(text)
+        print(key, f"{len(wins)} regions; scheduling groups in the optimized HLO:",
+              len(set(re.findall(r'_scheduling_group_id="(\d+)"', text))))
         for w in wins:
             print(f"  {w['start']:16s} {w['between']:4d} instructions before its done; "
                   f"kernels/regions among them: {w['kernels_or_regions'][:10]}")
