@@ -67,7 +67,7 @@ def main() -> None:
               len(set(re.findall(r'_scheduling_group_id="(\d+)"', text))))
         for w in wins:
             print(f"  {w['start']:16s} {w['between']:4d} instructions before its done; "
-                  f"kernels/regions among them: {w['kernels_or_regions'][:10]}")
+                  f"kernels/regions among them: {w['kernels_or_regions'][:40]}")
 
 
 if __name__ == "__main__":

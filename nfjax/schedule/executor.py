@@ -92,16 +92,18 @@ class _Values:
 
 class _OverlapGroups:
     """Scheduling groups of one layer: a stream region opens a group; main-stream steps join the open group
-    until one reads the region's outputs (or the next region opens). Ids come from `ids` (unique per module)."""
+    until one reads the region's outputs on its tokens (or the next region opens). Ids come from `ids` (unique
+    per module)."""
 
     def __init__(self, ids):
-        self.ids, self.open, self.outs = ids, None, set()
+        self.ids, self.open, self.outs, self.span = ids, None, set(), (0, 0)
 
     def enter(self, step: Step, region: bool) -> int | None:
-        if self.open is not None and (region or self.outs.intersection(step.ins)):
+        reads = self.outs.intersection(step.ins) and step.start < self.span[1] and self.span[0] < step.stop
+        if self.open is not None and (region or reads):
             self.open, self.outs = None, set()
         if region:
-            self.open, self.outs = next(self.ids), set(step.outs)
+            self.open, self.outs, self.span = next(self.ids), set(step.outs), (step.start, step.stop)
         return self.open
 
 
