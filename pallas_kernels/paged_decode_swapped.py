@@ -52,7 +52,7 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
     return b, kh, kv_lo, kv_hi, n_blk
 
 
-def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
+def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
             q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads, num_splits,
             num_programs, scale, interpret):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
@@ -61,7 +61,7 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
-    pid = lax.axis_index("p")
+    pid = lax.axis_index("p")             # programs [0, num_programs) (a fused kernel puts other work after)
     wg = lax.axis_index("wg")
     layer = params_hbm[0]
     n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
@@ -155,6 +155,22 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json)."""
     if num_stages is None:
         num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
+    qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
+                              num_stages=num_stages)
+    params = jnp.asarray(layer, jnp.int32).reshape(1)
+    kvh = k_cache.shape[3]
+    body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
+                             scale=scale, interpret=interpret)
+    o_t, lse = plgpu.kernel(
+        body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
+        grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
+    return finish(o_t, lse, q.shape, kvh, ns)
+
+
+def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int):
+    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     g = h // kvh
@@ -166,26 +182,25 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     qr = q.reshape(b, kvh, g, d)
     if gp != g:
         qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    qr = qr.reshape(b * kvh, gp, d)
-    params = jnp.asarray(layer, jnp.int32).reshape(1)
-    items = b * kvh * ns
     tf = smem_tile_transforms(q.dtype)
+    scratch = [plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
+               plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
+               plgpu.SMEM((d, gp), jnp.float32),
+               plgpu.SMEM((gp,), jnp.float32),
+               plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
+               plgpu.Barrier(num_barriers=2),                     # q buffer free again
+               *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
+               plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
+    return qr.reshape(b * kvh, gp, d), ns, scratch
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs, scale=scale,
-                             interpret=interpret)
-    o_t, lse = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((items, d, gp), jnp.float32),
-                  jax.ShapeDtypeStruct((items, gp), jnp.float32)),
-        scratch_types=[plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
-                       plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
-                       plgpu.SMEM((d, gp), jnp.float32),
-                       plgpu.SMEM((gp,), jnp.float32),
-                       plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
-                       plgpu.Barrier(num_barriers=2),                     # q buffer free again
-                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
-                       plgpu.Barrier(num_barriers=num_stages)],           # stage consumed
-        grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
-        interpret=mosaic_gpu_interpret_params() if interpret else None,
-    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
-    return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, g).astype(q.dtype)
+
+def out_types(q, kvh: int, ns: int):
+    b, h, d = q.shape
+    gp = cdiv(h // kvh, 8) * 8
+    return (jax.ShapeDtypeStruct((b * kvh * ns, d, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b * kvh * ns, gp), jnp.float32))
+
+
+def finish(o_t, lse, q_shape, kvh: int, ns: int):
+    b, h, _ = q_shape
+    return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, h // kvh)

@@ -98,14 +98,25 @@ def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
     return jnp.minimum(tm * block_m, m - block_m), jnp.minimum(tn * block_n, n - block_n)
 
 
-def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int):
+def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int,
+                first_program: int = 0):
+    """The kernel body, run by grid programs [first_program, first_program + num_programs) (a fused kernel
+    gives the others other work). `w_hbm`/`o_hbm` may be equal-length tuples: x @ w_i -> o_i for each i, as
+    one GEMM over the weights side by side (each N_i a multiple of block_n, so no tile straddles two)."""
+    ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
+    os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
+    bounds = [0]
+    for w_i in ws:
+        bounds.append(bounds[-1] + w_i.shape[1])
+    if len(ws) > 1 and any(w_i.shape[1] % cfg.block_n for w_i in ws):
+        raise ValueError(f"several weights need N multiples of block_n={cfg.block_n}: {[w.shape for w in ws]}")
     m, k_dim = x_hbm.shape
-    n = w_hbm.shape[1]
+    n = bounds[-1]
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     rows = bm // NUM_WGS
     k_steps = k_dim // bk
     num_tiles = cdiv(m, bm) * cdiv(n, bn)
-    pid = lax.axis_index("p")
+    pid = lax.axis_index("p") - first_program
     wg = lax.axis_index("wg")
     origin = functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m)
     n_mine = lax.div(num_tiles - pid + (num_programs - 1), num_programs)
@@ -117,7 +128,16 @@ def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConf
         for i in range(NUM_WGS):      # one A box per consumer: each wgmma reads an untransposed [rows, bk] tile
             plgpu.copy_gmem_to_smem(x_hbm.at[pl.ds(m0 + i * rows, rows), pl.ds(k0, bk)], a_s.at[slot, i],
                                     full.at[slot])
-        plgpu.copy_gmem_to_smem(w_hbm.at[pl.ds(k0, bk), pl.ds(n0, bn)], b_s.at[slot], full.at[slot])
+        for_weight(n0, lambda w_i, o_i, n_i: plgpu.copy_gmem_to_smem(w_i.at[pl.ds(k0, bk), pl.ds(n_i, bn)],
+                                                                     b_s.at[slot], full.at[slot]))
+
+    def for_weight(n0, fn):
+        """fn(w_i, o_i, column in w_i) for the weight holding virtual column n0."""
+        if len(ws) == 1:
+            fn(ws[0], os_[0], n0)
+            return
+        for w_i, o_i, lo, hi in zip(ws, os_, bounds, bounds[1:]):
+            pl.when((n0 >= lo) & (n0 < hi))(lambda w_i=w_i, o_i=o_i, lo=lo: fn(w_i, o_i, n0 - lo))
 
     def drain():
         # Observe the `consumed` completions no refill waited for (the last stages): every completion of a
@@ -160,8 +180,8 @@ def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConf
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has left the buffer
                 mine[...] = acc[:, c * cfg.epi_cols:(c + 1) * cfg.epi_cols].astype(mine.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    mine, o_hbm.at[pl.ds(m0 + wg * rows, rows), pl.ds(n0 + c * cfg.epi_cols, cfg.epi_cols)])
+                for_weight(n0, lambda w_i, o_i, n_i, c=c: plgpu.copy_smem_to_gmem(
+                    mine, o_i.at[pl.ds(m0 + wg * rows, rows), pl.ds(n_i + c * cfg.epi_cols, cfg.epi_cols)]))
             return carry
         lax.fori_loop(0, n_mine, tile, None)
         plgpu.wait_smem_to_gmem(0)
@@ -193,6 +213,17 @@ def _kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConf
         pl.when(wg == 0)(drain)
 
 
+def gemm_scratch(cfg: TileConfig, dtype) -> list:
+    """SMEM stages, epilogue buffer and barriers of `gemm_kernel`."""
+    tf = smem_tile_transforms(dtype)
+    stages, rows = cfg.stages, cfg.block_m // NUM_WGS
+    return [plgpu.SMEM((stages, NUM_WGS, rows, cfg.block_k), dtype, transforms=tf),
+            plgpu.SMEM((stages, cfg.block_k, cfg.block_n), dtype, transforms=tf),
+            plgpu.SMEM((NUM_WGS, rows, cfg.epi_cols), dtype, transforms=tf),
+            plgpu.Barrier(num_arrivals=NUM_WGS + 1, num_barriers=stages),   # A boxes + B box
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)]      # one per consumer
+
+
 @functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"), inline=True)
 def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_programs: int | None = None,
                     config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> Float[Array, "M N"]:
@@ -216,16 +247,10 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_progr
     num_tiles = cdiv(mp, cfg.block_m) * cdiv(np_, cfg.block_n)
     progs = min(num_programs or num_sms(), num_tiles)
 
-    tf = smem_tile_transforms(x.dtype)
-    stages, rows = cfg.stages, cfg.block_m // NUM_WGS
     y = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, num_programs=progs),
+        functools.partial(gemm_kernel, cfg=cfg, num_programs=progs),
         out_type=jax.ShapeDtypeStruct((mp, np_), x.dtype),
-        scratch_types=[plgpu.SMEM((stages, NUM_WGS, rows, cfg.block_k), x.dtype, transforms=tf),
-                       plgpu.SMEM((stages, cfg.block_k, cfg.block_n), x.dtype, transforms=tf),
-                       plgpu.SMEM((NUM_WGS, rows, cfg.epi_cols), x.dtype, transforms=tf),
-                       plgpu.Barrier(num_arrivals=NUM_WGS + 1, num_barriers=stages),   # A boxes + B box
-                       plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)],     # one per consumer
+        scratch_types=gemm_scratch(cfg, x.dtype),
         grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
         compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,

@@ -52,13 +52,22 @@ def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""
                      num_programs: int | None = None) -> Float[Array, "R H D"]:
     """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
     `num_programs`: the decode kernel's persistent program count (NanoFlow's resource share)."""
+    if not _use_kernels(use_kernels, q, kv):
+        s = meta.seq_lens.shape[0]
+        lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
+        return _reference(q[:min(s, q.shape[0])], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
+    q_r, pt, lens = decode_rows(q, meta)
+    return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
+                                          num_programs=num_programs or num_sms(), interpret=interpret)
+
+
+def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
+    """The decode kernel's inputs: rows [0, R = min(S, T)) as queries, their page-table rows, and their lengths
+    with rows at or past num_decode set to 0 (their work exits at once)."""
     s = meta.seq_lens.shape[0]
     r = min(s, q.shape[0])
     lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
-    if not _use_kernels(use_kernels, q, kv):
-        return _reference(q[:r], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
-    return paged_decode_attention_swapped(q[:r], kv.k, kv.v, layer, meta.page_table[:r], lens[:r], scale=scale,
-                                          num_programs=num_programs or num_sms(), interpret=interpret)
+    return q[:r], meta.page_table[:r], lens[:r]
 
 
 def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,

@@ -7,6 +7,8 @@ A strategy subclasses `Scheduler` and implements `schedule(ctx)`, which calls
         - one op on one nano-batch:           execute(nano_op)
         - one op on adjacent nano-batches:    execute([op@i, op@i+1])      (merged: one call on their tokens)
         - several ops by a fused kernel:      execute([a@i, b@i], kernel=k)
+        - ops of different nano-batches side by side in one kernel (horizontal fusion, `k.horizontal`):
+                                              execute([a@i, b@j], kernel=k)
       `stream` k >= 1 puts the op on extra GPU stream k (0 / None: the program's main stream); `share` is the
       fraction of the GPU the op's kernel may take (its program count), read by kernels that support it.
 
@@ -63,12 +65,16 @@ class NanoOp:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A fused kernel standing in for several ops: `fn(layer, ctx, *ins) -> outs` (a tuple if several)."""
+    """A fused kernel standing in for several ops: `fn(layer, ctx, *ins) -> outs` (a tuple if several).
+    `horizontal`: the ops run side by side, each on its own nano-batches with its own ins/outs (ins/outs here
+    unused); then `fn(layer, ctxs, ins_per_op, parts) -> outs_per_op`, one entry per op of `replaces` in order
+    (`parts`: the ops' own steps, whose `fn` a kernel may fall back to)."""
     name: str
     replaces: tuple[str, ...]
     ins: tuple[str, ...]
     outs: tuple[str, ...]
     fn: Callable
+    horizontal: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,21 @@ class Step:
     stream: int | None = None
     kernel: str | None = None
     share: float | None = None
+    parts: tuple["Step", ...] = ()   # a horizontal kernel: one step per op (its tokens, ins, outs, share)
 
     def __repr__(self) -> str:
+        if self.parts:
+            return f"{self.kernel}(" + " + ".join(map(repr, self.parts)) + ")"
         what = self.kernel or self.ops[0]
         nbs = ",".join(map(str, self.nbs))
         extra = "" if not self.stream else f" stream={self.stream}"
         extra += "" if self.share is None else f" share={self.share:g}"
         return f"{what}@{nbs}[{self.start}:{self.stop}]{extra}"
+
+    @property
+    def pieces(self) -> tuple["Step", ...]:
+        """The steps whose token ranges, ins and outs are real: the parts of a horizontal kernel, else itself."""
+        return self.parts or (self,)
 
 
 @dataclass(frozen=True)
@@ -226,11 +240,15 @@ class Scheduler:
         return all((o.name, o.nb) not in self._tr.done and self._deps_met(o, done) is None for o in ops)
 
     def execute(self, ops: NanoOp | Iterable[NanoOp], stream: int | None = None, kernel: Kernel | None = None,
-                share: float | None = None) -> None:
+                share: float | None = None, shares: Sequence[float | None] | None = None) -> None:
+        """`shares`: per op of a horizontal kernel (in `kernel.replaces` order), instead of `share`."""
         tr = self._tr
         ops = [ops] if isinstance(ops, NanoOp) else list(ops)
         if not ops:
             raise ScheduleError(f"{self.name}: execute() got no ops")
+        if kernel is not None and kernel.horizontal:
+            self._execute_horizontal(ops, kernel, stream, shares or [share] * len(kernel.replaces))
+            return
         nbs = sorted({o.nb for o in ops})
         names = sorted({o.name for o in ops}, key=lambda n: tr.ctx.graph[n].index)
         where = f"{self.name}: execute({ops})"
@@ -274,8 +292,39 @@ class Scheduler:
         tr.steps.append(step)
 
 
+    def _execute_horizontal(self, ops: list[NanoOp], kernel: Kernel, stream, shares) -> None:
+        """Record the side-by-side ops as one step with a part per op (each part checked like execute())."""
+        tr = self._tr
+        where = f"{self.name}: execute({ops}, kernel={kernel.name})"
+        names = [o.name for o in ops]
+        if set(names) != set(kernel.replaces):
+            raise ScheduleError(f"{where}: kernel {kernel.name!r} runs {list(kernel.replaces)} side by side")
+        if stream not in (None, 0):
+            raise ScheduleError(f"{where}: a horizontal kernel shares out the SMs itself; it runs on stream 0")
+        if len(shares) != len(kernel.replaces):
+            raise ScheduleError(f"{where}: shares needs one entry per op of the kernel")
+        for name in kernel.replaces:         # side by side: each must be ready without the others
+            mine = [o for o in ops if o.name == name]
+            if not self.is_ready(mine):
+                raise ScheduleError(f"{where}: {mine} is not ready before the kernel runs (the ops of a "
+                                    "horizontal kernel run at the same time)")
+        parts = []
+        for name, share in zip(kernel.replaces, shares):
+            mine = [o for o in ops if o.name == name]
+            before = len(tr.steps)
+            self.execute(mine, share=share)      # validates and records the part as a plain step ...
+            parts.append(tr.steps.pop())         # ... which the combined step then holds
+            assert len(tr.steps) == before
+        res = max((p.resource for p in parts), key=lambda r: r is Resource.NETWORK)
+        tr.steps.append(Step(tuple(kernel.replaces), tuple(sorted({b for p in parts for b in p.nbs})),
+                             min(p.start for p in parts), max(p.stop for p in parts),
+                             tuple(dict.fromkeys(v for p in parts for v in p.ins)),
+                             tuple(dict.fromkeys(v for p in parts for v in p.outs)), kernel.fn, res, None,
+                             kernel.name, None, tuple(parts)))
+
+
 def _carry_ranges(ctx: ScheduleContext, steps: Sequence[Step]) -> tuple[tuple[int, int], ...]:
-    return tuple(sorted((s.start, s.stop) for s in steps if ctx.graph.output in s.outs))
+    return tuple(sorted((p.start, p.stop) for s in steps for p in s.pieces if ctx.graph.output in p.outs))
 
 
 def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
@@ -289,7 +338,7 @@ def _buffered(ctx: ScheduleContext, steps: Sequence[Step]) -> frozenset[str]:
     def covered(v, lo, hi):
         return any(a <= lo and hi <= b for a, b in pieces.get(v, ()))
 
-    for s in steps:
+    for s in (p for st in steps for p in st.pieces):
         for v in s.ins:
             if v not in GLOBAL_VALUES and not covered(v, s.start, s.stop):
                 out.add(v)

@@ -119,20 +119,28 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, 
     groups = _OverlapGroups(group_ids or itertools.count()) if streams else None
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
-    for step in program.steps:
+    def step_ctx(step: Step):
         key = (step.start, step.stop)
         if key not in metas:
             metas[key] = nano_metadata(ctx.meta, *key) if ctx.meta is not None else None
         sctx = dataclasses.replace(ctx, meta=metas[key])
         if step.share is not None and sms:
             sctx = dataclasses.replace(sctx, num_programs=max(1, round(step.share * sms)))
-        ins = [vals.read(v, step.start, step.stop) for v in step.ins]
+        return sctx
+
+    for step in program.steps:
         k = gpu_stream(step) if streams else None
         gid = groups.enter(step, k is not None) if groups else None
         with jax.named_scope(f"{step.kernel or step.ops[0]}@{','.join(map(str, step.nbs))}"), _group_scope(gid):
-            outs = _call(step, layer, sctx, ins, k)     # (the scope also names the op in traces)
-        for v, arr in zip(step.outs, outs):
-            vals.write(v, step.start, step.stop, arr)
+            if step.parts:                              # horizontal kernel: each part its own tokens and ctx
+                ins = [[vals.read(v, p.start, p.stop) for v in p.ins] for p in step.parts]
+                outs = step.fn(layer, [step_ctx(p) for p in step.parts], ins, step.parts)
+            else:
+                outs = [_call(step, layer, step_ctx(step), [vals.read(v, step.start, step.stop) for v in step.ins],
+                              k)]                       # (the scope also names the op in traces)
+        for p, part_outs in zip(step.pieces, outs):
+            for v, arr in zip(p.outs, part_outs):
+                vals.write(v, p.start, p.stop, arr)
     if trace is not None:
         trace.extend(vals.merged)
     out = dict(vals.globals)

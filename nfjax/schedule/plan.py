@@ -33,8 +33,9 @@ class StreamOrder:
     stream: int                        # 0: the program's main stream; k >= 1: extra GPU stream k
     order: tuple[str, ...]             # "GROUP:K" (all the group's ops) or "OP:K"; K = the group's nano-batch
 
-    def entries(self) -> list[tuple[str, int]]:
-        return [_entry(e, f"stream {self.stream}") for e in self.order]
+    def entries(self) -> list[list[tuple[str, int]]]:
+        """Each order entry as its (name, K) parts: one, or several for "OP:K+OP:K" (a horizontal kernel)."""
+        return [[_entry(x, f"stream {self.stream}") for x in e.split("+")] for e in self.order]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,35 @@ class Plan:
 
     def group(self, name: str) -> OpGroup:
         return next(g for g in self.groups if g.name == name)
+
+    def _place(self, name: str, k: int, w: str, stream: int, graph, seen: dict, placed: dict) -> None:
+        if self.has_group(name):
+            g, ops = self.group(name), self.group(name).ops
+        elif name in graph:
+            g, ops = self.group(seen[name]), (name,)
+        else:
+            raise PlanError(f"{w}: {name!r} is neither a group nor an op")
+        if k >= len(g.nano_batches):
+            raise PlanError(f"{w}: group {g.name!r} has {len(g.nano_batches)} nano-batches, no {k}")
+        for op in ops:
+            node = graph[op]
+            if stream and (node.writes_global or node.resource is Resource.NETWORK):
+                raise PlanError(f"{w}: {op!r} must be on stream 0 (it writes the KV cache in place or "
+                                "is a collective, which XLA already runs asynchronously)")
+            if (op, k) in placed:
+                raise PlanError(f"{w}: {op}:{k} is already ordered at {placed[(op, k)]}")
+            placed[(op, k)] = w
+
+    @staticmethod
+    def _check_horizontal(e: str, w: str, stream: int, graph) -> None:
+        from nfjax.schedule.beside import HORIZONTAL_KERNELS
+        names = frozenset(_entry(x, w)[0] for x in e.split("+"))
+        if names not in HORIZONTAL_KERNELS:
+            known = ", ".join("+".join(sorted(k)) for k in HORIZONTAL_KERNELS)
+            raise PlanError(f"{w}: no horizontal kernel runs {' + '.join(sorted(names))} side by side "
+                            f"(known: {known})")
+        if stream:
+            raise PlanError(f"{w}: a horizontal kernel shares out the SMs itself: put it on stream 0")
 
     def share_of(self, op: str, k: int) -> float | None:
         """Resource share of `op` on its group's nano-batch k: the "OP:K" entry, else the "OP" one."""
@@ -157,23 +187,10 @@ class Plan:
         for i, s in enumerate(self.streams):
             for j, e in enumerate(s.order):
                 w = f"{where}.streams[{i}].order[{j}]"
-                name, k = _entry(e, w)
-                if self.has_group(name):
-                    g, ops = self.group(name), self.group(name).ops
-                elif name in graph:
-                    g, ops = self.group(seen[name]), (name,)
-                else:
-                    raise PlanError(f"{w}: {name!r} is neither a group nor an op")
-                if k >= len(g.nano_batches):
-                    raise PlanError(f"{w}: group {g.name!r} has {len(g.nano_batches)} nano-batches, no {k}")
-                for op in ops:
-                    node = graph[op]
-                    if s.stream and (node.writes_global or node.resource is Resource.NETWORK):
-                        raise PlanError(f"{w}: {op!r} must be on stream 0 (it writes the KV cache in place or "
-                                        "is a collective, which XLA already runs asynchronously)")
-                    if (op, k) in placed:
-                        raise PlanError(f"{w}: {op}:{k} is already ordered at {placed[(op, k)]}")
-                    placed[(op, k)] = w
+                if "+" in e:
+                    self._check_horizontal(e, w, s.stream, graph)
+                for name, k in (_entry(x, w) for x in e.split("+")):
+                    self._place(name, k, w, s.stream, graph, seen, placed)
         for g in self.groups:
             for op in g.ops:
                 for k in range(len(g.nano_batches)):

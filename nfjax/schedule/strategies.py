@@ -21,6 +21,7 @@ from jax import lax
 from nfjax.compat import all_gather_invariant
 from nfjax.models.ops import Resource
 from nfjax.schedule.api import Kernel, NanoOp, ScheduleContext, ScheduleError, Scheduler
+from nfjax.schedule.beside import HORIZONTAL_KERNELS
 
 
 def split_sizes(weights, num_tokens: int, align: int) -> list[int] | None:
@@ -223,10 +224,14 @@ class NanoFlow(Scheduler):
         queues = []
         for st in self.flow_plan.streams:
             q = []
-            for name, k in st.entries():
+            for parts in st.entries():
+                if len(parts) > 1:      # "OP:K+OP:K": one horizontal kernel
+                    q.append([(op, nbs_of(op, k), st.stream, self.flow_plan.share_of(op, k)) for op, k in parts])
+                    continue
+                name, k = parts[0]
                 ops = self.flow_plan.group(name).ops if self.flow_plan.has_group(name) else (name,)
                 for op in sorted(ops, key=lambda o: ctx.graph[o].index):
-                    q.append((op, nbs_of(op, k), st.stream, self.flow_plan.share_of(op, k)))
+                    q.append([(op, nbs_of(op, k), st.stream, self.flow_plan.share_of(op, k))])
             queues.append(q)
         heads = [0] * len(queues)
         while any(h < len(q) for h, q in zip(heads, queues)):
@@ -234,14 +239,22 @@ class NanoFlow(Scheduler):
             for s, q in enumerate(queues):
                 if heads[s] >= len(q):
                     continue
-                op, nbs, stream, share = q[heads[s]]
-                nops = [self.nano_op(op, i) for i in nbs]
-                if self.is_ready(nops):
-                    self.execute(nops, stream=stream or None, share=share)
+                item = q[heads[s]]
+                per_op = [[self.nano_op(op, i) for i in nbs] for op, nbs, _, _ in item]
+                if all(self.is_ready(nops) for nops in per_op):
+                    if len(item) == 1:
+                        _, _, stream, share = item[0]
+                        self.execute(per_op[0], stream=stream or None, share=share)
+                    else:
+                        kernel = HORIZONTAL_KERNELS[frozenset(op for op, *_ in item)]
+                        shares = {op: share for op, _, _, share in item}
+                        self.execute([o for nops in per_op for o in nops], kernel=kernel,
+                                     shares=[shares[op] for op in kernel.replaces])
                     heads[s] += 1
                     progressed = True
             if not progressed:
-                waiting = [f"stream {self.flow_plan.streams[s].stream}: {q[h][0]} on nano-batches {list(q[h][1])}"
+                waiting = [f"stream {self.flow_plan.streams[s].stream}: "
+                           + " + ".join(f"{op} on nano-batches {list(nbs)}" for op, nbs, _, _ in q[h])
                            for s, (h, q) in enumerate(zip(heads, queues)) if h < len(q)]
                 raise ScheduleError(f"{self.name}: the stream orders deadlock; every stream waits: "
                                     + "; ".join(waiting))

@@ -1,0 +1,54 @@
+"""Horizontal kernels for the scheduler API: ops of different nano-batches side by side in one launch.
+
+`DECODE_BESIDE_UP_GATE` runs one nano-batch's decode attention (`attn_decode`) and another's MLP gate/up
+projections (`up_gate`) as one Pallas kernel whose programs are split between them
+(pallas_kernels/attention_beside_gemm.py): NanoFlow's overlap of a memory-bound and a compute-bound op
+without relying on XLA to issue two streams together. The attention part's share (a plan's
+`"attn_decode:K"` share) is its program count; the GEMM takes the other SMs. Where the fused kernel does not
+apply (CPU, shapes it does not take, biases), the two ops run one after the other through their own code,
+so every schedule that uses it also runs, with the same results, everywhere.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from nfjax.compat import num_sms, on_gpu
+from nfjax.kv.attention import decode_rows, kernels_support
+from nfjax.schedule.api import Kernel
+
+DEFAULT_ATTN_SHARE = 0.25       # 33 of 132 H100 SMs: bench/results/decode_share-fused-20261123.json
+
+
+def _sequential(layer, ctxs, ins, parts):
+    outs = []
+    for p, c, i in zip(parts, ctxs, ins):
+        r = p.fn(layer, c, *i)
+        outs.append(tuple(r) if len(p.outs) > 1 else (r,))
+    return outs
+
+
+def _decode_beside_up_gate(layer, ctxs, ins, parts):
+    from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm, gemm_fits
+    from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, TILE_CONFIGS
+    (ctx_a, ctx_b), ((q, kv), (h2,)) = ctxs, ins
+    w_gate, w_up = layer.gate_proj.kernel[...], layer.up_proj.kernel[...]
+    fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and h2.dtype == w_gate.dtype
+            and gemm_fits(h2.shape, [w_gate.shape, w_up.shape], TILE_CONFIGS[DEFAULT_CONFIG])
+            and layer.gate_proj.bias is None and layer.up_proj.bias is None)
+    if not fits:
+        return _sequential(layer, ctxs, ins, parts)
+    t = q.shape[0]
+    q_r, pt, lens = decode_rows(q, ctx_a.meta)
+    attn_programs = ctx_a.num_programs or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
+    attn, (gate, up) = decode_attention_beside_gemm(
+        q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
+        attn_programs=attn_programs)
+    attn = attn.reshape(attn.shape[0], -1)
+    if attn.shape[0] != t:
+        attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))
+    return [(attn,), (gate, up)]
+
+
+DECODE_BESIDE_UP_GATE = Kernel("decode_beside_up_gate", replaces=("attn_decode", "up_gate"), ins=(), outs=(),
+                               fn=_decode_beside_up_gate, horizontal=True)
+HORIZONTAL_KERNELS = {frozenset(k.replaces): k for k in (DECODE_BESIDE_UP_GATE,)}

@@ -1,0 +1,95 @@
+"""Decode attention and a GEMM in ONE kernel, split by program id (horizontal fusion). Pallas Mosaic GPU.
+
+NanoFlow overlaps a memory-bound op (decode attention) with a compute-bound one (a GEMM of other tokens) by
+giving each a share of the SMs. With two kernels on two streams that depends on XLA's scheduler issuing them
+together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
+programs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
+of its work items, programs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
+tiles. A and G are the plan's resource shares as program counts. Each branch allocates its own SMEM and
+barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.
+The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use idle.
+
+Both bodies are the kernels' own code, so correctness follows their tests; this file's test checks the pair
+against the two references in the interpreter and cross-lowers it for CUDA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from nfjax.compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._mgpu import compiler_params
+from pallas_kernels.paged_decode_swapped import attention_kernel, finish, out_types, prepare
+from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, cdiv, gemm_kernel, \
+    gemm_scratch
+
+
+def gemm_fits(x_shape, w_shapes, cfg: TileConfig) -> bool:
+    """Shapes the fused kernel takes without padding: M % 8 == 0 and M >= block_m, K % block_k == 0, every N a
+    multiple of block_n (the Llama MLP projections at M >= 128)."""
+    m, k = x_shape
+    return (m % 8 == 0 and m >= cfg.block_m and k % cfg.block_k == 0
+            and all(k2 == k and n % cfg.block_n == 0 for k2, n in w_shapes))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "attn_programs", "gemm_programs", "num_splits", "block_kv",
+                                             "num_stages", "config", "interpret"), inline=True)
+def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
+                                 v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
+                                 page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
+                                 x: Float[Array, "M K"], w, *, scale: float,
+                                 attn_programs: int, gemm_programs: int | None = None,
+                                 num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
+                                 config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False
+                                 ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
+    """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_programs + gemm_programs
+    programs (gemm_programs=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
+    for each, one GEMM over them side by side: the MLP's gate and up projections)."""
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
+    cfg.check()
+    if not gemm_fits(x.shape, [w_i.shape for w_i in ws], cfg):
+        raise ValueError(f"x {x.shape} @ w {[w_i.shape for w_i in ws]}: the fused kernel needs M % 8 == 0, "
+                         f"M >= {cfg.block_m}, K % {cfg.block_k} == 0 and each N % {cfg.block_n} == 0")
+    m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
+    gp_ = gemm_programs or max(1, num_sms() - attn_programs)
+    gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
+    qr, ns, attn_scratch = prepare(q, k_cache, num_programs=attn_programs, num_splits=num_splits,
+                                   block_kv=block_kv, num_stages=num_stages)
+    kvh = k_cache.shape[3]
+    a_prog = attn_programs
+
+    nw = len(ws)
+
+    def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
+        w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
+        pid = lax.axis_index("p")
+
+        @pl.when(pid < a_prog)
+        def _():
+            pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
+                                                      num_kv_heads=kvh, num_splits=ns, num_programs=a_prog,
+                                                      scale=scale, interpret=interpret),
+                          *attn_scratch, collective_axes="wg")
+
+        @pl.when(pid >= a_prog)
+        def _():
+            pl.run_scoped(lambda *s: gemm_kernel(x_hbm, w_hbm, y_hbm, *s, cfg=cfg, num_programs=gp_,
+                                                 first_program=a_prog),
+                          *gemm_scratch(cfg, x.dtype), collective_axes="wg")
+
+    o_t, lse, *ys = plgpu.kernel(
+        body, out_type=(*out_types(q, kvh, ns), *(jax.ShapeDtypeStruct((m, w_i.shape[1]), x.dtype) for w_i in ws)),
+        grid=(a_prog + gp_,), grid_names=("p",), num_threads=max(2, NUM_WGS + int(cfg.producer)),
+        thread_name="wg", compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr,
+      k_cache, v_cache, x, *ws)
+    attn = finish(o_t, lse, q.shape, kvh, ns).astype(q.dtype)
+    return attn, (tuple(ys) if isinstance(w, (tuple, list)) else ys[0])
