@@ -55,7 +55,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
-    strategies = tuple(StrategyConfig.from_spec(sp, align=64) for sp in filter(None, args.strategies.split(",")))
+    strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
+                       for sp in filter(None, args.strategies.split(",")))
     schedule = ScheduleConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers)
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, schedule=schedule))
     compile_s = time.perf_counter() - t
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
                     "nanoflow:llama3-8b_h100_tp1_fullsm,dual_batch:1-1 (default: Sequential only)")
     ap.add_argument("--streams", action="store_true", help="run the strategies' GPU stream regions")
+    ap.add_argument("--strategy-min-decode", type=int, default=0,
+                    help="use the --strategies only for batches with at least this many decode tokens")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     args = ap.parse_args()

@@ -69,6 +69,7 @@ class Plan:
             raise PlanError(f"{w}: {name!r} is neither a group nor an op")
         if k >= len(g.nano_batches):
             raise PlanError(f"{w}: group {g.name!r} has {len(g.nano_batches)} nano-batches, no {k}")
+        from nfjax.models.ops import Resource
         for op in ops:
             node = graph[op]
             if stream and (node.writes_global or node.resource is Resource.NETWORK):
@@ -153,7 +154,6 @@ class Plan:
     # ---- meaning ------------------------------------------------------------------------------------------
     def validate(self, graph, where: str = "plan") -> "Plan":
         """Check the plan against the layer's op graph (structure only; deadlocks show when it is planned)."""
-        from nfjax.models.ops import Resource
         seen: dict[str, str] = {}
         names = set()
         for i, g in enumerate(self.groups):

@@ -10,6 +10,7 @@ from nfjax.tokenizer.byte import ByteTokenizer
 
 HERE = Path(__file__).parent
 TINY_PLAN = str(HERE / "tiny_plan.json")
+TINY_BESIDE = str(HERE / "tiny_beside_plan.json")     # a horizontal kernel (decode attention beside up_gate)
 
 CFG = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
                   head_dim=8, rope_theta=500000.0, max_position_embeddings=256, eos_token_ids=(257,))
@@ -22,7 +23,8 @@ ALL = (StrategyConfig("nanobatch", split=(1, 15), align=4),
        StrategyConfig("comm_overlap", split=(1, 1, 2), align=4),
        StrategyConfig("dual_batch"),
        StrategyConfig("fused_reduce_norm", split=(1, 1), align=4),
-       StrategyConfig("nanoflow", plan=TINY_PLAN))
+       StrategyConfig("nanoflow", plan=TINY_PLAN),
+       StrategyConfig("nanoflow", plan=TINY_BESIDE))
 LABELS = [s.label for s in ALL]
 
 # More prompts than max_seqs and different lengths: later requests are admitted (prefill chunks, one longer than

@@ -130,7 +130,7 @@ def test_dual_batch_overlaps_attention_of_one_with_mlp_of_the_other():
     first_mlp0, last_attn1 = order.index("ffn_norm@0"), order.index("attn_prefill@1")
     assert order.index("attn_decode@1") < first_mlp0 < last_attn1        # interleaved in program order
     by = {repr(s).split("[")[0]: s.stream for s in prog.steps}
-    assert by["kqv@0"] == 1 and by["kqv@1"] == 2 and by["rope_append@0"] is None and by["attn_reduce@1"] is None
+    assert by["kqv@0"] is None and by["kqv@1"] == 1 and by["rope_append@1"] is None and by["attn_reduce@1"] is None
 
 
 def test_split_sizes_and_eligibility():
@@ -219,3 +219,40 @@ def test_sequential_is_the_plain_forward():
     prog = Sequential().plan(ctx())
     assert [s.ops[0] for s in prog.steps] == list(G.names) and prog.carry_ranges == ((0, 64),)
     assert not prog.buffered and all(s.stream is None for s in prog.steps)
+
+
+def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
+    from nfjax.schedule.api import Scheduler
+    from nfjax.schedule.beside import DECODE_BESIDE_UP_GATE as K
+
+    class Beside(Scheduler):
+        name = "beside"
+
+        def __init__(self, pair, stream=None):
+            self.pair, self.stream = pair, stream
+
+        def schedule(self, c):
+            self.split([8, 56])
+            for name in ("attn_norm", "kqv", "rope_append"):
+                self.execute([self.nano_op(name, 0), self.nano_op(name, 1)])
+            for name in ("attn_decode", "attn_prefill", "o_proj_op", "attn_reduce", "ffn_norm"):
+                self.execute(self.nano_op(name, 1))
+            self.execute([self.nano_op(op, i) for op, i in self.pair], kernel=K, stream=self.stream,
+                         shares=[0.25, None])
+            for i in (1, 0):            # the rest, in graph order
+                while ready := self.get_ready_ops(i):
+                    self.execute(ready[0])
+
+    prog = Beside([("attn_decode", 0), ("up_gate", 1)]).plan(ctx())
+    step = next(s for s in prog.steps if s.parts)
+    assert repr(step) == "decode_beside_up_gate(attn_decode@0[0:8] share=0.25 + up_gate@1[8:64])"
+    assert [(p.ops, p.start, p.stop, p.ins, p.outs) for p in step.parts] == [
+        (("attn_decode",), 0, 8, ("q_rot", "kv"), ("attn_d",)), (("up_gate",), 8, 64, ("h2",), ("gate", "up"))]
+    ops = sorted((op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs)
+    assert ops == sorted((op, i) for op in G.names for i in (0, 1))
+    with pytest.raises(ScheduleError, match="runs \\['attn_decode', 'up_gate'\\] side by side"):
+        Beside([("attn_decode", 0), ("down", 1)]).plan(ctx())
+    with pytest.raises(ScheduleError, match="it runs on stream 0"):
+        Beside([("attn_decode", 0), ("up_gate", 1)], stream=1).plan(ctx())
+    with pytest.raises(ScheduleError, match="not ready before the kernel runs"):   # up_gate@0 needs attn_decode@0
+        Beside([("attn_decode", 0), ("up_gate", 0)]).plan(ctx())

@@ -22,9 +22,9 @@ def test_shipped_plan_plans_at_its_bucket_and_scales(name):
     plan = load_plan(name)
     nf = NanoFlow(plan)
     prog = nf.plan(ScheduleContext(plan.bucket, G, plan.tp))
-    ops = [(op, i) for s in prog.steps for op in s.ops for i in s.nbs]
+    ops = [(op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs]
     assert sorted(ops) == sorted((op, i) for op in G.names for i in range(len(prog.nano_batches)))
-    assert any(s.stream for s in prog.steps)                  # it really overlaps onto a second stream
+    assert any(s.stream or s.parts for s in prog.steps)       # it overlaps: a second stream or a horizontal kernel
     assert nf.eligible(ScheduleContext(plan.min_bucket, G, plan.tp)) is None
     assert nf.eligible(ScheduleContext(plan.min_bucket // 2, G, plan.tp)) is not None
 
