@@ -256,3 +256,33 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_progr
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(x, w)
     return y if (mp, np_) == (m, n) else y[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"), inline=True)
+def persistent_gemm_multi(x: Float[Array, "M K"], ws: tuple, *, num_programs: int | None = None,
+                          config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> tuple:
+    """(x @ w for w in ws) as ONE persistent GEMM over the weights side by side (the MLP's gate and up
+    projections): no padding, so M % 8 == 0, M >= block_m, K % block_k == 0 and each N % block_n == 0."""
+    cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
+    cfg.check()
+    m, k_dim = x.shape
+    bad = [w.shape for w in ws if w.shape[0] != k_dim or w.shape[1] % cfg.block_n or w.dtype != x.dtype]
+    if bad or m % 8 or m < cfg.block_m or k_dim % cfg.block_k or jnp.dtype(x.dtype).itemsize != 2:
+        raise ValueError(f"x {x.shape} {x.dtype} @ {[(w.shape, w.dtype) for w in ws]}: need M % 8 == 0, "
+                         f"M >= {cfg.block_m}, K % {cfg.block_k} == 0, every N % {cfg.block_n} == 0, one 16-bit "
+                         "dtype")
+    num_tiles = cdiv(m, cfg.block_m) * sum(w.shape[1] for w in ws) // cfg.block_n
+    progs = min(num_programs or num_sms(), num_tiles)
+    nw = len(ws)
+
+    def body(x_hbm, *rest):
+        gemm_kernel(x_hbm, tuple(rest[:nw]), tuple(rest[nw:2 * nw]), *rest[2 * nw:], cfg=cfg, num_programs=progs)
+
+    ys = plgpu.kernel(
+        body, out_type=tuple(jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype) for w in ws),
+        scratch_types=gemm_scratch(cfg, x.dtype),
+        grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
+        compiler_params=compiler_params(),
+        interpret=mosaic_gpu_interpret_params() if interpret else None,
+    )(x, *ws)
+    return tuple(ys)

@@ -1,0 +1,43 @@
+"""The horizontal kernel (decode attention beside a GEMM) and the side-by-side-weights GEMM it runs.
+
+The CPU Mosaic GPU interpreter of jax 0.10.2 cannot run the fused kernel (its `run_scoped` branches close
+over the kernel's refs, which the interpreter's lowering rejects), so here it is cross-lowered for CUDA; its
+outputs are compared with the two kernels run separately on the device by `bench/decode_share.py
+--fused-only` (equal GEMM, attention within 1.7e-3, bench/results/decode_share-fused-20261123.json). The
+multi-weight GEMM path, the part the fused kernel adds to the GEMM, runs here in the interpreter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm, gemm_fits
+from pallas_kernels.persistent_gemm import TILE_CONFIGS, persistent_gemm_multi, persistent_gemm_ref
+
+
+def test_gemm_over_weights_side_by_side_matches_reference():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (136, 128), jnp.bfloat16)            # 2 M-tiles, the last one shifted back
+    ws = (jax.random.normal(k2, (128, 256), jnp.bfloat16), jax.random.normal(k3, (128, 512), jnp.bfloat16))
+    ys = persistent_gemm_multi(x, ws, num_programs=3, interpret=True)
+    for y, w in zip(ys, ws):
+        ref = np.asarray(persistent_gemm_ref(x, w), np.float32)
+        assert np.abs(np.asarray(y, np.float32) - ref).max() <= 0.02 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="every N % 256 == 0"):
+        persistent_gemm_multi(x, (ws[0], ws[1][:, :320]), interpret=True)
+
+
+def test_fused_kernel_lowers_for_cuda_and_checks_shapes():
+    sds = jax.ShapeDtypeStruct
+    cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
+    w = sds((4096, 14336), jnp.bfloat16)
+    args = (sds((256, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((256, 80), jnp.int32),
+            sds((256,), jnp.int32), sds((1792, 4096), jnp.bfloat16), (w, w))
+    text = decode_attention_beside_gemm.trace(*args, scale=128 ** -0.5, attn_programs=33).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+    cfg = TILE_CONFIGS["128x256_s4_ws"]
+    assert gemm_fits((1792, 4096), [(4096, 14336)] * 2, cfg)
+    assert not gemm_fits((100, 4096), [(4096, 14336)], cfg) and not gemm_fits((1792, 4096), [(4096, 100)], cfg)
+    with pytest.raises(ValueError, match="the fused kernel needs"):
+        decode_attention_beside_gemm.trace(*args[:6], sds((100, 4096), jnp.bfloat16), (w,), scale=0.1,
+                                           attn_programs=33)
