@@ -80,29 +80,16 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
 
     def item(k, carry):
         w = pid + k * num_programs
-        b = lax.div(w, num_kv_heads * num_splits)
-        r = lax.rem(w, num_kv_heads * num_splits)
-        kh = lax.div(r, num_splits)
-        sp = lax.rem(r, num_splits)
-        seq_len = lens_hbm[b]
-        split_len = lax.div(lax.div(seq_len + (num_splits - 1), num_splits) + (block_kv - 1), block_kv) * block_kv
-        kv_lo = sp * split_len
-        kv_hi = jnp.minimum(kv_lo + split_len, seq_len)
+        b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
+                                          block_kv=block_kv)
 
         plgpu.copy_gmem_to_smem(q_hbm.at[b * num_kv_heads + kh], q_s.at[pl.ds(0, group_pad)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         acc, m, l = paged_flash_loop(ops, q_s=q_s, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, k_hbm=k_hbm,
                                      v_hbm=v_hbm, pt_hbm=pt_hbm, layer=layer, seq=b, kh=kh, kv_lo=kv_lo,
                                      kv_hi=kv_hi, scale=scale)
-        l_safe = jnp.maximum(l, 1e-30)          # empty split: acc == 0, so o == 0 and lse ~ -1e30
-        o = acc / bcast_rows(l_safe, acc.shape)
-        lse = m + jnp.log2(l_safe)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous item's stores have left SMEM
-        o_s[...] = o
-        lse_s[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, group_pad)], o_hbm.at[w])
-        plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, group_pad)], lse_hbm.at[w])
+        store_partial(acc, m, l, bcast_rows, o_s, lse_s, o_s.at[pl.ds(0, group_pad)], lse_s.at[pl.ds(0, group_pad)],
+                      o_hbm.at[w], lse_hbm.at[w])
         return carry
 
     n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
@@ -122,15 +109,7 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     g = h // kvh
-    if g * kvh != h or g > ROWS:
-        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
-    check_block(block_kv, ps, d)
-    gp = cdiv(g, 8) * 8
-    ns = num_splits or choose_num_splits(b * kvh, num_programs)
-    qr = q.reshape(b, kvh, g, d)
-    if gp != g:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    qr = qr.reshape(b * kvh, gp, d)
+    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     items = b * kvh * ns
 
@@ -149,6 +128,48 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
     return combine_splits(o, lse, b, kvh, ns, g).astype(q.dtype)
+
+
+def store_partial(acc, m, l, bcast, o_s, lse_s, o_src, lse_src, o_dst, lse_dst):
+    """An item's normalised output and base-2 log-sum-exp, through SMEM (o_s/lse_s; o_src/lse_src: the part
+    copied out) to their rows in HBM. `bcast` broadcasts a per-query vector over acc."""
+    l_safe = jnp.maximum(l, 1e-30)          # empty split: acc == 0, so o == 0 and lse ~ -1e30
+    o = acc / bcast(l_safe, acc.shape)
+    lse = m + jnp.log2(l_safe)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous item's stores have left SMEM
+    o_s[...] = o
+    lse_s[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_src, o_dst)
+    plgpu.copy_smem_to_gmem(lse_src, lse_dst)
+
+
+def grouped_queries(q, k_cache, *, block_kv: int, num_programs: int, num_splits: int | None):
+    """Checks, then (q as [B * KH, GP, D] with each kv head's G query heads padded to GP = 8k, GP, splits)."""
+    b, h, d = q.shape
+    _, _, ps, kvh, _ = k_cache.shape
+    g = h // kvh
+    if g * kvh != h or g > ROWS:
+        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
+    check_block(block_kv, ps, d)
+    gp = cdiv(g, 8) * 8
+    ns = num_splits or choose_num_splits(b * kvh, num_programs)
+    qr = q.reshape(b, kvh, g, d)
+    if gp != g:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    return qr.reshape(b * kvh, gp, d), gp, ns
+
+
+def item_coords(w, lens_hbm, *, num_kv_heads: int, num_splits: int, block_kv: int):
+    """Work item w -> (sequence, kv head, first position, end position); a split covers whole blocks."""
+    b = lax.div(w, num_kv_heads * num_splits)
+    r = lax.rem(w, num_kv_heads * num_splits)
+    kh = lax.div(r, num_splits)
+    sp = lax.rem(r, num_splits)
+    seq_len = lens_hbm[b]
+    split_len = lax.div(lax.div(seq_len + (num_splits - 1), num_splits) + (block_kv - 1), block_kv) * block_kv
+    kv_lo = sp * split_len
+    return b, kh, kv_lo, jnp.minimum(kv_lo + split_len, seq_len)
 
 
 def combine_splits(o: Float[Array, "W GP D"], lse: Float[Array, "W GP"], b: int, kvh: int, ns: int,

@@ -29,9 +29,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from nfjax.compat import mosaic_gpu_interpret_params, num_sms
-from pallas_kernels._mgpu import LOG2E, MASK_VALUE, ROWS, Ops, cdiv, check_block, compiler_params, \
+from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, \
     copy_kv_block, kv_scratch, smem_tile_transforms
-from pallas_kernels.paged_decode_attention import choose_num_splits, combine_splits
+from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 
 def _cols(x, shape):
@@ -40,16 +40,9 @@ def _cols(x, shape):
 
 def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
     """Work item w -> (sequence, kv head, first position, end position, blocks)."""
-    b = lax.div(w, num_kv_heads * num_splits)
-    r = lax.rem(w, num_kv_heads * num_splits)
-    kh = lax.div(r, num_splits)
-    sp = lax.rem(r, num_splits)
-    seq_len = lens_hbm[b]
-    split_len = lax.div(lax.div(seq_len + (num_splits - 1), num_splits) + (block_kv - 1), block_kv) * block_kv
-    kv_lo = sp * split_len
-    kv_hi = jnp.minimum(kv_lo + split_len, seq_len)
-    n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
-    return b, kh, kv_lo, kv_hi, n_blk
+    b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
+                                      block_kv=block_kv)
+    return b, kh, kv_lo, kv_hi, lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
@@ -127,15 +120,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             acc, m, l = lax.fori_loop(n_free, n_blk,
                                       lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, True), carry)
             plgpu.barrier_arrive(q_free.at[qslot])
-            l_safe = jnp.maximum(l, 1e-30)          # empty split: acc == 0, so o == 0 and lse ~ -1e30
-            o = acc / _cols(l_safe, acc.shape)
-            lse = m + jnp.log2(l_safe)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous item's stores have left SMEM
-            o_s[...] = o
-            lse_s[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_hbm.at[w])
-            plgpu.copy_smem_to_gmem(lse_s, lse_hbm.at[w])
+            store_partial(acc, m, l, _cols, o_s, lse_s, o_s, lse_s, o_hbm.at[w], lse_hbm.at[w])
             return g + n_blk
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
@@ -171,17 +156,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
 
 def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
-    b, h, d = q.shape
-    _, _, ps, kvh, _ = k_cache.shape
-    g = h // kvh
-    if g * kvh != h or g > ROWS:
-        raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
-    check_block(block_kv, ps, d)
-    gp = cdiv(g, 8) * 8
-    ns = num_splits or choose_num_splits(b * kvh, num_programs)
-    qr = q.reshape(b, kvh, g, d)
-    if gp != g:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    d, ps = q.shape[2], k_cache.shape[2]
+    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
     tf = smem_tile_transforms(q.dtype)
     scratch = [plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
                plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
@@ -191,7 +167,7 @@ def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: 
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
                *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
                plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
-    return qr.reshape(b * kvh, gp, d), ns, scratch
+    return qr, ns, scratch
 
 
 def out_types(q, kvh: int, ns: int):

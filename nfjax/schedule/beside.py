@@ -30,7 +30,7 @@ def _sequential(layer, ctxs, ins, parts):
 def _decode_beside_up_gate(layer, ctxs, ins, parts):
     from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm, gemm_fits
     from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, TILE_CONFIGS
-    (ctx_a, ctx_b), ((q, kv), (h2,)) = ctxs, ins
+    ctx_a, ((q, kv), (h2,)) = ctxs[0], ins
     w_gate, w_up = layer.gate_proj.kernel[...], layer.up_proj.kernel[...]
     fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and h2.dtype == w_gate.dtype
             and gemm_fits(h2.shape, [w_gate.shape, w_up.shape], TILE_CONFIGS[DEFAULT_CONFIG])
