@@ -10,9 +10,12 @@ runner jits one step per (token bucket, strategy) with it. Per step of the progr
     rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
   * with streams on, a step of plan stream k >= 1 runs in a `compat.on_stream` region (compute_on
     "gpu_stream:k"; `gpu_stream`), except cache writers and collectives; stream 0 is the program's own.
-    XLA's scheduler otherwise puts a region's done right after its start, so the region and the main-stream
-    steps the plan runs beside it (those after it in program order, up to the first reader of its outputs)
-    share an XLA scheduling group (`_scheduling_group_id`), which keeps that work between start and done.
+    XLA's scheduler puts a region's done right after its start. The region and the main-stream steps the plan
+    runs beside it (those after it in program order, up to the first reader of its outputs) therefore share an
+    XLA scheduling group (`_scheduling_group_id`), which asks XLA to keep that work between start and done.
+    Measured on jax 0.11.2, it does not: the attribute reaches neither the region's call-start/done nor the
+    fusions (bench/NOTES.md section 6). The mechanism that does overlap is a horizontal kernel: a step with
+    `parts`, whose kernel runs ops of different nano-batches side by side in one launch;
 
 Merges. The pieces of a merged read are joined by one `concatenate` of complete, never-rewritten pieces, which
 XLA fuses with the pieces' producers (each producer writes its rows of the merged buffer) or into the consumer
@@ -119,6 +122,7 @@ def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, 
     groups = _OverlapGroups(group_ids or itertools.count()) if streams else None
     metas: dict[tuple[int, int], object] = {}
     sms = num_sms() if on_gpu() else 0
+
     def step_ctx(step: Step):
         key = (step.start, step.stop)
         if key not in metas:
