@@ -9,8 +9,9 @@ tiles. A and G are the plan's resource shares as program counts. Each branch all
 barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.
 The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use idle.
 
-Both bodies are the kernels' own code, so correctness follows their tests; this file's test checks the pair
-against the two references in the interpreter and cross-lowers it for CUDA.
+Both bodies are the kernels' own code, so correctness follows their tests. The CPU interpreter cannot run
+this kernel (its `run_scoped` branches close over the kernel's refs), so its test cross-lowers it for CUDA;
+`bench/decode_share.py --fused-only` compares its outputs with the two kernels run separately on the device.
 """
 from __future__ import annotations
 
@@ -63,9 +64,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     qr, ns, attn_scratch = prepare(q, k_cache, num_programs=attn_programs, num_splits=num_splits,
                                    block_kv=block_kv, num_stages=num_stages)
     kvh = k_cache.shape[3]
-    a_prog = attn_programs
-
-    nw = len(ws)
+    a_prog, nw = attn_programs, len(ws)
 
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]

@@ -46,8 +46,8 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-            q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads, num_splits,
-            num_programs, scale, interpret):
+                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
+                     num_splits, num_programs, scale, interpret):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes."""
     ops = Ops(interpret)
