@@ -106,43 +106,63 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
 
 
 
-def fused_pairs(kw) -> list[dict]:
+def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672)) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
-    SMs. Outputs are checked against the separate kernels."""
+    SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
+    rest): the larger of the two is what the fused kernel would take if the halves did not slow each other.
+    Outputs are checked against the separate kernels."""
     from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm
     from pallas_kernels.persistent_gemm import persistent_gemm
+    from nfjax.compat import num_sms
     b, ctx, m, k = (4, 64, 128, 128) if kw else (256, 1280, 1792, 4096)
-    q, kc, vc, pt, lens = cache_case(b, ctx, 16, seed=11)
     x = jax.random.normal(jax.random.key(12), (m, k), jnp.bfloat16)
     rows = []
-    for n in ((256,) if kw else (14336, 28672)):
-        w = jax.random.normal(jax.random.key(13), (k, n), jnp.bfloat16) * 0.02
-        attn = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, **kw))
-        gemm = jax.jit(functools.partial(persistent_gemm, **kw))
-        xla = jax.jit(jnp.dot)
-        ref_o, ref_y = attn(q, kc, vc, jnp.int32(0), pt, lens), gemm(x, w)
-        t_attn = time_fn(attn, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"]
-        t_gemm = time_fn(gemm, x, w, iters=10, reps=3)["median_s"]
-        t_xla = time_fn(xla, x, w, iters=10, reps=3)["median_s"]
-        for a in ((2,) if kw else (22, 33, 44, 55)):
-            r = {"n": n, "attn_programs": a, "attn_alone_ms": t_attn * 1e3, "gemm_alone_ms": t_gemm * 1e3,
-                 "xla_gemm_ms": t_xla * 1e3}
-            try:
-                f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
-                                              **({"gemm_programs": 1, "block_kv": 64} if kw else {}), **kw))
-                o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
-                r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
-                t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, x, w, iters=10, reps=3)["median_s"]
-                r.update(fused_ms=t * 1e3, serial_ms=(t_attn + t_gemm) * 1e3, gain=(t_attn + t_gemm) / t,
-                         gain_vs_xla_gemm=(t_attn + t_xla) / t)
-            except Exception as ex:  # noqa: BLE001
-                traceback.print_exc()
-                r["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            rows.append(r)
-            log(f"fused n={n} attn_programs={a}: " + ", ".join(f"{k_}={v:.4g}" if isinstance(v, float) else
-                                                               f"{k_}={v}" for k_, v in r.items()))
+    for ps in page_sizes:
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=11)
+        attn_at = {}
+
+        def attn_ms(a):
+            if a not in attn_at:
+                f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_programs=a,
+                                              **kw))
+                attn_at[a] = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"] * 1e3
+            return attn_at[a]
+
+        for n in ((256,) if kw else widths):
+            w = jax.random.normal(jax.random.key(13), (k, n), jnp.bfloat16) * 0.02
+            attn = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, **kw))
+            gemm = jax.jit(functools.partial(persistent_gemm, **kw))
+            xla = jax.jit(jnp.dot)
+            ref_o, ref_y = attn(q, kc, vc, jnp.int32(0), pt, lens), gemm(x, w)
+            t_attn = time_fn(attn, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"]
+            t_gemm = time_fn(gemm, x, w, iters=10, reps=3)["median_s"]
+            t_xla = time_fn(xla, x, w, iters=10, reps=3)["median_s"]
+            for a in ((2,) if kw else programs):
+                r = {"page_size": ps, "n": n, "attn_programs": a, "attn_alone_ms": t_attn * 1e3,
+                     "gemm_alone_ms": t_gemm * 1e3, "xla_gemm_ms": t_xla * 1e3}
+                try:
+                    if not kw:     # each half alone on its own share of the SMs
+                        g_a = jax.jit(functools.partial(persistent_gemm, num_programs=num_sms() - a))
+                        r["attn_on_share_ms"] = attn_ms(a)
+                        r["gemm_on_share_ms"] = time_fn(g_a, x, w, iters=10, reps=3)["median_s"] * 1e3
+                    f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
+                                                  **({"gemm_programs": 1, "block_kv": 64} if kw else {}), **kw))
+                    o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
+                    r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
+                    t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, x, w, iters=10, reps=3)["median_s"]
+                    r.update(fused_ms=t * 1e3, serial_ms=(t_attn + t_gemm) * 1e3, gain=(t_attn + t_gemm) / t,
+                             gain_vs_xla_gemm=(t_attn + t_xla) / t)
+                    if "gemm_on_share_ms" in r:
+                        r["fused_vs_halves"] = t * 1e3 / max(r["attn_on_share_ms"], r["gemm_on_share_ms"])
+                except Exception as ex:  # noqa: BLE001
+                    traceback.print_exc()
+                    r["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                rows.append(r)
+                log(f"fused ps={ps} n={n} attn_programs={a}: " + ", ".join(
+                    f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in r.items()))
     return rows
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -150,18 +170,23 @@ def main():
     ap.add_argument("--name", default="decode_share")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
     ap.add_argument("--fused-only", action="store_true", help="only the fused attention + GEMM table")
+    ap.add_argument("--fused-programs", default="22,33,44,55", help="attention programs in the fused table")
+    ap.add_argument("--fused-page-sizes", default="16", help="KV page sizes in the fused table")
+    ap.add_argument("--fused-widths", default="14336,28672", help="GEMM N in the fused table (K=4096, M=1792)")
     args = ap.parse_args()
     kw = {"interpret": True} if args.smoke else {}
     t0 = time.perf_counter()
     if args.fused_only:
-        rows = fused_pairs(kw)
+        ints = lambda v: tuple(int(x) for x in v.split(","))      # noqa: E731
+        rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths))
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["N", "attn progs", "attn ms", "gemm ms", "XLA gemm ms", "fused ms", "gain", "gain vs XLA",
-                     "err attn", "err gemm"],
-                    [[r["n"], r["attn_programs"], r["attn_alone_ms"], r["gemm_alone_ms"], r["xla_gemm_ms"],
-                      r.get("fused_ms"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
+        print_table(["page", "N", "attn progs", "attn ms", "gemm ms", "XLA gemm ms", "attn on A", "gemm on rest",
+                     "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
+                    [[r["page_size"], r["n"], r["attn_programs"], r["attn_alone_ms"], r["gemm_alone_ms"],
+                      r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
+                      r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
                       r.get("relerr_gemm")] for r in rows], title="\n== decode attention beside a GEMM, one kernel ==")
         path = write_results(args.name + "-fused", summary, {"device": device_info(), "fused": rows},
                              out_dir=args.out)

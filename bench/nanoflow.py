@@ -39,7 +39,7 @@ def step_ablation(args, cfg, out: dict) -> None:
     from nfjax.models.random_init import random_model
     from nfjax.parallel import make_mesh, shard_model
 
-    ps = 16
+    ps = args.page_size
     buckets = tuple(int(b) for b in args.buckets.split(","))
     batches = {b: mixed_batch(b, args.ctx, ps, num_decode=args.decode * b // max(buckets))[1] for b in buckets}
     pages = max(sum(p for p, _, _ in s) for s in batches.values()) + 8
@@ -197,6 +197,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
     ap.add_argument("--max-seqs", type=int, default=272)
     ap.add_argument("--align", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size (positions)")
     ap.add_argument("--plan", default="llama3-8b_h100_tp1", help="comma-separated plan names/paths")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--no-streams", dest="streams", action="store_false",
