@@ -5,7 +5,9 @@ giving each a share of the SMs. With two kernels on two streams that depends on 
 together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
 programs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
 of its work items, programs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
-tiles. A and G are the plan's resource shares as program counts. Each branch allocates its own SMEM and
+tiles. A and G are the plan's resource shares as program counts. With `spread=True` the attention programs are
+instead every (A + G) / A-th grid index, so that they do not fill a block of consecutive CTAs (which the
+hardware may place on few GPCs, whose path to L2 they would then share). Each branch allocates its own SMEM and
 barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.
 The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use idle.
 
@@ -39,16 +41,26 @@ def gemm_fits(x_shape, w_shapes, cfg: TileConfig) -> bool:
             and all(k2 == k and n % cfg.block_n == 0 for k2, n in w_shapes))
 
 
+def program_role(pid, attn_programs: int, total: int, spread: bool):
+    """(is attention, index among the attention programs, index among the GEMM programs) of grid index pid
+    (a traced or plain int). Attention holds [0, A), or with `spread` every grid index where floor(p * A / total)
+    steps up."""
+    def before(p):          # attention programs among grid indices [0, p)
+        return (p * attn_programs) // total if spread else jnp.minimum(p, attn_programs)
+    a = before(pid)
+    return before(pid + 1) > a, a, pid - a
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "attn_programs", "gemm_programs", "num_splits", "block_kv",
-                                             "num_stages", "config", "interpret"), inline=True)
+                                             "num_stages", "config", "spread", "interpret"), inline=True)
 def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                  v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                  page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
                                  x: Float[Array, "M K"], w, *, scale: float,
                                  attn_programs: int, gemm_programs: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
-                                 config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False
-                                 ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
+                                 config: TileConfig | str = DEFAULT_CONFIG, spread: bool = False,
+                                 interpret: bool = False) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_programs + gemm_programs
     programs (gemm_programs=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections)."""
@@ -66,26 +78,28 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     kvh = k_cache.shape[3]
     a_prog, nw = attn_programs, len(ws)
 
+    total = a_prog + gp_
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")
+        is_attn, a_idx, g_idx = program_role(pid, a_prog, total, spread)
 
-        @pl.when(pid < a_prog)
+        @pl.when(is_attn)
         def _():
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
                                                       num_kv_heads=kvh, num_splits=ns, num_programs=a_prog,
-                                                      scale=scale, interpret=interpret),
+                                                      scale=scale, interpret=interpret, program=a_idx),
                           *attn_scratch, collective_axes="wg")
 
-        @pl.when(pid >= a_prog)
+        @pl.when(jnp.logical_not(is_attn))
         def _():
             pl.run_scoped(lambda *s: gemm_kernel(x_hbm, w_hbm, y_hbm, *s, cfg=cfg, num_programs=gp_,
-                                                 first_program=a_prog),
+                                                 program=g_idx),
                           *gemm_scratch(cfg, x.dtype), collective_axes="wg")
 
     o_t, lse, *ys = plgpu.kernel(
         body, out_type=(*out_types(q, kvh, ns), *(jax.ShapeDtypeStruct((m, w_i.shape[1]), x.dtype) for w_i in ws)),
-        grid=(a_prog + gp_,), grid_names=("p",), num_threads=max(2, NUM_WGS + int(cfg.producer)),
+        grid=(total,), grid_names=("p",), num_threads=max(2, NUM_WGS + int(cfg.producer)),
         thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr,

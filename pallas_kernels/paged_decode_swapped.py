@@ -47,14 +47,15 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
-                     num_splits, num_programs, scale, interpret):
+                     num_splits, num_programs, scale, interpret, program=None):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
-    counter, so the pipeline stays full across item boundaries); warpgroup 0 computes."""
+    counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
+    program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work)."""
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
-    pid = lax.axis_index("p")             # programs [0, num_programs) (a fused kernel puts other work after)
+    pid = lax.axis_index("p") if program is None else program
     wg = lax.axis_index("wg")
     layer = params_hbm[0]
     n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)

@@ -99,9 +99,9 @@ def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
 
 
 def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int,
-                first_program: int = 0):
-    """The kernel body, run by grid programs [first_program, first_program + num_programs) (a fused kernel
-    gives the others other work). `w_hbm`/`o_hbm` may be equal-length tuples: x @ w_i -> o_i for each i, as
+                program=None):
+    """The kernel body, run by `num_programs` grid programs; `program` is this one's index among them (None:
+    the grid index; a fused kernel gives other programs other work). `w_hbm`/`o_hbm` may be equal-length tuples: x @ w_i -> o_i for each i, as
     one GEMM over the weights side by side (each N_i a multiple of block_n, so no tile straddles two)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
     os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
@@ -116,7 +116,7 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
     rows = bm // NUM_WGS
     k_steps = k_dim // bk
     num_tiles = cdiv(m, bm) * cdiv(n, bn)
-    pid = lax.axis_index("p") - first_program
+    pid = lax.axis_index("p") if program is None else program
     wg = lax.axis_index("wg")
     origin = functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m)
     n_mine = lax.div(num_tiles - pid + (num_programs - 1), num_programs)

@@ -41,3 +41,16 @@ def test_fused_kernel_lowers_for_cuda_and_checks_shapes():
     with pytest.raises(ValueError, match="the fused kernel needs"):
         decode_attention_beside_gemm.trace(*args[:6], sds((100, 4096), jnp.bfloat16), (w,), scale=0.1,
                                            attn_programs=33)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("attn,total", [(33, 132), (28, 132), (1, 5), (4, 4)])
+def test_program_roles_cover_each_half_once(attn, total, spread):
+    from pallas_kernels.attention_beside_gemm import program_role
+    roles = [tuple(int(v) for v in program_role(jnp.int32(p), attn, total, spread)) for p in range(total)]
+    a_idx = [a for is_a, a, _ in roles if is_a]
+    g_idx = [g for is_a, _, g in roles if not is_a]
+    assert a_idx == list(range(attn)) and g_idx == list(range(total - attn))
+    if spread and attn < total:      # no two attention programs side by side when they are at most half
+        pids = [p for p, r in enumerate(roles) if r[0]]
+        assert attn * 2 > total or min(np.diff(pids), default=2) >= 2
