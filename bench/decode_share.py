@@ -187,8 +187,8 @@ def main():
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["page", "N", "attn progs", "spread", "attn ms", "gemm ms", "XLA gemm ms", "attn on A", "gemm on rest",
-                     "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
+        print_table(["page", "N", "attn progs", "spread", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
+                     "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
                     [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["attn_alone_ms"], r["gemm_alone_ms"],
                       r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
                       r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),

@@ -5,9 +5,9 @@ giving each a share of the SMs. With two kernels on two streams that depends on 
 together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
 programs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
 of its work items, programs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
-tiles. A and G are the plan's resource shares as program counts. With `spread=True` the attention programs are
-instead every (A + G) / A-th grid index, so that they do not fill a block of consecutive CTAs (which the
-hardware may place on few GPCs, whose path to L2 they would then share). Each branch allocates its own SMEM and
+tiles. A and G are the plan's resource shares as program counts. With `spread=True` (the default) the attention
+programs are instead every (A + G) / A-th grid index rather than a block of consecutive CTAs: 3-11% faster in
+all six pairs of bench/results/decode_share-spread-fused-20261123.json. Each branch allocates its own SMEM and
 barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.
 The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use idle.
 
@@ -59,8 +59,9 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  x: Float[Array, "M K"], w, *, scale: float,
                                  attn_programs: int, gemm_programs: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
-                                 config: TileConfig | str = DEFAULT_CONFIG, spread: bool = False,
-                                 interpret: bool = False) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
+                                 config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
+                                 interpret: bool = False
+                                 ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_programs + gemm_programs
     programs (gemm_programs=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections)."""
@@ -79,6 +80,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     a_prog, nw = attn_programs, len(ws)
 
     total = a_prog + gp_
+
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")

@@ -101,8 +101,9 @@ def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
 def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int,
                 program=None):
     """The kernel body, run by `num_programs` grid programs; `program` is this one's index among them (None:
-    the grid index; a fused kernel gives other programs other work). `w_hbm`/`o_hbm` may be equal-length tuples: x @ w_i -> o_i for each i, as
-    one GEMM over the weights side by side (each N_i a multiple of block_n, so no tile straddles two)."""
+    the grid index; a fused kernel gives other programs other work). `w_hbm`/`o_hbm` may be equal-length
+    tuples: x @ w_i -> o_i for each i, as one GEMM over the weights side by side (each N_i a multiple of
+    block_n, so no tile straddles two)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
     os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
     bounds = [0]

@@ -17,8 +17,6 @@ from nfjax.kv.attention import decode_rows, kernels_support
 from nfjax.schedule.api import Kernel
 
 DEFAULT_ATTN_SHARE = 0.25       # 33 of 132 H100 SMs: bench/results/decode_share-fused-20261123.json
-SPREAD = True                   # attention programs spread over the grid: 3-11% faster in all six pairs of
-                                # bench/results/decode_share-spread-fused-20261123.json
 
 
 def _sequential(layer, ctxs, ins, parts):
@@ -44,7 +42,7 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     attn_programs = ctx_a.num_programs or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
     attn, (gate, up) = decode_attention_beside_gemm(
         q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
-        attn_programs=attn_programs, spread=SPREAD)
+        attn_programs=attn_programs)
     attn = attn.reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))
