@@ -34,6 +34,10 @@ CONFIGS = {"heads_bkv128_s2": ("heads", {}),
            "swapped_bkv192_s2": ("swapped", {"block_kv": 192, "num_stages": 2}),
            "swapped_bkv64_s4": ("swapped", {"block_kv": 64, "num_stages": 4})}
 H, KVH, D = 32, 8, 128
+# the swapped kernel's producer/consumer variants and probes (see paged_decode_swapped.attention_kernel)
+VARIANTS = {"no_prefetch": {"prefetch_pages": False}, "prefetch": {},
+            "probe_copies": {"probe": "copies"}, "probe_copies_no_prefetch": {"probe": "copies", "prefetch_pages": False},
+            "probe_l2": {"probe": "l2"}}
 
 
 def log(*a):
@@ -105,8 +109,37 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
     return out
 
 
+def variant_table(kw, programs, page_sizes) -> list[dict]:
+    """The swapped kernel alone on `programs` SMs, per variant: TB/s of K/V streamed (batch 256 x context
+    1280). The probes bound where one SM's time goes: copies alone, and compute with every copy hitting L2."""
+    b, ctx = (4, 64) if kw else (256, 1280)
+    rows = []
+    for ps in page_sizes:
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=5)
+        ref = paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
+        nbytes = 2 * b * ctx * KVH * D * 2
+        for name, cfg in VARIANTS.items():
+            for p in ((2,) if kw else programs):
+                r = {"page_size": ps, "variant": name, "programs": p}
+                try:
+                    f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_programs=p,
+                                                  **cfg, **kw))
+                    out = f(q, kc, vc, jnp.int32(0), pt, lens)
+                    if "probe" not in cfg:
+                        r["relerr"] = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
+                    t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"]
+                    r.update(ms=t * 1e3, tbs=nbytes / t / 1e12, gbs_per_sm=nbytes / t / 1e9 / p)
+                except Exception as ex:  # noqa: BLE001
+                    traceback.print_exc()
+                    r["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                rows.append(r)
+                log("variant " + ", ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
+                                           for k_, v in r.items()))
+    return rows
+
+
 def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672),
-                spreads=(True,)) -> list[dict]:
+                spreads=(True,), prefetch=(True,)) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
     SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
@@ -139,8 +172,10 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
             ref_y = gemm(x, w)
             t_gemm = time_fn(gemm, x, w, iters=10, reps=3)["median_s"]
             t_xla = time_fn(xla, x, w, iters=10, reps=3)["median_s"]
-            for a, spread in [(a, sp) for a in ((2,) if kw else programs) for sp in spreads]:
-                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread, "attn_alone_ms": t_attn * 1e3,
+            for a, spread, pf in [(a, sp, pf) for a in ((2,) if kw else programs) for sp in spreads
+                                  for pf in prefetch]:
+                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread, "prefetch_pages": pf,
+                     "attn_alone_ms": t_attn * 1e3,
                      "gemm_alone_ms": t_gemm * 1e3, "xla_gemm_ms": t_xla * 1e3}
                 try:
                     if not kw:     # each half alone on its own share of the SMs
@@ -150,7 +185,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
                         r["attn_on_share_ms"], r["gemm_on_share_ms"] = attn_ms(a), gemm_at[n, a]
                     tiny = {"gemm_programs": 1, "block_kv": 64} if kw else {}
                     f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
-                                                  spread=spread, **tiny, **kw))
+                                                  spread=spread, prefetch_pages=pf, **tiny, **kw))
                     o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
                     r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
                     t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, x, w, iters=10, reps=3)["median_s"]
@@ -178,24 +213,35 @@ def main():
     ap.add_argument("--fused-spread", default="1",
                     help="1 (the kernel's default), 0 or 0,1: attention programs spread over the grid")
     ap.add_argument("--fused-widths", default="14336,28672", help="GEMM N in the fused table (K=4096, M=1792)")
+    ap.add_argument("--fused-prefetch", default="1", help="1 (the default), 0 or 0,1: page-id prefetch")
+    ap.add_argument("--variants", default=None,
+                    help="also (before the fused table) the swapped kernel's variants and probes alone on these "
+                         "program counts, e.g. 22,33,44,132")
     args = ap.parse_args()
     kw = {"interpret": True} if args.smoke else {}
     t0 = time.perf_counter()
+    ints = lambda v: tuple(int(x) for x in v.split(","))      # noqa: E731
+    variants = variant_table(kw, ints(args.variants), ints(args.fused_page_sizes)) if args.variants else None
+    if variants:
+        print_table(["page", "variant", "programs", "ms", "TB/s", "GB/s per SM", "rel err"],
+                    [[r["page_size"], r["variant"], r["programs"], r.get("ms"), r.get("tbs"), r.get("gbs_per_sm"),
+                      r.get("relerr", r.get("error"))] for r in variants],
+                    title="\n== swapped decode kernel alone: variants and probes ==")
     if args.fused_only:
-        ints = lambda v: tuple(int(x) for x in v.split(","))      # noqa: E731
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
-                           tuple(bool(v) for v in ints(args.fused_spread)))
+                           tuple(bool(v) for v in ints(args.fused_spread)),
+                           tuple(bool(v) for v in ints(args.fused_prefetch)))
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["page", "N", "attn progs", "spread", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
+        print_table(["page", "N", "attn progs", "spread", "prefetch", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
                      "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
-                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["attn_alone_ms"], r["gemm_alone_ms"],
+                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["prefetch_pages"], r["attn_alone_ms"], r["gemm_alone_ms"],
                       r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
                       r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
                       r.get("relerr_gemm")] for r in rows], title="\n== decode attention beside a GEMM, one kernel ==")
-        path = write_results(args.name + "-fused", summary, {"device": device_info(), "fused": rows},
-                             out_dir=args.out)
+        path = write_results(args.name + "-fused", summary,
+                             {"device": device_info(), "fused": rows, "variants": variants}, out_dir=args.out)
         log(f"wrote {path}  [{time.perf_counter() - t0:.0f}s]")
         return
     data = {"device": device_info(), "checks": checks(kw)}

@@ -228,24 +228,40 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     return carry
 
 
-def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot):
-    """Start the TMA copies of cache positions [tok0, tok0 + block_kv) of page-table row `seq`, kv head `kh`,
-    into stage `slot` of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. tok0 is a multiple of block_kv."""
-    block_kv, page_size, max_pages = k_s.shape[1], k_hbm.shape[2], pt_hbm.shape[1]
+def block_pages(pt_hbm, *, seq, tok0, block_kv: int, page_size: int) -> tuple:
+    """Page ids (scalars read from the page table in GMEM) holding cache positions [tok0, tok0 + block_kv) of
+    page-table row `seq`: one per page, or the one page a smaller block sits in. Column indices are clamped
+    to the table, so a block past the end reads a valid (unused) entry."""
+    max_pages = pt_hbm.shape[1]
     if block_kv >= page_size:
-        per = block_kv // page_size
         first = lax.div(tok0, page_size)
-        for j in range(per):
-            page = pt_hbm[seq, jnp.minimum(first + j, max_pages - 1)]
+        return tuple(pt_hbm[seq, jnp.minimum(first + j, max_pages - 1)] for j in range(block_kv // page_size))
+    return (pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)],)
+
+
+def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok0, slot):
+    """Start the TMA copies of one block (its `pages`, from `block_pages`) of kv head `kh` into stage `slot`
+    of k_s/v_s; each copy arrives on k_bar/v_bar[slot]."""
+    block_kv, page_size = k_s.shape[1], k_hbm.shape[2]
+    if block_kv >= page_size:
+        per = len(pages)
+        for j, page in enumerate(pages):
             dk = k_s.at[slot] if per == 1 else k_s.at[slot, pl.ds(j * page_size, page_size)]
             dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
             plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
     else:
-        page = pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)]
         off = lax.rem(tok0, page_size)
-        plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, pl.ds(off, block_kv), kh], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, pl.ds(off, block_kv), kh], v_s.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(k_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], v_s.at[slot], v_bar.at[slot])
+
+
+def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot):
+    """Start the TMA copies of cache positions [tok0, tok0 + block_kv) of page-table row `seq`, kv head `kh`,
+    into stage `slot` of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. tok0 is a multiple of block_kv."""
+    pages = block_pages(pt_hbm, seq=seq, tok0=tok0, block_kv=k_s.shape[1], page_size=k_hbm.shape[2])
+    copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
+                  pages=pages, kh=kh, tok0=tok0, slot=slot)
 
 
 def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int):

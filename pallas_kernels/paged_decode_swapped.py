@@ -30,8 +30,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from nfjax.compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, \
-    copy_kv_block, kv_scratch, smem_tile_transforms
+    block_pages, copy_kv_pages, kv_scratch, smem_tile_transforms
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
+
+PROBES = (None, "copies", "l2")
 
 
 def _cols(x, shape):
@@ -47,10 +49,19 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
-                     num_splits, num_programs, scale, interpret, program=None):
+                     num_splits, num_programs, scale, interpret, program=None, prefetch_pages: bool = True,
+                     probe: str | None = None):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
-    program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work)."""
+    program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
+
+    `prefetch_pages`: the producer reads block i + 1's page ids from the page table before it waits for a free
+    stage for block i, so those dependent GMEM loads are in flight during the wait instead of in series with
+    the copies. `probe` (measurement only, bench/decode_share.py; outputs are NOT attention): "copies" = the
+    consumer only waits for each block and releases it (the copy-side limit); "l2" = every copy of an item
+    reads its first page, which then stays in L2 (the limit without HBM)."""
+    if probe not in PROBES:
+        raise ValueError(f"probe={probe!r}: one of {PROBES}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
@@ -70,13 +81,24 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             pl.when(k >= 2)(lambda: plgpu.barrier_wait(q_free.at[qslot]))
             plgpu.copy_gmem_to_smem(q_hbm.at[b * num_kv_heads + kh], q_s.at[qslot], q_bar.at[qslot])
 
-            def block(i, g):
+            def pages_of(i):
+                pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
+                                    page_size=k_hbm.shape[2])
+                if probe == "l2":
+                    pages = (pt_hbm[b, 0],) * len(pages)
+                return pages
+
+            def block(i, carry):
+                g, pages = carry
                 slot = lax.rem(g, num_stages)
+                nxt = pages_of(i + 1) if prefetch_pages else None
                 pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-                copy_kv_block(k_hbm=k_hbm, v_hbm=v_hbm, pt_hbm=pt_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar,
-                              v_bar=v_bar, layer=layer, seq=b, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
-                return g + 1
-            return lax.fori_loop(0, n_blk, block, g)
+                copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
+                              pages=pages if prefetch_pages else pages_of(i), kh=kh, tok0=kv_lo + i * block_kv,
+                              slot=slot)
+                return g + 1, (nxt if prefetch_pages else pages)
+            first = pages_of(0) if prefetch_pages else (jnp.int32(0),)
+            return lax.fori_loop(0, n_blk, block, (g, first))[0]
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
         # every completion of a barrier is awaited by the thread that waits on it: observe the last ones
         def drain(bars, n):
@@ -86,6 +108,22 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             return body
         lax.fori_loop(jnp.maximum(total - num_stages, 0), total, drain(consumed, num_stages), None)
         lax.fori_loop(jnp.maximum(n_mine - 2, 0), n_mine, drain(q_free, 2), None)
+
+    def copies_only():
+        def item(k, g):
+            n_blk = coords(pid + k * num_programs)[4]
+            plgpu.barrier_wait(q_bar.at[lax.rem(k, 2)])
+
+            def block(i, cr):
+                slot = lax.rem(g + i, num_stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+                return cr
+            lax.fori_loop(0, n_blk, block, None)
+            plgpu.barrier_arrive(q_free.at[lax.rem(k, 2)])
+            return g + n_blk
+        lax.fori_loop(0, n_mine, item, jnp.int32(0))
 
     def consumer():
         def step(g, tok0, kv_hi, q, carry, masked: bool):
@@ -127,18 +165,20 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 1)(producer)
-    pl.when(wg == 0)(consumer)
+    pl.when(wg == 0)(copies_only if probe == "copies" else consumer)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "interpret"), inline=True)
+                                             "prefetch_pages", "probe", "interpret"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
+                                   num_stages: int | None = None, prefetch_pages: bool = True,
+                                   probe: str | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
-    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json)."""
+    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
+    `prefetch_pages`, `probe`: see `attention_kernel`."""
     if num_stages is None:
         num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
     qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
@@ -146,7 +186,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
-                             scale=scale, interpret=interpret)
+                             scale=scale, interpret=interpret, prefetch_pages=prefetch_pages, probe=probe)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
