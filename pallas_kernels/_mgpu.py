@@ -105,31 +105,6 @@ class Ops:
             plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
         return pl.run_state(f)(plgpu.ACC.init(acc))
 
-    # Asynchronous forms (the pipelined decode consumer): the GPU starts a wgmma into an accumulator and goes
-    # on; `acc_load(acc, wait_n)` waits until at most wait_n wgmma groups are in flight, then reads it. The
-    # interpreter runs each at once into an SMEM f32 buffer standing in for the accumulator.
-    def acc_scratch(self, shape):
-        return plgpu.SMEM(shape, jnp.float32) if self.interpret else plgpu.ACC(shape, jnp.float32)
-
-    def start_kq(self, s_acc, k_s, q_s):
-        """s_acc += k @ q^T ([BKV, D] x [GP, D]^T, both in SMEM)."""
-        if self.interpret:
-            s_acc[...] += jnp.dot(k_s[...], q_s[...].T, preferred_element_type=jnp.float32)
-        else:
-            plgpu.wgmma(s_acc, k_s, q_s.transpose((1, 0)))
-
-    def start_vp(self, o_acc, p, v_s, p_s):
-        """o_acc += v^T @ p (p [BKV, GP] 16-bit registers, through `p_s` on the GPU as in `vp`)."""
-        if self.interpret:
-            o_acc[...] += jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32)
-            return
-        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.wgmma(o_acc, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
-
-    def acc_load(self, acc, wait_n: int = 0):
-        return acc[...] if self.interpret else plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
-
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""
         if self.interpret:

@@ -33,7 +33,8 @@ from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, 
     block_pages, copy_kv_pages, kv_scratch, smem_tile_transforms
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
-PROBES = (None, "copies", "l2")
+PROBES = ("", "copies", "l2")
+ABLATIONS = {"no_kq", "no_vp", "no_reduce"}     # consumer parts a probe leaves out
 
 
 def _cols(x, shape):
@@ -48,20 +49,20 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *acc_refs,
-                     num_kv_heads, num_splits, num_programs, scale, interpret, program=None,
-                     pipeline_mma: bool = True, probe: str | None = None):
+                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
+                     num_splits, num_programs, scale, interpret, program=None, probe: str | None = None):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
     program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
 
-    `pipeline_mma`: the consumer keeps its matmuls in flight beside the softmax (`pipelined`; `acc_refs`: its
-    two accumulators as SMEM in interpret mode, from `prepare`). `probe` (measurement only,
+    `probe` (measurement only,
     bench/decode_share.py; outputs are NOT attention): "copies" = the consumer only waits for each block and
     releases it (the copy-side limit); "l2" = every copy of an item reads its first page, which then stays in
-    L2 (the limit without HBM)."""
-    if probe not in PROBES:
-        raise ValueError(f"probe={probe!r}: one of {PROBES}")
+    L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce" appended leave that part out of the
+    consumer (what each costs)."""
+    base, *ablate = (probe or "").split("+")
+    if base not in PROBES or not set(ablate) <= ABLATIONS:
+        raise ValueError(f"probe={probe!r}: one of {PROBES}, then '+'-joined {sorted(ABLATIONS)}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
@@ -84,7 +85,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             def pages_of(i):
                 pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
                                     page_size=k_hbm.shape[2])
-                if probe == "l2":
+                if base == "l2":
                     pages = (pt_hbm[b, 0],) * len(pages)
                 return pages
 
@@ -126,17 +127,21 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             acc, m, l = carry
             slot = lax.rem(g, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = ops.kq(k_s.at[slot], q) * c                                # [BKV, GP]
+            if "no_kq" in ablate:
+                s = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
+            else:
+                s = ops.kq(k_s.at[slot], q) * c                            # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=0))
+            m_new = m if "no_reduce" in ablate else jnp.maximum(m, s.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
-            l = l * alpha + p.sum(axis=0)
+            l = l * alpha + (0.0 if "no_reduce" in ablate else p.sum(axis=0))
             acc = acc * _cols(alpha, acc.shape)
             plgpu.barrier_wait(v_bar.at[slot])
-            acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
+            if "no_vp" not in ablate:
+                acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
             plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
             return acc, m_new, l
 
@@ -160,89 +165,29 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    def pipelined(s_acc, o_acc):
-        """The consumer with its two matmuls in flight beside the softmax: block i's V^T P^T and block i+1's
-        K Q^T run while the softmax of block i + 1 is computed (one block's chain was wgmma, reduce, exp,
-        reduce, wgmma, all in series: the per-SM limit, bench/results/decode_share-probe-fused-20261123.json)."""
-        def softmax(s, tok0, kv_hi, m, l):
-            tok = ops.iota((block_kv, gp), 0) + tok0
-            s = jnp.where(tok < kv_hi, s * c, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=0))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - _cols(m_new, s.shape))
-            return p.astype(v_s.dtype), m_new, alpha, l * alpha + p.sum(axis=0)
-
-        def start_kq(g, q):
-            plgpu.barrier_wait(k_bar.at[lax.rem(g, num_stages)])
-            s_acc[...] = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
-            ops.start_kq(s_acc, k_s.at[lax.rem(g, num_stages)], q)
-
-        def item(k, g):
-            w = pid + k * num_programs
-            _, _, kv_lo, kv_hi, n_blk = coords(w)
-            qslot = lax.rem(k, 2)
-            q = q_s.at[qslot]
-            plgpu.barrier_wait(q_bar.at[qslot])
-            o_acc[...] = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
-            s_acc[...] = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
-            pl.when(n_blk > 0)(lambda: start_kq(g, q))
-            # An empty item (n_blk == 0) leaves s_acc zero, all masked: p = 1, l = block_kv, o stays 0, and
-            # store_partial writes o = 0 with lse ~ -1e30, which is what an empty item writes either way.
-            p, m, _, l = softmax(ops.acc_load(s_acc), kv_lo, kv_hi,
-                                 ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32)),
-                                 ops.col_layout(jnp.zeros((gp,), jnp.float32)))
-
-            def block(i, carry):            # o_acc holds blocks < i, scaled to m (the max through block i)
-                p, m, l = carry
-                pl.when(i + 1 < n_blk)(lambda: start_kq(g + i + 1, q))
-                slot = lax.rem(g + i, num_stages)
-                plgpu.barrier_wait(v_bar.at[slot])
-                ops.start_vp(o_acc, p, v_s.at[slot], p_s)
-                # Block i + 1's scores, while block i's V^T P^T still runs. After the last block s_acc is stale,
-                # but every position of "block n_blk" is masked, so m and l stay and alpha is 1.
-                s = ops.acc_load(s_acc, wait_n=1)
-                p, m_new, alpha, l = softmax(s, kv_lo + (i + 1) * block_kv, kv_hi, m, l)
-                o = ops.acc_load(o_acc)                     # block i's wgmmas are complete: free its stage
-                plgpu.barrier_arrive(consumed.at[slot])
-                o_acc[...] = o * _cols(alpha, o.shape)
-                return p, m_new, l
-            _, m, l = lax.fori_loop(0, n_blk, block, (p, m, l))
-            plgpu.barrier_arrive(q_free.at[qslot])
-            store_partial(ops.acc_load(o_acc), m, l, _cols, o_s, lse_s, o_s, lse_s, o_hbm.at[w], lse_hbm.at[w])
-            return g + n_blk
-        lax.fori_loop(0, n_mine, item, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
-
-    def pipelined_consumer():
-        if interpret:
-            pipelined(*acc_refs)
-        else:
-            pl.run_scoped(pipelined, ops.acc_scratch((block_kv, gp)), ops.acc_scratch((q_s.shape[2], gp)))
-
     pl.when(wg == 1)(producer)
-    pl.when(wg == 0)(copies_only if probe == "copies" else pipelined_consumer if pipeline_mma else consumer)
+    pl.when(wg == 0)(copies_only if base == "copies" else consumer)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "pipeline_mma", "probe", "interpret"), inline=True)
+                                             "probe", "interpret"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int | None = None, pipeline_mma: bool = True,
-                                   probe: str | None = None,
+                                   num_stages: int | None = None, probe: str | None = None,
                                    interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `pipeline_mma`, `probe`: see `attention_kernel`."""
+    `probe`: see `attention_kernel`."""
     if num_stages is None:
         num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
     qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages, interpret=interpret)
+                              num_stages=num_stages)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
-                             scale=scale, interpret=interpret, pipeline_mma=pipeline_mma, probe=probe)
+                             scale=scale, interpret=interpret, probe=probe)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
@@ -251,10 +196,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     return finish(o_t, lse, q.shape, kvh, ns)
 
 
-def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int,
-            interpret: bool = False):
-    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types). In
-    interpret mode the pipelined consumer's two accumulators are SMEM scratch too (on the GPU: registers)."""
+def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int):
+    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
     d, ps = q.shape[2], k_cache.shape[2]
     qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
     tf = smem_tile_transforms(q.dtype)
@@ -266,8 +209,6 @@ def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: 
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
                *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
                plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
-    if interpret:
-        scratch += [plgpu.SMEM((block_kv, gp), jnp.float32), plgpu.SMEM((d, gp), jnp.float32)]
     return qr, ns, scratch
 
 
