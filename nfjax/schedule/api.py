@@ -141,7 +141,8 @@ class _Trace:
 class Scheduler:
     """Base class of every strategy. Subclasses set `name` and implement `schedule(ctx)`."""
     name = "scheduler"
-    splits = False        # does it cut the batch (then XLA's dot merger is turned off for it)
+    splits = False        # does it cut the batch (then XLA's dot merger is turned off for it ...)
+    dot_merger = False    # ... unless this is set
 
     def eligible(self, ctx: ScheduleContext) -> str | None:
         """None if the strategy can run on this bucket, else why not (then the bucket compiles without it)."""

@@ -52,6 +52,10 @@ class Plan:
     tp: int = 1
     source: str = ""
     description: str = ""
+    # Leave XLA's dot merger on for this plan (it is off for split variants, so that it does not fuse their
+    # nano-batch GEMMs back together). A plan whose split GEMMs cannot merge (one runs before a fused kernel,
+    # the other after it) gains from it: q/k/v and gate/up of one nano-batch become one GEMM each.
+    xla_dot_merger: bool = False
 
     # ---- lookup -----------------------------------------------------------------------------------------
     def has_group(self, name: str) -> bool:
@@ -106,14 +110,14 @@ class Plan:
                 "groups": [{"name": g.name, "ops": list(g.ops), "nano_batches": list(g.nano_batches)}
                            for g in self.groups],
                 "streams": [{"stream": s.stream, "order": list(s.order)} for s in self.streams],
-                "share": dict(self.share)}
+                "share": dict(self.share), "xla_dot_merger": self.xla_dot_merger}
 
     @classmethod
     def from_json(cls, d, where: str = "plan") -> "Plan":
         if not isinstance(d, dict):
             raise PlanError(f"{where}: expected a JSON object, got {type(d).__name__}")
         known = {"format", "name", "description", "source", "model", "device", "tp", "bucket", "min_bucket",
-                 "align", "groups", "streams", "share"}
+                 "align", "groups", "streams", "share", "xla_dot_merger"}
         extra = sorted(set(d) - known)
         if extra:
             raise PlanError(f"{where}: unknown field {extra[0]!r}")
@@ -144,12 +148,16 @@ class Plan:
         for k, v in share.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise PlanError(f"{where}.share.{k}: must be a number in (0, 1], got {v!r}")
+        merger = d.get("xla_dot_merger", False)
+        if not isinstance(merger, bool):
+            raise PlanError(f"{where}.xla_dot_merger: must be true or false, got {merger!r}")
         return cls(name=_str(req("name"), f"{where}.name"), bucket=_int(req("bucket"), f"{where}.bucket", 1),
                    groups=tuple(groups), streams=tuple(streams), share={k: float(v) for k, v in share.items()},
                    min_bucket=_int(d.get("min_bucket", 0), f"{where}.min_bucket", 0),
                    align=_int(d.get("align", 8), f"{where}.align", 1), model=str(d.get("model", "")),
                    device=str(d.get("device", "")), tp=_int(d.get("tp", 1), f"{where}.tp", 1),
-                   source=str(d.get("source", "")), description=str(d.get("description", "")))
+                   source=str(d.get("source", "")), description=str(d.get("description", "")),
+                   xla_dot_merger=merger)
 
     # ---- meaning ------------------------------------------------------------------------------------------
     def validate(self, graph, where: str = "plan") -> "Plan":

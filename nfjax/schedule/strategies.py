@@ -188,6 +188,7 @@ class NanoFlow(Scheduler):
     def __init__(self, plan, name: str | None = None):
         from nfjax.schedule.graph import layer_graph
         self.flow_plan = plan
+        self.dot_merger = plan.xla_dot_merger
         self.name = name or f"nanoflow:{plan.name}"
         plan.validate(layer_graph())
 

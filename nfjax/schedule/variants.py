@@ -33,6 +33,7 @@ class Variant:
     config: StrategyConfig
     program: Program
     splits: bool
+    dot_merger: bool = False
 
     def streams(self, default: bool) -> bool:
         """Whether this variant runs stream regions: the strategy's own setting, else the schedule's `default`,
@@ -44,9 +45,9 @@ class Variant:
         return program_layer_fn(self.program, self.streams(streams))
 
     def compiler_options(self, streams: bool = False) -> dict:
-        """The dot merger off for split variants; command buffers off for stream variants (a CUDA graph ran
-        every region's kernels on one stream, bench/NOTES.md section 6)."""
-        opts = dict(NO_DOT_MERGER) if self.splits else {}
+        """The dot merger off for split variants (unless their plan keeps it); command buffers off for stream
+        variants (a CUDA graph ran every region's kernels on one stream, bench/NOTES.md section 6)."""
+        opts = dict(NO_DOT_MERGER) if self.splits and not self.dot_merger else {}
         if self.streams(streams):
             opts.update(NO_COMMAND_BUFFERS)
         return opts
@@ -77,7 +78,7 @@ class Variants:
                 if why:
                     self.skipped[(b, c.label)] = why
                     continue
-                vs[c.label] = Variant(c.label, c, s.plan(ctx), s.splits)
+                vs[c.label] = Variant(c.label, c, s.plan(ctx), s.splits, s.dot_merger)
             self.by_bucket[b] = vs
 
     def choose(self, bucket: int, num_tokens: int, num_decode: int, pinned: str | None = None) -> str:

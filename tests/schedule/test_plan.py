@@ -74,6 +74,7 @@ def _bad(tmp_path, mutate):
     (lambda d: d["share"].update({"down:9": 0.5}), r"bad.json.share.down:9: '9' is not a nano-batch index of "
                                                    r"group 'mlp'"),
     (lambda d: d["share"].update({"dwn:1": 0.5}), r"bad.json.share.dwn:1: unknown op 'dwn'"),
+    (lambda d: d.update(xla_dot_merger="yes"), r"bad.json.xla_dot_merger: must be true or false, got 'yes'"),
 ])
 def test_validation_errors_name_the_field(tmp_path, mutate, msg):
     with pytest.raises(PlanError, match=msg):
@@ -113,3 +114,16 @@ def test_per_nano_batch_share_wins_over_the_op_share():
     # mlp's nano-batches are tokens [0:16] and [16:64]
     assert [s for s in prog.order if s.startswith("down@")] == ["down@0,1[0:16] share=0.5",
                                                                  "down@2,3[16:64] share=0.75"]
+
+
+def test_a_plan_may_keep_the_dot_merger():
+    """Split variants compile with XLA's dot merger off, unless their plan says `xla_dot_merger: true`."""
+    from nfjax.config import StrategyConfig
+    from nfjax.schedule.variants import Variant
+    d = json.loads(open(TINY_PLAN).read())
+    for keep, want in ((False, {"xla_gpu_dot_merger_threshold_mb": 0}), (True, {})):
+        plan = Plan.from_json({**d, "xla_dot_merger": keep}).validate(G)
+        assert plan.xla_dot_merger is keep and Plan.from_json(plan.to_json()) == plan
+        nf = NanoFlow(plan)
+        v = Variant(nf.name, StrategyConfig(), nf.plan(ScheduleContext(64, G, 1)), nf.splits, nf.dot_merger)
+        assert v.splits and v.compiler_options() == want
