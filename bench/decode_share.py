@@ -35,11 +35,9 @@ CONFIGS = {"heads_bkv128_s2": ("heads", {}),
            "swapped_bkv64_s4": ("swapped", {"block_kv": 64, "num_stages": 4})}
 H, KVH, D = 32, 8, 128
 # the swapped kernel's producer/consumer variants and probes (see paged_decode_swapped.attention_kernel)
-SERIAL = {"pipeline_mma": False}
-VARIANTS = {"pipelined": {}, "serial": SERIAL, "probe_copies": {"probe": "copies"},
-            "probe_l2_pipelined": {"probe": "l2"}, "probe_l2": {"probe": "l2", **SERIAL},
-            **{f"probe_l2_{a}": {"probe": f"l2+{a}", **SERIAL} for a in ("no_kq", "no_vp", "no_reduce")},
-            "probe_l2_none": {"probe": "l2+no_kq+no_vp+no_reduce", **SERIAL}}
+VARIANTS = {"kernel": {}, "probe_copies": {"probe": "copies"}, "probe_l2": {"probe": "l2"},
+            **{f"probe_l2_{a}": {"probe": f"l2+{a}"} for a in ("no_kq", "no_vp", "no_reduce")},
+            "probe_l2_no_kq_vp": {"probe": "l2+no_kq+no_vp"}, "probe_l2_none": {"probe": "l2+no_kq+no_vp+no_reduce"}}
 
 
 def log(*a):
@@ -141,7 +139,7 @@ def variant_table(kw, programs, page_sizes) -> list[dict]:
 
 
 def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672),
-                spreads=(True,), pipelined=(True,)) -> list[dict]:
+                spreads=(True,)) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
     SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
@@ -174,9 +172,8 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
             ref_y = gemm(x, w)
             t_gemm = time_fn(gemm, x, w, iters=10, reps=3)["median_s"]
             t_xla = time_fn(xla, x, w, iters=10, reps=3)["median_s"]
-            for a, spread, pm in [(a, sp, pm) for a in ((2,) if kw else programs) for sp in spreads
-                                  for pm in pipelined]:
-                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread, "pipeline_mma": pm,
+            for a, spread in [(a, sp) for a in ((2,) if kw else programs) for sp in spreads]:
+                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread,
                      "attn_alone_ms": t_attn * 1e3,
                      "gemm_alone_ms": t_gemm * 1e3, "xla_gemm_ms": t_xla * 1e3}
                 try:
@@ -187,7 +184,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
                         r["attn_on_share_ms"], r["gemm_on_share_ms"] = attn_ms(a), gemm_at[n, a]
                     tiny = {"gemm_programs": 1, "block_kv": 64} if kw else {}
                     f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
-                                                  spread=spread, pipeline_mma=pm, **tiny, **kw))
+                                                  spread=spread, **tiny, **kw))
                     o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
                     r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
                     t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, x, w, iters=10, reps=3)["median_s"]
@@ -215,8 +212,6 @@ def main():
     ap.add_argument("--fused-spread", default="1",
                     help="1 (the kernel's default), 0 or 0,1: attention programs spread over the grid")
     ap.add_argument("--fused-widths", default="14336,28672", help="GEMM N in the fused table (K=4096, M=1792)")
-    ap.add_argument("--fused-pipelined", default="1",
-                    help="1 (the default), 0 or 0,1: the attention consumer's matmuls in flight beside its softmax")
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
@@ -232,14 +227,13 @@ def main():
                     title="\n== swapped decode kernel alone: variants and probes ==")
     if args.fused_only:
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
-                           tuple(bool(v) for v in ints(args.fused_spread)),
-                           tuple(bool(v) for v in ints(args.fused_pipelined)))
+                           tuple(bool(v) for v in ints(args.fused_spread)))
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["page", "N", "attn progs", "spread", "pipelined", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
+        print_table(["page", "N", "attn progs", "spread", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
                      "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
-                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["pipeline_mma"], r["attn_alone_ms"], r["gemm_alone_ms"],
+                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["attn_alone_ms"], r["gemm_alone_ms"],
                       r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
                       r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
                       r.get("relerr_gemm")] for r in rows], title="\n== decode attention beside a GEMM, one kernel ==")

@@ -105,31 +105,6 @@ class Ops:
             plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
         return pl.run_state(f)(plgpu.ACC.init(acc))
 
-    # Asynchronous forms (the pipelined decode consumer): the GPU starts a wgmma into an accumulator and goes
-    # on; `acc_load(acc, wait_n)` waits until at most wait_n wgmma groups are in flight, then reads it. The
-    # interpreter runs each at once into an SMEM f32 buffer standing in for the accumulator.
-    def acc_scratch(self, shape):
-        return plgpu.SMEM(shape, jnp.float32) if self.interpret else plgpu.ACC(shape, jnp.float32)
-
-    def start_kq(self, s_acc, k_s, q_s):
-        """s_acc += k @ q^T ([BKV, D] x [GP, D]^T, both in SMEM)."""
-        if self.interpret:
-            s_acc[...] += jnp.dot(k_s[...], q_s[...].T, preferred_element_type=jnp.float32)
-        else:
-            plgpu.wgmma(s_acc, k_s, q_s.transpose((1, 0)))
-
-    def start_vp(self, o_acc, p, v_s, p_s):
-        """o_acc += v^T @ p (p [BKV, GP] 16-bit registers, through `p_s` on the GPU as in `vp`)."""
-        if self.interpret:
-            o_acc[...] += jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32)
-            return
-        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.wgmma(o_acc, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
-
-    def acc_load(self, acc, wait_n: int = 0):
-        return acc[...] if self.interpret else plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
-
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""
         if self.interpret:
@@ -264,22 +239,21 @@ def block_pages(pt_hbm, *, seq, tok0, block_kv: int, page_size: int) -> tuple:
     return (pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)],)
 
 
-def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok0, slot, parts: str = "kv"):
+def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok0, slot):
     """Start the TMA copies of one block (its `pages`, from `block_pages`) of kv head `kh` into stage `slot`
-    of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. `parts`: "kv", or "k" / "v" for one of the two."""
+    of k_s/v_s; each copy arrives on k_bar/v_bar[slot]."""
     block_kv, page_size = k_s.shape[1], k_hbm.shape[2]
-    todo = [(src, dst, bar) for name, src, dst, bar in (("k", k_hbm, k_s, k_bar), ("v", v_hbm, v_s, v_bar))
-            if name in parts]
     if block_kv >= page_size:
         per = len(pages)
         for j, page in enumerate(pages):
-            for src, dst, bar in todo:
-                d = dst.at[slot] if per == 1 else dst.at[slot, pl.ds(j * page_size, page_size)]
-                plgpu.copy_gmem_to_smem(src.at[layer, page, :, kh], d, bar.at[slot])
+            dk = k_s.at[slot] if per == 1 else k_s.at[slot, pl.ds(j * page_size, page_size)]
+            dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
+            plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
     else:
         off = lax.rem(tok0, page_size)
-        for src, dst, bar in todo:
-            plgpu.copy_gmem_to_smem(src.at[layer, pages[0], pl.ds(off, block_kv), kh], dst.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(k_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], v_s.at[slot], v_bar.at[slot])
 
 
 def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot):

@@ -52,8 +52,7 @@ def program_role(pid, attn_programs: int, total: int, spread: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "attn_programs", "gemm_programs", "num_splits", "block_kv",
-                                             "num_stages", "config", "spread", "pipeline_mma", "interpret"),
-                   inline=True)
+                                             "num_stages", "config", "spread", "interpret"), inline=True)
 def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                  v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                  page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
@@ -61,7 +60,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  attn_programs: int, gemm_programs: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
-                                 pipeline_mma: bool = True, interpret: bool = False
+                                 interpret: bool = False
                                  ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_programs + gemm_programs
     programs (gemm_programs=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
@@ -91,8 +90,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         def _():
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
                                                       num_kv_heads=kvh, num_splits=ns, num_programs=a_prog,
-                                                      scale=scale, interpret=interpret, program=a_idx,
-                                                      pipeline_mma=pipeline_mma),
+                                                      scale=scale, interpret=interpret, program=a_idx),
                           *attn_scratch, collective_axes="wg")
 
         @pl.when(jnp.logical_not(is_attn))

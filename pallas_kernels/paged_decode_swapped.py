@@ -49,24 +49,19 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, k_free, v_free, *acc_refs,
-                     num_kv_heads, num_splits, num_programs, scale, interpret, program=None,
-                     pipeline_mma: bool = True, probe: str | None = None):
+                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
+                     num_splits, num_programs, scale, interpret, program=None, probe: str | None = None):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
     program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
-    A stage's K and V are freed separately (`k_free`, `v_free`): K as soon as its scores are read, so the
-    producer refills it while the V half is still in use.
 
-    `pipeline_mma`: the consumer keeps a block's V^T P^T and the next block's K Q^T in flight beside its
-    softmax (`pipelined`; `acc_refs`: its accumulators as SMEM in interpret mode, from `prepare`). `probe`
-    (measurement only,
+    `probe` (measurement only,
     bench/decode_share.py; outputs are NOT attention): "copies" = the consumer only waits for each block and
     releases it (the copy-side limit); "l2" = every copy of an item reads its first page, which then stays in
-    L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce" appended leave that part out of the serial
+    L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce" appended leave that part out of the
     consumer (what each costs)."""
     base, *ablate = (probe or "").split("+")
-    if base not in PROBES or not set(ablate) <= ABLATIONS or (ablate and pipeline_mma):
+    if base not in PROBES or not set(ablate) <= ABLATIONS:
         raise ValueError(f"probe={probe!r}: one of {PROBES}, then '+'-joined {sorted(ABLATIONS)}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
@@ -96,11 +91,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
             def block(i, g):
                 slot = lax.rem(g, num_stages)
-                pages = pages_of(i)
-                for part, free in (("k", k_free), ("v", v_free)):
-                    pl.when(g >= num_stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                    copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar,
-                                  layer=layer, pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot, parts=part)
+                pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
+                              pages=pages_of(i), kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
                 return g + 1
             return lax.fori_loop(0, n_blk, block, g)
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
@@ -110,8 +103,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 plgpu.barrier_wait(bars.at[lax.rem(i, n)])
                 return cr
             return body
-        for free in (k_free, v_free):
-            lax.fori_loop(jnp.maximum(total - num_stages, 0), total, drain(free, num_stages), None)
+        lax.fori_loop(jnp.maximum(total - num_stages, 0), total, drain(consumed, num_stages), None)
         lax.fori_loop(jnp.maximum(n_mine - 2, 0), n_mine, drain(q_free, 2), None)
 
     def copies_only():
@@ -121,9 +113,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
             def block(i, cr):
                 slot = lax.rem(g + i, num_stages)
-                for bar, free in ((k_bar, k_free), (v_bar, v_free)):
-                    plgpu.barrier_wait(bar.at[slot])
-                    plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
                 return cr
             lax.fori_loop(0, n_blk, block, None)
             plgpu.barrier_arrive(q_free.at[lax.rem(k, 2)])
@@ -139,7 +131,6 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 s = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
             else:
                 s = ops.kq(k_s.at[slot], q) * c                            # [BKV, GP]
-            plgpu.barrier_arrive(k_free.at[slot])          # the scores are read: K's half of the stage is free
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
@@ -151,7 +142,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             plgpu.barrier_wait(v_bar.at[slot])
             if "no_vp" not in ablate:
                 acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
-            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
             return acc, m_new, l
 
         def item(k, g):
@@ -174,89 +165,29 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    def pipelined(s_acc, o_acc):
-        """Block i's softmax runs while block i+1's K Q^T is computed, and block i's V^T P^T while block i+1's
-        scores are awaited (one block's chain was wgmma, reduce, exp, reduce, wgmma in series, each about a
-        third of its time: bench/NOTES.md section 6, session 6)."""
-        def start_kq(g, q):
-            slot = lax.rem(g, num_stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            s_acc[...] = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
-            ops.start_kq(s_acc, k_s.at[slot], q)
-
-        def item(k, g):
-            w = pid + k * num_programs
-            _, _, kv_lo, kv_hi, n_blk = coords(w)
-            qslot = lax.rem(k, 2)
-            q = q_s.at[qslot]
-            plgpu.barrier_wait(q_bar.at[qslot])
-            o_acc[...] = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
-            s_acc[...] = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
-            pl.when(n_blk > 0)(lambda: start_kq(g, q))
-            s = ops.acc_load(s_acc)
-            pl.when(n_blk > 0)(lambda: plgpu.barrier_arrive(k_free.at[lax.rem(g, num_stages)]))
-
-            def block(i, carry):            # s: block i's scores; o_acc: blocks < i, V^T P^T of i - 1 running
-                s, m, l = carry
-                nxt = i + 1 < n_blk
-                pl.when(nxt)(lambda: start_kq(g + i + 1, q))
-                tok = ops.iota((block_kv, gp), 0) + (kv_lo + i * block_kv)
-                s = jnp.where(tok < kv_hi, s * c, MASK_VALUE)
-                m_new = jnp.maximum(m, s.max(axis=0))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - _cols(m_new, s.shape))
-                l = l * alpha + p.sum(axis=0)
-                @pl.when(jnp.logical_not(nxt))
-                def _():                                    # no K Q^T was started: wait for V^T P^T alone
-                    plgpu.wgmma_wait(0)
-                o = ops.acc_load(o_acc, wait_n=1)          # block i-1's V^T P^T is complete
-                pl.when(i > 0)(lambda: plgpu.barrier_arrive(v_free.at[lax.rem(g + i - 1, num_stages)]))
-                o_acc[...] = o * _cols(alpha, o.shape)
-                slot = lax.rem(g + i, num_stages)
-                plgpu.barrier_wait(v_bar.at[slot])
-                ops.start_vp(o_acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
-                s = ops.acc_load(s_acc, wait_n=1)          # block i+1's scores (stale after the last block)
-                pl.when(nxt)(lambda: plgpu.barrier_arrive(k_free.at[lax.rem(g + i + 1, num_stages)]))
-                return s, m_new, l
-            m0 = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
-            _, m, l = lax.fori_loop(0, n_blk, block, (s, m0, ops.col_layout(jnp.zeros((gp,), jnp.float32))))
-            o = ops.acc_load(o_acc)
-            pl.when(n_blk > 0)(lambda: plgpu.barrier_arrive(v_free.at[lax.rem(g + n_blk - 1, num_stages)]))
-            plgpu.barrier_arrive(q_free.at[qslot])
-            store_partial(o, m, l, _cols, o_s, lse_s, o_s, lse_s, o_hbm.at[w], lse_hbm.at[w])
-            return g + n_blk
-        lax.fori_loop(0, n_mine, item, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
-
-    def pipelined_consumer():
-        if interpret:
-            pipelined(*acc_refs)
-        else:
-            pl.run_scoped(pipelined, ops.acc_scratch((block_kv, gp)), ops.acc_scratch((q_s.shape[2], gp)))
-
     pl.when(wg == 1)(producer)
-    pl.when(wg == 0)(copies_only if base == "copies" else pipelined_consumer if pipeline_mma else consumer)
+    pl.when(wg == 0)(copies_only if base == "copies" else consumer)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "pipeline_mma", "probe", "interpret"), inline=True)
+                                             "probe", "interpret"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int | None = None, pipeline_mma: bool = True,
-                                   probe: str | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
+                                   num_stages: int | None = None, probe: str | None = None,
+                                   interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `pipeline_mma`, `probe`: see `attention_kernel`."""
+    `probe`: see `attention_kernel`."""
     if num_stages is None:
         num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
     qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages, interpret=interpret)
+                              num_stages=num_stages)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
-                             scale=scale, interpret=interpret, pipeline_mma=pipeline_mma, probe=probe)
+                             scale=scale, interpret=interpret, probe=probe)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
@@ -265,10 +196,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     return finish(o_t, lse, q.shape, kvh, ns)
 
 
-def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int,
-            interpret: bool = False):
-    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types). In
-    interpret mode the pipelined consumer's two accumulators are SMEM scratch too (on the GPU: registers)."""
+def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int):
+    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
     d, ps = q.shape[2], k_cache.shape[2]
     qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
     tf = smem_tile_transforms(q.dtype)
@@ -279,10 +208,7 @@ def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: 
                plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
                *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
-               plgpu.Barrier(num_barriers=num_stages),            # a stage's K half consumed
-               plgpu.Barrier(num_barriers=num_stages)]            # ... its V half
-    if interpret:
-        scratch += [plgpu.SMEM((block_kv, gp), jnp.float32), plgpu.SMEM((d, gp), jnp.float32)]
+               plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
     return qr, ns, scratch
 
 

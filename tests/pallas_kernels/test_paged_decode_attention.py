@@ -1,7 +1,5 @@
 """Decode kernel (Mosaic GPU interpret mode on CPU) against its jnp reference; GPU lowering checked by
 cross-lowering for CUDA (no GPU needed)."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +10,7 @@ from pallas_kernels.paged_decode_attention import choose_num_splits, paged_decod
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
-KERNELS = {"heads": paged_decode_attention, "swapped": paged_decode_attention_swapped,
-           "swapped_serial": functools.partial(paged_decode_attention_swapped, pipeline_mma=False)}
+KERNELS = {"heads": paged_decode_attention, "swapped": paged_decode_attention_swapped}
 
 # (page_size, group, head_dim, block_kv, num_splits, programs): GQA 1/4/8, pages 16/64, head_dim 64/128
 CASES = [(16, 4, 64, 64, None, 3), (64, 8, 128, 64, 3, 4), (16, 1, 128, 128, 2, 5), (64, 4, 64, 128, 1, 2)]
@@ -62,10 +59,7 @@ def test_decode_kernel_lowers_for_gpu(kernel, ps, d, kw):
     cache = sds((2, 4096, ps, 8, d), jnp.bfloat16)
     args = (sds((64, 32, d), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
-    fn = KERNELS[kernel]
-    if isinstance(fn, functools.partial):
-        fn, kw = fn.func, {**fn.keywords, **kw}
-    fn.trace(*args, scale=d ** -0.5, **kw).lower(lowering_platforms=("cuda",))
+    KERNELS[kernel].trace(*args, scale=d ** -0.5, **kw).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("probe", ["copies", "l2", "l2+no_kq+no_vp+no_reduce"])
@@ -75,8 +69,6 @@ def test_swapped_probes_lower_for_gpu(probe):
     cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
     args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
-    paged_decode_attention_swapped.trace(*args, scale=0.1, probe=probe, pipeline_mma="+" not in probe).lower(
-        lowering_platforms=("cuda",))
-    for bad in ({"probe": "l2+no_softmax", "pipeline_mma": False}, {"probe": "l2+no_kq"}):
-        with pytest.raises(ValueError, match="probe="):
-            paged_decode_attention_swapped.trace(*args, scale=0.1, **bad)
+    paged_decode_attention_swapped.trace(*args, scale=0.1, probe=probe).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="probe="):
+        paged_decode_attention_swapped.trace(*args, scale=0.1, probe="l2+no_softmax")
