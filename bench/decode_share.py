@@ -139,7 +139,7 @@ def variant_table(kw, programs, page_sizes) -> list[dict]:
 
 
 def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672),
-                spreads=(True,)) -> list[dict]:
+                spreads=(True,), configs=(None,)) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
     SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
@@ -172,8 +172,9 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
             ref_y = gemm(x, w)
             t_gemm = time_fn(gemm, x, w, iters=10, reps=3)["median_s"]
             t_xla = time_fn(xla, x, w, iters=10, reps=3)["median_s"]
-            for a, spread in [(a, sp) for a in ((2,) if kw else programs) for sp in spreads]:
-                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread,
+            for a, spread, cf in [(a, sp, cf) for a in ((2,) if kw else programs) for sp in spreads
+                                  for cf in configs]:
+                r = {"page_size": ps, "n": n, "attn_programs": a, "spread": spread, "gemm_config": cf or "default",
                      "attn_alone_ms": t_attn * 1e3,
                      "gemm_alone_ms": t_gemm * 1e3, "xla_gemm_ms": t_xla * 1e3}
                 try:
@@ -184,7 +185,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
                         r["attn_on_share_ms"], r["gemm_on_share_ms"] = attn_ms(a), gemm_at[n, a]
                     tiny = {"gemm_programs": 1, "block_kv": 64} if kw else {}
                     f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
-                                                  spread=spread, **tiny, **kw))
+                                                  spread=spread, **({"config": cf} if cf else {}), **tiny, **kw))
                     o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
                     r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
                     t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, x, w, iters=10, reps=3)["median_s"]
@@ -212,6 +213,8 @@ def main():
     ap.add_argument("--fused-spread", default="1",
                     help="1 (the kernel's default), 0 or 0,1: attention programs spread over the grid")
     ap.add_argument("--fused-widths", default="14336,28672", help="GEMM N in the fused table (K=4096, M=1792)")
+    ap.add_argument("--fused-configs", default="",
+                    help="GEMM tile configs of the fused kernel (names in persistent_gemm.TILE_CONFIGS; default: its own)")
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
@@ -227,13 +230,14 @@ def main():
                     title="\n== swapped decode kernel alone: variants and probes ==")
     if args.fused_only:
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
-                           tuple(bool(v) for v in ints(args.fused_spread)))
+                           tuple(bool(v) for v in ints(args.fused_spread)),
+                           tuple(args.fused_configs.split(",")) if args.fused_configs else (None,))
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["page", "N", "attn progs", "spread", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
+        print_table(["page", "N", "attn progs", "spread", "gemm config", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
                      "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
-                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["attn_alone_ms"], r["gemm_alone_ms"],
+                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["gemm_config"], r["attn_alone_ms"], r["gemm_alone_ms"],
                       r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
                       r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
                       r.get("relerr_gemm")] for r in rows], title="\n== decode attention beside a GEMM, one kernel ==")
