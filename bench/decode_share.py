@@ -214,7 +214,8 @@ def main():
                     help="1 (the kernel's default), 0 or 0,1: attention programs spread over the grid")
     ap.add_argument("--fused-widths", default="14336,28672", help="GEMM N in the fused table (K=4096, M=1792)")
     ap.add_argument("--fused-configs", default="",
-                    help="GEMM tile configs of the fused kernel (names in persistent_gemm.TILE_CONFIGS; default: its own)")
+                    help="GEMM tile configs of the fused kernel (names in persistent_gemm.TILE_CONFIGS; default: its "
+                         "own)")
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
@@ -235,12 +236,14 @@ def main():
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
-        print_table(["page", "N", "attn progs", "spread", "gemm config", "attn ms", "gemm ms", "XLA gemm ms", "attn on A",
-                     "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn", "err gemm"],
-                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["gemm_config"], r["attn_alone_ms"], r["gemm_alone_ms"],
-                      r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"), r.get("fused_ms"),
-                      r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"), r.get("relerr_attn"),
-                      r.get("relerr_gemm")] for r in rows], title="\n== decode attention beside a GEMM, one kernel ==")
+        print_table(["page", "N", "attn progs", "spread", "gemm config", "attn ms", "gemm ms", "XLA gemm ms",
+                     "attn on A", "gemm on rest", "fused ms", "fused/halves", "gain", "gain vs XLA", "err attn",
+                     "err gemm"],
+                    [[r["page_size"], r["n"], r["attn_programs"], r["spread"], r["gemm_config"], r["attn_alone_ms"],
+                      r["gemm_alone_ms"], r["xla_gemm_ms"], r.get("attn_on_share_ms"), r.get("gemm_on_share_ms"),
+                      r.get("fused_ms"), r.get("fused_vs_halves"), r.get("gain"), r.get("gain_vs_xla_gemm"),
+                      r.get("relerr_attn"), r.get("relerr_gemm")] for r in rows],
+                    title="\n== decode attention beside a GEMM, one kernel ==")
         path = write_results(args.name + "-fused", summary,
                              {"device": device_info(), "fused": rows, "variants": variants}, out_dir=args.out)
         log(f"wrote {path}  [{time.perf_counter() - t0:.0f}s]")

@@ -55,11 +55,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
     program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
 
-    `probe` (measurement only,
-    bench/decode_share.py; outputs are NOT attention): "copies" = the consumer only waits for each block and
-    releases it (the copy-side limit); "l2" = every copy of an item reads its first page, which then stays in
-    L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce" appended leave that part out of the
-    consumer (what each costs)."""
+    `probe` (measurement only, bench/decode_share.py --variants; outputs are NOT attention): "copies" = the
+    consumer only waits for each block and releases it (the copy-side limit); "l2" = every copy of an item
+    reads its first page, which then stays in L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce"
+    appended leave that part out of the consumer (what each costs)."""
     base, *ablate = (probe or "").split("+")
     if base not in PROBES or not set(ablate) <= ABLATIONS:
         raise ValueError(f"probe={probe!r}: one of {PROBES}, then '+'-joined {sorted(ABLATIONS)}")
