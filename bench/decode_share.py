@@ -44,22 +44,26 @@ def log(*a):
     print(*a, flush=True)
 
 
-def cache_case(b, ctx, ps, seed, ragged=False, interpret=False):
+def cache_case(b, ctx, ps, seed, ragged=False, interpret=False, cache_gb: float = 0.0):
+    """Queries, K/V caches, page table and lengths. `cache_gb`: make each of K and V at least this large, with
+    the batch's pages scattered over all of it (as in an engine's cache) instead of packed together."""
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, ctx + 1, b) if ragged else np.full(b, ctx)
     if ragged:
         lens[0] = 0
     pages = [-(-int(n) // ps) for n in lens]
     p = max(1, max(pages))
-    n = sum(pages) + 1
-    kc = jax.random.normal(jax.random.key(seed), (1, n, ps, KVH, D), jnp.bfloat16)
-    vc = jax.random.normal(jax.random.key(seed + 1), (1, n, ps, KVH, D), jnp.bfloat16)
-    perm = rng.permutation(np.arange(1, n))
+    n = max(sum(pages) + 1, int(cache_gb * 2 ** 30 / (ps * KVH * D * 2)))
+    used = sum(pages)
+    perm = rng.permutation(np.arange(1, n))[:used]
     table = np.zeros((b, p), np.int32)
     off = 0
     for i, k in enumerate(pages):
         table[i, :k] = perm[off:off + k]
         off += k
+    # zeros, with the batch's pages (random values) where the page table puts them
+    kc, vc = (jnp.zeros((1, n, ps, KVH, D), jnp.bfloat16).at[:, jnp.asarray(perm)].set(
+        jax.random.normal(jax.random.key(seed + j), (1, used, ps, KVH, D), jnp.bfloat16)) for j in (0, 1))
     q = jax.random.normal(jax.random.key(seed + 2), (b, H, D), jnp.bfloat16)
     return q, kc, vc, jnp.asarray(table), jnp.asarray(lens, jnp.int32)
 
@@ -109,13 +113,13 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
     return out
 
 
-def variant_table(kw, programs, page_sizes) -> list[dict]:
+def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]:
     """The swapped kernel alone on `programs` SMs, per variant: TB/s of K/V streamed (batch 256 x context
     1280). The probes bound where one SM's time goes: copies alone, and compute with every copy hitting L2."""
     b, ctx = (4, 64) if kw else (256, 1280)
     rows = []
     for ps in page_sizes:
-        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=5)
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=5, cache_gb=cache_gb)
         ref = paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
         nbytes = 2 * b * ctx * KVH * D * 2
         for name, cfg in VARIANTS.items():
@@ -139,7 +143,7 @@ def variant_table(kw, programs, page_sizes) -> list[dict]:
 
 
 def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672),
-                spreads=(True,), configs=(None,)) -> list[dict]:
+                spreads=(True,), configs=(None,), cache_gb: float = 0.0) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
     SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
@@ -152,7 +156,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
     x = jax.random.normal(jax.random.key(12), (m, k), jnp.bfloat16)
     rows = []
     for ps in page_sizes:
-        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=11)
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=11, cache_gb=cache_gb)
         attn_at, gemm_at = {}, {}
 
         def attn_ms(a):
@@ -216,6 +220,9 @@ def main():
     ap.add_argument("--fused-configs", default="",
                     help="GEMM tile configs of the fused kernel (names in persistent_gemm.TILE_CONFIGS; default: its "
                          "own)")
+    ap.add_argument("--cache-gb", type=float, default=0.0,
+                    help="variants and fused table: K and V caches of at least this many GiB each, the batch's "
+                         "pages scattered over them (default: just the batch's pages)")
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
@@ -223,7 +230,8 @@ def main():
     kw = {"interpret": True} if args.smoke else {}
     t0 = time.perf_counter()
     ints = lambda v: tuple(int(x) for x in v.split(","))      # noqa: E731
-    variants = variant_table(kw, ints(args.variants), ints(args.fused_page_sizes)) if args.variants else None
+    variants = (variant_table(kw, ints(args.variants), ints(args.fused_page_sizes), args.cache_gb)
+                if args.variants else None)
     if variants:
         print_table(["page", "variant", "programs", "ms", "TB/s", "GB/s per SM", "rel err"],
                     [[r["page_size"], r["variant"], r["programs"], r.get("ms"), r.get("tbs"), r.get("gbs_per_sm"),
@@ -232,7 +240,7 @@ def main():
     if args.fused_only:
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
                            tuple(bool(v) for v in ints(args.fused_spread)),
-                           tuple(args.fused_configs.split(",")) if args.fused_configs else (None,))
+                           tuple(args.fused_configs.split(",")) if args.fused_configs else (None,), args.cache_gb)
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
