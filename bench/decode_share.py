@@ -120,7 +120,8 @@ def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]
     rows = []
     for ps in page_sizes:
         q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=5, cache_gb=cache_gb)
-        ref = paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
+        # the reference reads the whole cache in f32: no check on a large one
+        ref = None if cache_gb else paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
         nbytes = 2 * b * ctx * KVH * D * 2
         for name, cfg in VARIANTS.items():
             for p in ((2,) if kw else programs):
@@ -129,7 +130,7 @@ def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]
                     f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_programs=p,
                                                   **cfg, **kw))
                     out = f(q, kc, vc, jnp.int32(0), pt, lens)
-                    if "probe" not in cfg:
+                    if "probe" not in cfg and ref is not None:
                         r["relerr"] = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
                     t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"]
                     r.update(ms=t * 1e3, tbs=nbytes / t / 1e12, gbs_per_sm=nbytes / t / 1e9 / p)
@@ -143,7 +144,7 @@ def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]
 
 
 def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 28672),
-                spreads=(True,), configs=(None,), cache_gb: float = 0.0) -> list[dict]:
+                spreads=(True,), configs=(None,)) -> list[dict]:
     """Decode attention (8B heads, batch 256 x context 1280) beside an MLP GEMM of the other 1792 tokens, in
     one kernel (pallas_kernels/attention_beside_gemm.py), against the two kernels one after the other on all
     SMs. Also each part alone on the programs it gets in the fused kernel (attention on A, the GEMM on the
@@ -156,7 +157,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
     x = jax.random.normal(jax.random.key(12), (m, k), jnp.bfloat16)
     rows = []
     for ps in page_sizes:
-        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=11, cache_gb=cache_gb)
+        q, kc, vc, pt, lens = cache_case(b, ctx, ps, seed=11)
         attn_at, gemm_at = {}, {}
 
         def attn_ms(a):
@@ -221,8 +222,8 @@ def main():
                     help="GEMM tile configs of the fused kernel (names in persistent_gemm.TILE_CONFIGS; default: its "
                          "own)")
     ap.add_argument("--cache-gb", type=float, default=0.0,
-                    help="variants and fused table: K and V caches of at least this many GiB each, the batch's "
-                         "pages scattered over them (default: just the batch's pages)")
+                    help="variants table: K and V caches of at least this many GiB each, the batch's pages "
+                         "scattered over them (default: just the batch's pages); no reference check then")
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
@@ -240,7 +241,7 @@ def main():
     if args.fused_only:
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
                            tuple(bool(v) for v in ints(args.fused_spread)),
-                           tuple(args.fused_configs.split(",")) if args.fused_configs else (None,), args.cache_gb)
+                           tuple(args.fused_configs.split(",")) if args.fused_configs else (None,))
         ok = [r for r in rows if "gain" in r]
         summary = {"fused_best_gain": max((r["gain"] for r in ok), default=None),
                    "fused_best_gain_vs_xla_gemm": max((r["gain_vs_xla_gemm"] for r in ok), default=None)}
