@@ -53,8 +53,8 @@ def cache_case(b, ctx, ps, seed, ragged=False, interpret=False, cache_gb: float 
         lens[0] = 0
     pages = [-(-int(n) // ps) for n in lens]
     p = max(1, max(pages))
-    n = max(sum(pages) + 1, int(cache_gb * 2 ** 30 / (ps * KVH * D * 2)))
     used = sum(pages)
+    n = max(used + 1, int(cache_gb * 2 ** 30 / (ps * KVH * D * 2)))
     perm = rng.permutation(np.arange(1, n))[:used]
     table = np.zeros((b, p), np.int32)
     off = 0
