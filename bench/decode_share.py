@@ -35,7 +35,8 @@ CONFIGS = {"heads_bkv128_s2": ("heads", {}),
            "swapped_bkv64_s4": ("swapped", {"block_kv": 64, "num_stages": 4})}
 H, KVH, D = 32, 8, 128
 # the swapped kernel's producer/consumer variants and probes (see paged_decode_swapped.attention_kernel)
-VARIANTS = {"kernel": {}, "probe_copies": {"probe": "copies"}, "probe_l2": {"probe": "l2"},
+VARIANTS = {"kernel": {}, "kernel_reduce_sums": {"row_sums": "reduce"}, "probe_copies": {"probe": "copies"},
+            "probe_l2": {"probe": "l2"}, "probe_l2_reduce_sums": {"probe": "l2", "row_sums": "reduce"},
             **{f"probe_l2_{a}": {"probe": f"l2+{a}"} for a in ("no_kq", "no_vp", "no_reduce")},
             "probe_l2_no_kq_vp": {"probe": "l2+no_kq+no_vp"}, "probe_l2_none": {"probe": "l2+no_kq+no_vp+no_reduce"}}
 
@@ -113,7 +114,7 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
     return out
 
 
-def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]:
+def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0, names=None) -> list[dict]:
     """The swapped kernel alone on `programs` SMs, per variant: TB/s of K/V streamed (batch 256 x context
     1280). The probes bound where one SM's time goes: copies alone, and compute with every copy hitting L2."""
     b, ctx = (4, 64) if kw else (256, 1280)
@@ -123,7 +124,7 @@ def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0) -> list[dict]
         # the reference reads the whole cache in f32: no check on a large one
         ref = None if cache_gb else paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
         nbytes = 2 * b * ctx * KVH * D * 2
-        for name, cfg in VARIANTS.items():
+        for name, cfg in ((n, VARIANTS[n]) for n in (names or VARIANTS)):
             for p in ((2,) if kw else programs):
                 r = {"page_size": ps, "variant": name, "programs": p}
                 try:
@@ -227,11 +228,16 @@ def main():
     ap.add_argument("--variants", default=None,
                     help="also (before the fused table) the swapped kernel's variants and probes alone on these "
                          "program counts, e.g. 22,33,44,132")
+    ap.add_argument("--variant-names", default=None,
+                    help=f"only these variants, comma-separated (of {', '.join(VARIANTS)})")
     args = ap.parse_args()
+    names = args.variant_names.split(",") if args.variant_names else None
+    if names and set(names) - set(VARIANTS):
+        ap.error(f"--variant-names: unknown {sorted(set(names) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
     kw = {"interpret": True} if args.smoke else {}
     t0 = time.perf_counter()
     ints = lambda v: tuple(int(x) for x in v.split(","))      # noqa: E731
-    variants = (variant_table(kw, ints(args.variants), ints(args.fused_page_sizes), args.cache_gb)
+    variants = (variant_table(kw, ints(args.variants), ints(args.fused_page_sizes), args.cache_gb, names)
                 if args.variants else None)
     if variants:
         print_table(["page", "variant", "programs", "ms", "TB/s", "GB/s per SM", "rel err"],

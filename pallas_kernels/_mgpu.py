@@ -105,6 +105,22 @@ class Ops:
             plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
         return pl.run_state(f)(plgpu.ACC.init(acc))
 
+    def vp_and_sums(self, acc, sums, p, v_s, p_s, ones):
+        """`vp`, plus sums + ones @ p with sums [R, GP] f32 and ones [R, BKV] (16-bit, registers): every row of
+        sums accumulates p's column sums in a second wgmma issued beside the first, so the softmax denominator
+        needs no cross-warp reduction per block."""
+        if self.interpret:
+            return (acc + jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32),
+                    sums + jnp.dot(ones, p, preferred_element_type=jnp.float32))
+        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+
+        def f(refs):
+            acc_ref, sums_ref = refs
+            plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
+            plgpu.wgmma(sums_ref, ones, p_s.transpose((1, 0)))
+        return pl.run_state(f)((plgpu.ACC.init(acc), plgpu.ACC.init(sums)))
+
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""
         if self.interpret:

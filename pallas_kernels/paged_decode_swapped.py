@@ -34,6 +34,8 @@ from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, 
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 PROBES = ("", "copies", "l2")
+ROW_SUMS = ("wgmma", "reduce")
+SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
 ABLATIONS = {"no_kq", "no_vp", "no_reduce"}     # consumer parts a probe leaves out
 
 
@@ -50,7 +52,8 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
-                     num_splits, num_programs, scale, interpret, program=None, probe: str | None = None):
+                     num_splits, num_programs, scale, interpret, program=None, probe: str | None = None,
+                     row_sums: str = "wgmma"):
     """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
     program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
@@ -58,7 +61,13 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     `probe` (measurement only, bench/decode_share.py --variants; outputs are NOT attention): "copies" = the
     consumer only waits for each block and releases it (the copy-side limit); "l2" = every copy of an item
     reads its first page, which then stays in L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce"
-    appended leave that part out of the consumer (what each costs)."""
+    appended leave that part out of the consumer (what each costs).
+
+    `row_sums`: how the consumer adds up each block's probabilities for the softmax denominator: "wgmma" = a
+    second wgmma, ones @ P^T, beside V^T P^T (no cross-warp reduction; the sum of the bf16 P the numerator
+    uses); "reduce" = P's column sums in f32, a cross-warp reduction per block."""
+    if row_sums not in ROW_SUMS:
+        raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     base, *ablate = (probe or "").split("+")
     if base not in PROBES or not set(ablate) <= ABLATIONS:
         raise ValueError(f"probe={probe!r}: one of {PROBES}, then '+'-joined {sorted(ABLATIONS)}")
@@ -122,8 +131,11 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
 
     def consumer():
+        by_wgmma = row_sums == "wgmma"
+        ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), v_s.dtype)) if by_wgmma else None
+
         def step(g, tok0, kv_hi, q, carry, masked: bool):
-            acc, m, l = carry
+            acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             if "no_kq" in ablate:
@@ -136,11 +148,16 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             m_new = m if "no_reduce" in ablate else jnp.maximum(m, s.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
-            l = l * alpha + (0.0 if "no_reduce" in ablate else p.sum(axis=0))
             acc = acc * _cols(alpha, acc.shape)
             plgpu.barrier_wait(v_bar.at[slot])
-            if "no_vp" not in ablate:
-                acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
+            if by_wgmma:
+                l = l * _cols(alpha, l.shape)
+                if "no_vp" not in ablate:
+                    acc, l = ops.vp_and_sums(acc, l, p.astype(v_s.dtype), v_s.at[slot], p_s, ones)
+            else:
+                l = l * alpha + (0.0 if "no_reduce" in ablate else p.sum(axis=0))
+                if "no_vp" not in ablate:
+                    acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
             plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
             return acc, m_new, l
 
@@ -152,13 +169,16 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             plgpu.barrier_wait(q_bar.at[qslot])
             acc = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
             m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
-            l = ops.col_layout(jnp.zeros((gp,), jnp.float32))
+            l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
+                 else ops.col_layout(jnp.zeros((gp,), jnp.float32)))
             n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
             carry = lax.fori_loop(0, n_free, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, False),
                                   (acc, m, l))
             acc, m, l = lax.fori_loop(n_free, n_blk,
                                       lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, True), carry)
             plgpu.barrier_arrive(q_free.at[qslot])
+            if by_wgmma:
+                l = l.max(axis=0)                           # every row holds the sums: one reduction per item
             store_partial(acc, m, l, _cols, o_s, lse_s, o_s, lse_s, o_hbm.at[w], lse_hbm.at[w])
             return g + n_blk
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
@@ -169,16 +189,16 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "probe", "interpret"), inline=True)
+                                             "probe", "row_sums", "interpret"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, probe: str | None = None,
-                                   interpret: bool = False) -> Float[Array, "B H D"]:
+                                   row_sums: str = "wgmma", interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `probe`: see `attention_kernel`."""
+    `probe`, `row_sums`: see `attention_kernel`."""
     if num_stages is None:
         num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
     qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
@@ -186,7 +206,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
-                             scale=scale, interpret=interpret, probe=probe)
+                             scale=scale, interpret=interpret, probe=probe, row_sums=row_sums)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),

@@ -32,6 +32,22 @@ def test_decode_kernel_matches_reference(paged_case, kernel, ps, g, d, bkv, ns, 
     assert np.all(out[0] == 0)                                   # empty sequence -> 0
 
 
+def test_swapped_row_sums_by_reduction_match_reference(paged_case):
+    """The swapped kernel's other softmax denominator (f32 cross-warp sums, `row_sums="reduce"`) is kept for
+    bench/decode_share.py --variants; it must stay correct too."""
+    lens = [0, 1, 2 * 64 + 5, 47]
+    c = paged_case(kv_heads=2, group=4, head_dim=64, page_size=16, seq_lens=lens)
+    q = c.queries(len(lens))
+    out = paged_decode_attention_swapped(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens),
+                                         scale=c.scale, num_programs=3, block_kv=64, num_stages=2,
+                                         row_sums="reduce", interpret=True)
+    ref = paged_decode_attention_ref(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), c.scale)
+    assert c.rel_err(np.asarray(out, np.float32), ref) < 1e-2
+    with pytest.raises(ValueError, match="row_sums="):
+        paged_decode_attention_swapped(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens),
+                                       scale=c.scale, row_sums="shuffle", interpret=True)
+
+
 def test_decode_reference_matches_mixed_reference(paged_case):
     c = paged_case(kv_heads=2, group=4, head_dim=64, page_size=16, seq_lens=[7, 40, 16])
     q = c.queries(3)
@@ -62,13 +78,16 @@ def test_decode_kernel_lowers_for_gpu(kernel, ps, d, kw):
     KERNELS[kernel].trace(*args, scale=d ** -0.5, **kw).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("probe", ["copies", "l2", "l2+no_kq+no_vp+no_reduce"])
-def test_swapped_probes_lower_for_gpu(probe):
-    """The measurement probes of bench/decode_share.py --variants build for the GPU; a bad name is refused."""
+@pytest.mark.parametrize("probe,row_sums", [("copies", "wgmma"), ("l2", "reduce"), ("", "reduce"),
+                                            ("l2+no_kq+no_vp+no_reduce", "wgmma")])
+def test_swapped_probes_lower_for_gpu(probe, row_sums):
+    """The measurement probes and the softmax-denominator variants of bench/decode_share.py --variants build for
+    the GPU; a bad name is refused."""
     sds = jax.ShapeDtypeStruct
     cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
     args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
-    paged_decode_attention_swapped.trace(*args, scale=0.1, probe=probe).lower(lowering_platforms=("cuda",))
+    paged_decode_attention_swapped.trace(*args, scale=0.1, probe=probe, row_sums=row_sums).lower(
+        lowering_platforms=("cuda",))
     with pytest.raises(ValueError, match="probe="):
         paged_decode_attention_swapped.trace(*args, scale=0.1, probe="l2+no_softmax")
