@@ -195,12 +195,17 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, probe: str | None = None,
-                                   row_sums: str = "wgmma", interpret: bool = False) -> Float[Array, "B H D"]:
+                                   row_sums: str | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `probe`, `row_sums`: see `attention_kernel`."""
+    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (62 vs 54
+    GB/s per SM on 33 H100 SMs), else "reduce" (0.50 vs 0.60 ms on all 132 with 64-position pages;
+    bench/results/decode_share-rowsums-fused-20261123.json). `probe`, `row_sums`: see `attention_kernel`."""
+    share = num_programs <= 0.6 * num_sms()
     if num_stages is None:
-        num_stages = 3 if num_programs <= 0.6 * num_sms() else 2
+        num_stages = 3 if share else 2
+    if row_sums is None:
+        row_sums = "wgmma" if share else "reduce"
     qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
                               num_stages=num_stages)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
