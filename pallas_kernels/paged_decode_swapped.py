@@ -198,9 +198,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    row_sums: str | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (62 vs 54
-    GB/s per SM on 33 H100 SMs), else "reduce" (0.50 vs 0.60 ms on all 132 with 64-position pages;
-    bench/results/decode_share-rowsums-fused-20261123.json). `probe`, `row_sums`: see `attention_kernel`."""
+    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
+    on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
+    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json). `probe`, `row_sums`: see
+    `attention_kernel`."""
     share = num_programs <= 0.6 * num_sms()
     if num_stages is None:
         num_stages = 3 if share else 2
