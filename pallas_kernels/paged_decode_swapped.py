@@ -13,8 +13,9 @@ is this kernel's reference too. Two warpgroups per program: a producer issues th
 block of the program's items through `num_stages` stages (one block counter across items, so the pipeline
 does not drain between items; q is double-buffered), and a consumer computes. Copy issue was a measured
 third of a block's time at 16-position pages when the computing warpgroup issued them.
-The softmax runs over axis 0 (positions), a cross-warp reduction through Mosaic's reduction scratch, which
-is one buffer per CTA: so only one warpgroup may compute. P^T is stored to SMEM transposed
+The softmax runs over axis 0 (positions): its max is a cross-warp reduction through Mosaic's reduction
+scratch, which is one buffer per CTA, so only one warpgroup may compute; its sums come from a second wgmma,
+ones @ P^T (`row_sums`), which needs no such reduction per block. P^T is stored to SMEM transposed
 (WGMMA_TRANSPOSED layout) as wgmma's B operand; V^T is wgmma's transposed A operand (16-bit types allow it).
 """
 from __future__ import annotations
