@@ -1,15 +1,19 @@
 """Offline throughput: the engine on a random-weight model shape, fixed 1024/512 and ShareGPT-shaped
-workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params)); the HF
-transformers continuous-batching peer side by side in the same call.
+workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params)); several engine
+variants (e.g. Sequential and a NanoFlow plan) and the HF transformers continuous-batching peer side by side in
+the same call.
 
 usage: python bench/offline.py --shape llama3-8b --workloads 1024x512,sharegpt --num-requests 512 \
-           --peer-requests 32
+           --peer-requests 16 \
+           --variants "sequential=;mact=--strategies nanoflow:llama3-8b_h100_tp1_beside_mact --page-size 64"
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,9 +22,28 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
+WORKLOAD_KEYS = {"1024x512": "1024_512", "sharegpt": "sharegpt"}
+
+
+def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
+    """'NAME=FLAGS;NAME=FLAGS' -> [(name, flag list)]; '' -> one variant 'engine' with no extra flags."""
+    if not spec.strip():
+        return [("engine", [])]
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, eq, flags = part.partition("=")
+        name = name.strip()
+        if not eq or not name or not name.replace("_", "").replace("-", "").isalnum():
+            raise SystemExit(f"--variants: each entry must be NAME=FLAGS with NAME of letters, digits, '-' or "
+                             f"'_', got {part!r}")
+        if name in (n for n, _ in out):
+            raise SystemExit(f"--variants: the name {name!r} is used twice")
+        out.append((name, shlex.split(flags)))
+    return out
+
 
 def run_peer(args, workload: str, n: int) -> dict:
-    """The peer runs first, in its own process, so torch and JAX never hold the GPU at once."""
+    """The peer runs in its own process, so torch and JAX never hold the GPU at once."""
     cmd = [sys.executable, "bench/hf_peer.py", "--shape", args.shape, "--workload", workload,
            "--num-requests", str(n), "--time-limit", str(max(30, args.peer_timeout - 20))]
     try:
@@ -32,7 +55,7 @@ def run_peer(args, workload: str, n: int) -> dict:
 
 
 def engine_run(args, workloads: list[str]) -> dict:
-    """Our engine on every workload (runs in a child process so the GPU is free again for the peer)."""
+    """Our engine on every workload (a child process per variant, so the GPU is free again afterwards)."""
     from bench.common import device_name
     from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
     from bench.workloads import parse
@@ -57,15 +80,55 @@ def engine_run(args, workloads: list[str]) -> dict:
     t = time.perf_counter()
     strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
                        for sp in filter(None, args.strategies.split(",")))
-    schedule = ScheduleConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers)
+    schedule = ScheduleConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers,
+                              layers_per_program=args.layers_per_program)
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, schedule=schedule))
     compile_s = time.perf_counter() - t
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
+           "engine_args": {k: getattr(args, k) for k in ("page_size", "max_seqs", "strategies", "streams",
+                                                        "strategy_min_decode", "layers_per_program",
+                                                        "no_command_buffers")},
            "results": {}}
     for w, work in works.items():
         out["results"][w] = run_workload(engine, work, w, optimal)
     return out
+
+
+def summarize(ours: dict[str, dict], peers: dict[str, dict]) -> tuple[dict, list[list], float]:
+    """Flat summary, table rows and the optimal tok/s used, from each variant's engine result (in the order
+    run; the first is the baseline) and the peer's result per workload. % of optimal uses the mean of the GEMM
+    rates the variants measured in this call, so the variants are compared on one ceiling."""
+    first = next(iter(ours.values()))
+    gemm = statistics.mean(o["gemm_tflops"] for o in ours.values())
+    optimal = gemm * 1e12 / (2 * first["params"])
+    summary = {"compile_s_all_buckets": max(o["compile_s"] for o in ours.values()), "gemm_tflops": gemm,
+               "optimal_tok_s": optimal}
+    rows = []
+    for w in first["results"]:
+        key = WORKLOAD_KEYS.get(w, w.replace("x", "_"))
+        tok = {v: o["results"][w]["total_tok_s"] for v, o in ours.items() if w in o["results"]}
+        peer_tok = (peers.get(w) or {}).get("total_tok_s")
+        for v, t in tok.items():
+            rows.append([w, v, ours[v]["results"][w]["requests"], f"{t:,.0f}", f"{100 * t / optimal:.1f}%",
+                         f"{peer_tok:,.0f}" if peer_tok else "n/a", f"{t / peer_tok:.1f}x" if peer_tok else "n/a"])
+            if len(ours) > 1:
+                summary[f"total_tok_s_{key}_{v}"] = t
+                summary[f"pct_optimal_{key}_{v}"] = 100 * t / optimal
+        best = max(tok, key=tok.get)
+        summary[f"total_tok_s_{key}"] = tok[best]
+        summary[f"pct_optimal_{key}"] = 100 * tok[best] / optimal
+        if len(ours) > 1:
+            summary[f"best_variant_{key}"] = best
+            summary[f"best_vs_{next(iter(tok))}_{key}"] = tok[best] / next(iter(tok.values()))
+        if peer_tok:
+            summary[f"hf_total_tok_s_{key}"] = peer_tok
+            summary[f"hf_pct_optimal_{key}"] = 100 * peer_tok / optimal
+            summary[f"vs_hf_transformers_ratio_{key}"] = tok[best] / peer_tok
+    ratios = [k for k in summary if k.startswith("vs_hf_transformers_ratio_")]
+    if ratios:          # the headline: the 1024/512 workload where it ran, else the first with a peer
+        summary["vs_hf_transformers_ratio"] = summary.get("vs_hf_transformers_ratio_1024_512", summary[ratios[0]])
+    return summary, rows, optimal
 
 
 def main() -> None:
@@ -75,16 +138,20 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--peer-requests", type=int, default=32, help="0 = skip the HF peer")
     ap.add_argument("--peer-timeout", type=int, default=240)
-    ap.add_argument("--engine-timeout", type=int, default=600)
+    ap.add_argument("--engine-timeout", type=int, default=600, help="seconds for each variant's process")
+    ap.add_argument("--variants", default="", help="engine variants compared in this call: 'NAME=FLAGS;...', "
+                    "FLAGS being this script's engine flags (they override the ones given outside); the first "
+                    "is the baseline. Default: one variant from the flags given")
     ap.add_argument("--buckets", default="128,256,512,1024,2048")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    ap.add_argument("--layers-per-program", type=int, default=4, help="decoder layers per compiled program")
     ap.add_argument("--no-command-buffers", action="store_true", help="XLA CUDA-graph command buffers off")
     ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
-                    "nanoflow:llama3-8b_h100_tp1_fullsm,dual_batch:1-1 (default: Sequential only)")
+                    "nanoflow:llama3-8b_h100_tp1_beside_mact,dual_batch:1-1 (default: Sequential only)")
     ap.add_argument("--streams", action="store_true", help="run the strategies' GPU stream regions")
     ap.add_argument("--strategy-min-decode", type=int, default=0,
                     help="use the --strategies only for batches with at least this many decode tokens")
@@ -96,44 +163,36 @@ def main() -> None:
         with open(args.engine_json, "w") as f:
             json.dump(engine_run(args, workloads), f)
         return
-    # Parent: the engine first (child process), then the peer, each with the GPU to itself.
+    variants = parse_variants(args.variants)
+    # The engine variants first, each in its own child process, then the peer: each has the GPU to itself.
+    ours: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "engine.json")
-        try:
-            subprocess.run([sys.executable, *sys.argv, "--engine-json", path], timeout=args.engine_timeout,
-                           check=True)
-            ours = json.load(open(path))
-        except (subprocess.SubprocessError, OSError) as e:
-            print(f"engine run failed: {e}", flush=True)
-            return
+        for name, flags in variants:
+            path = os.path.join(tmp, f"{name}.json")
+            print(f"== variant {name}: {' '.join(flags) or '(the flags given)'}", flush=True)
+            try:
+                subprocess.run([sys.executable, *sys.argv, *flags, "--engine-json", path],
+                               timeout=args.engine_timeout, check=True)
+                ours[name] = json.load(open(path))
+            except (subprocess.SubprocessError, OSError) as e:
+                print(f"variant {name} failed: {e}", flush=True)
+    if not ours:
+        print("no engine variant finished", flush=True)
+        sys.exit(1)
     peers = {}
     for w in workloads if args.peer_requests else ():
         peers[w] = run_peer(args, w, args.peer_requests)
         print(f"[peer {w}] {json.dumps(peers[w])[:400]}", flush=True)
     from bench.common import print_table, write_results
-    optimal = ours["optimal_tok_s"]
-    rows, summary = [], {"compile_s_all_buckets": ours["compile_s"], "gemm_tflops": ours["gemm_tflops"],
-                         "optimal_tok_s": optimal}
-    for w, res in ours["results"].items():
-        res["peer"] = peers.get(w)
-        tot = res["total_tok_s"]
-        peer_tok = (peers.get(w) or {}).get("total_tok_s")
-        rows.append([w, res["requests"], f"{tot:,.0f}", f"{res['pct_optimal']:.1f}%",
-                     f"{peer_tok:,.0f}" if peer_tok else "n/a",
-                     f"{100 * peer_tok / optimal:.1f}%" if peer_tok else "n/a",
-                     f"{tot / peer_tok:.1f}x" if peer_tok else "n/a"])
-        key = {"1024x512": "1024_512", "sharegpt": "sharegpt"}.get(w)
-        if key:
-            summary[f"total_tok_s_{key}"] = tot
-            summary[f"pct_optimal_{key}"] = res["pct_optimal"]
-            if peer_tok:
-                summary[f"hf_total_tok_s_{key}"] = peer_tok
-                summary[f"vs_hf_transformers_ratio_{key}"] = tot / peer_tok
-    print_table(["workload", "requests", "nfjax tok/s", "nfjax %opt", "HF tok/s", "HF %opt", "nfjax/HF"], rows)
-    print(f"device {ours['device']}  gemm {ours['gemm_tflops']:.0f} TFLOP/s  params {ours['params'] / 1e9:.2f}B  "
-          f"optimal {optimal:,.0f} tok/s  compile {ours['compile_s']:.1f}s ({len(ours['buckets'])} buckets)  "
-          f"kv pages {ours['num_pages']}")
-    write_results(args.name, summary, {"args": vars(args), **ours})
+    summary, rows, optimal = summarize(ours, peers)
+    print_table(["workload", "variant", "requests", "tok/s", "% optimal", "HF tok/s", "nfjax/HF"], rows)
+    for name, o in ours.items():
+        print(f"{name}: device {o['device']}  gemm {o['gemm_tflops']:.0f} TFLOP/s  compile {o['compile_s']:.1f}s "
+              f"({len(o['buckets'])} buckets)  kv pages {o['num_pages']}  {o['engine_args']}")
+    print(f"optimal {optimal:,.0f} tok/s (mean GEMM rate of the variants' processes)")
+    failed = [n for n, _ in variants if n not in ours]
+    write_results(args.name, summary, {"args": vars(args), "variants": dict(variants), "failed_variants": failed,
+                                       "engines": ours, "peers": peers})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""bench/offline.py: variant parsing, the summary over several engine variants and the HF peer, and one real
+CPU run of the whole script (two engine variants in child processes, the HF transformers peer, the JSON)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.offline import parse_variants, summarize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_parse_variants():
+    assert parse_variants("") == [("engine", [])]
+    assert parse_variants("seq=; mact=--strategies nanoflow:x --page-size 64") == [
+        ("seq", []), ("mact", ["--strategies", "nanoflow:x", "--page-size", "64"])]
+    for bad in ("noequals", "=--page-size 64", "a b=--x", "a=;a=--x"):
+        with pytest.raises(SystemExit):
+            parse_variants(bad)
+
+
+def _engine(gemm, tok):
+    return {"gemm_tflops": gemm, "params": 1e9, "compile_s": 10.0,
+            "results": {w: {"total_tok_s": t, "requests": 8} for w, t in tok.items()}}
+
+
+def test_summarize_best_variant_peer_and_one_ceiling():
+    ours = {"seq": _engine(600.0, {"1024x512": 100_000.0, "sharegpt": 50_000.0}),
+            "plan": _engine(800.0, {"1024x512": 110_000.0, "sharegpt": 40_000.0})}
+    peers = {"1024x512": {"total_tok_s": 1_000.0}, "sharegpt": {"error": "timed out"}}
+    s, rows, optimal = summarize(ours, peers)
+    assert optimal == pytest.approx(700e12 / 2e9)           # the mean of the two measured GEMM rates
+    assert s["best_variant_1024_512"] == "plan" and s["best_variant_sharegpt"] == "seq"
+    assert s["total_tok_s_1024_512"] == 110_000.0
+    assert s["pct_optimal_1024_512"] == pytest.approx(100 * 110_000 / optimal)
+    assert s["pct_optimal_sharegpt_plan"] == pytest.approx(100 * 40_000 / optimal)
+    assert s["best_vs_seq_1024_512"] == pytest.approx(1.1)
+    assert s["vs_hf_transformers_ratio"] == s["vs_hf_transformers_ratio_1024_512"] == pytest.approx(110.0)
+    assert "vs_hf_transformers_ratio_sharegpt" not in s        # the peer did not finish there
+    assert len(rows) == 4
+    one, _, _ = summarize({"engine": ours["seq"]}, {})
+    assert "best_variant_1024_512" not in one and "vs_hf_transformers_ratio" not in one
+
+
+def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
+    env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "bench/offline.py", "--shape", "smoke", "--workloads", "64x16", "--num-requests", "6",
+           "--peer-requests", "2", "--peer-timeout", "200", "--buckets", "32,64", "--max-seqs", "8",
+           "--num-pages", "64", "--name", "offline-test",
+           "--variants", "seq=;nbo=--strategies nanobatch:1-1 --max-seqs 6"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (path,) = tmp_path.glob("offline-test-*.json")
+    doc = json.loads(path.read_text())
+    s, data = doc["summary"], doc["data"]
+    assert set(data["engines"]) == {"seq", "nbo"} and data["failed_variants"] == []
+    assert data["engines"]["nbo"]["engine_args"]["max_seqs"] == 6          # the variant's flags won
+    assert data["engines"]["nbo"]["engine_args"]["strategies"] == "nanobatch:1-1"
+    for eng in data["engines"].values():
+        res = eng["results"]["64x16"]
+        assert res["generated_tokens"] == 6 * 16 and res["prompt_tokens"] == 6 * 64
+    assert data["peers"]["64x16"]["total_tok_s"] > 0
+    assert s["vs_hf_transformers_ratio"] == pytest.approx(s["total_tok_s_64_16"] / s["hf_total_tok_s_64_16"])
+    assert s["best_variant_64_16"] in ("seq", "nbo") and 0 < s["pct_optimal_64_16"]
