@@ -35,8 +35,11 @@ def chain_times(fn, state, x, w, n: int, reps: int = 5) -> dict:
     return {"enqueue_ms": statistics.median(enq[1:]), "total_ms": statistics.median(total[1:])}, state, x
 
 
-def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5) -> dict:
-    """Enqueue time of each program of one engine step (embed, layer groups, head) on an idle GPU."""
+def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5, fresh: bool = False,
+                 command_buffers: bool = True) -> dict:
+    """Enqueue time of each program of one engine step (embed, layer groups, head) on an idle GPU. `fresh`:
+    every step gets its inputs in new device buffers (as the engine's steps do), not the same ones; with XLA's
+    command buffers on, a program whose buffers moved must update its CUDA graphs before launching them."""
     import jax
     import numpy as np
     from bench.step_bench import make_step_input, mixed_batch
@@ -52,12 +55,14 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5)
     shard_model(model, mesh)
     pages = sum(p for p, _, _ in seqs) + 8
     r = Runner(model, CacheConfig(16, pages, max(p for p, _, _ in seqs)), SchedulerConfig((bucket,), max_seqs=272),
-               mesh, ScheduleConfig())
+               mesh, ScheduleConfig(command_buffers=command_buffers))
     r.compile_all()
     inp = make_step_input(r, seqs, bucket, nd, np.random.default_rng(0))
     calls: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         jax.block_until_ready(r.run_step(bucket, "sequential", inp, any_sampled=False))
+        if fresh:
+            inp = jax.block_until_ready(jax.tree.map(lambda a: a + 0, inp))     # same values, new buffers
         t = [time.perf_counter()]
         x = r._embed[bucket](r.rest_state, r._prev, inp)
         t.append(time.perf_counter())
@@ -83,6 +88,9 @@ def main() -> None:
     ap.add_argument("--state-mb", type=int, default=4096, help="size of the in-place state buffer")
     ap.add_argument("--engine-layers", type=int, default=0, help="also time each program of an engine step "
                     "(Llama-3-8B shape with this many layers; 0 = skip)")
+    ap.add_argument("--engine-bucket", type=int, default=1024)
+    ap.add_argument("--engine-decode", type=int, default=64, help="decode sequences in the engine step's batch")
+    ap.add_argument("--skip-chains", action="store_true", help="only the engine programs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -114,6 +122,8 @@ def main() -> None:
     }
     if jax.default_backend() != "gpu":
         variants = {k: v for k, v in variants.items() if not k.startswith("mosaic")}
+    if args.skip_chains:
+        variants = {}
     data, table = {}, []
     for name, fn in variants.items():
         st, x = jnp.copy(st0), jnp.copy(x0)
@@ -124,12 +134,20 @@ def main() -> None:
         table.append([name, r["enqueue_ms"], r["total_ms"], r["enqueue_share"]])
         print(name, r, flush=True)
         del st, x
-    print_table(["variant", f"enqueue {args.n} ms", "until ready ms", "enqueue / total"], table)
+    if table:
+        print_table(["variant", f"enqueue {args.n} ms", "until ready ms", "enqueue / total"], table)
     summary = {f"enqueue_share[{k}]": v["enqueue_share"] for k, v in data.items()}
     out = {"args": vars(args), "variants": data}
     if args.engine_layers:
-        out["engine_calls_ms"] = engine_calls(args.engine_layers, 1024, 64, 1280)
-        print_table(["engine program", "ms"], list(out["engine_calls_ms"].items()))
+        out["engine_calls_ms"] = {}
+        for cb in (True, False):
+            for fresh in (False, True):
+                key = f"command buffers {'on' if cb else 'off'}, {'fresh' if fresh else 'same'} inputs"
+                out["engine_calls_ms"][key] = calls = engine_calls(args.engine_layers, args.engine_bucket,
+                                                                   args.engine_decode, 1280, fresh=fresh,
+                                                                   command_buffers=cb)
+                summary[f"engine_enqueue_ms[{key}]"] = sum(v for k, v in calls.items() if k != "until ready")
+                print_table(["engine program", "ms"], list(calls.items()), title=key)
     write_results("dispatch_probe", summary, out, out_dir=args.out)
 
 

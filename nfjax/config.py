@@ -267,6 +267,9 @@ class ScheduleConfig:
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
     command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches); variants
                                         # that run stream regions always compile without them (bench/NOTES.md s6)
+    # Copy each step's inputs into the same device buffers before the step's programs read them: a command
+    # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, bench/NOTES.md s8)
+    stable_inputs: bool = True
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

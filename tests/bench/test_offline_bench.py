@@ -31,7 +31,7 @@ def _engine(gemm, tok):
 def test_summarize_best_variant_peer_and_one_ceiling():
     ours = {"seq": _engine(600.0, {"1024x512": 100_000.0, "sharegpt": 50_000.0}),
             "plan": _engine(800.0, {"1024x512": 110_000.0, "sharegpt": 40_000.0})}
-    peers = {"1024x512": {"total_tok_s": 1_000.0}, "sharegpt": {"error": "timed out"}}
+    peers = {"1024x512": {"total_tok_s": 1_000.0}, "sharegpt": {"partial": True, "partial_total_tok_s": 100.0}}
     s, rows, optimal = summarize(ours, peers)
     assert optimal == pytest.approx(700e12 / 2e9)           # the mean of the two measured GEMM rates
     assert s["best_variant_1024_512"] == "plan" and s["best_variant_sharegpt"] == "seq"
@@ -40,7 +40,8 @@ def test_summarize_best_variant_peer_and_one_ceiling():
     assert s["pct_optimal_sharegpt_plan"] == pytest.approx(100 * 40_000 / optimal)
     assert s["best_vs_seq_1024_512"] == pytest.approx(1.1)
     assert s["vs_hf_transformers_ratio"] == s["vs_hf_transformers_ratio_1024_512"] == pytest.approx(110.0)
-    assert "vs_hf_transformers_ratio_sharegpt" not in s        # the peer did not finish there
+    assert "vs_hf_transformers_ratio_sharegpt" not in s        # the peer did not finish there ...
+    assert s["vs_hf_transformers_ratio_sharegpt_lower_bound"] == pytest.approx(500.0)    # ... a lower bound
     assert len(rows) == 4
     one, _, _ = summarize({"engine": ours["seq"]}, {})
     assert "best_variant_1024_512" not in one and "vs_hf_transformers_ratio" not in one

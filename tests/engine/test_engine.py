@@ -142,3 +142,31 @@ def test_command_buffers_off_compiles_and_matches():
     assert eng.runner.xla_options == {"xla_gpu_enable_command_buffer": ""}
     out = eng.generate("command buffers", SamplingParams.greedy(max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == naive_greedy(eng, eng.tokenizer.encode("command buffers"), 6)
+
+
+def test_step_inputs_staged_in_the_same_buffers():
+    """Every step of a bucket reads its inputs from the same device buffers (the staging copy writes over the
+    donated previous ones), and the tokens equal those of an engine that hands each step fresh buffers."""
+    import jax
+    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from tests.engine.conftest import make_engine
+    cache, sched = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16), SchedulerConfig((32, 64), max_seqs=4)
+    prompts = ["staged inputs, a longer prompt than the rest", "ab", "c"]
+    sp = SamplingParams.greedy(max_tokens=10, ignore_eos=True)
+    eng = make_engine(cache, sched)
+    seen: dict[int, set] = {}
+    run_step = eng.runner.run_step
+
+    def spy(bucket, label, inp, any_sampled=True):
+        out = run_step(bucket, label, inp, any_sampled)
+        staged = jax.tree.leaves(eng.runner._staged[bucket])
+        assert [a.dtype for a in staged] == [a.dtype for a in jax.tree.leaves(inp)]
+        seen.setdefault(bucket, set()).add(tuple(a.unsafe_buffer_pointer() for a in staged))
+        return out
+
+    eng.runner.run_step = spy
+    outs = eng.generate(prompts, sp)
+    assert sum(len(v) for v in seen.values()) == len(seen) and 32 in seen    # one address set per bucket
+    fresh = make_engine(cache, sched, schedule=ScheduleConfig(stable_inputs=False))
+    assert not fresh.runner._staged
+    assert [o.token_ids for o in fresh.generate(prompts, sp)] == [o.token_ids for o in outs]
