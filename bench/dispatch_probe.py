@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--engine-bucket", type=int, default=1024)
     ap.add_argument("--engine-decode", type=int, default=64, help="decode sequences in the engine step's batch")
     ap.add_argument("--skip-chains", action="store_true", help="only the engine programs")
+    ap.add_argument("--name", default="dispatch_probe")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -148,7 +149,7 @@ def main() -> None:
                                                                    command_buffers=cb)
                 summary[f"engine_enqueue_ms[{key}]"] = sum(v for k, v in calls.items() if k != "until ready")
                 print_table(["engine program", "ms"], list(calls.items()), title=key)
-    write_results("dispatch_probe", summary, out, out_dir=args.out)
+    write_results(args.name, summary, out, out_dir=args.out)
 
 
 if __name__ == "__main__":
