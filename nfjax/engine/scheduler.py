@@ -47,7 +47,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in arrival order
         self.swapped: deque[Request] = deque()
-        self._finished_out_lens: list[int] = []
+        self._out_len_sum = 0                      # outputs of finished (not aborted) requests: sum, count
+        self._out_len_count = 0
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -66,7 +67,8 @@ class Scheduler:
             if req in q:
                 q.remove(req)
         if reason != "abort":
-            self._finished_out_lens.append(len(req.output_ids))
+            self._out_len_sum += len(req.output_ids)
+            self._out_len_count += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -78,23 +80,30 @@ class Scheduler:
     # ---- memory prediction ------------------------------------------------------------------------
     def _expected_len(self, req: Request) -> int:
         est = req.params.max_tokens
-        if self._finished_out_lens:
-            est = min(est, math.ceil(sum(self._finished_out_lens) / len(self._finished_out_lens)))
+        if self._out_len_count:
+            est = min(est, math.ceil(self._out_len_sum / self._out_len_count))
         out = max(est, req.num_launched_outputs + 1)
         return min(req.prompt_len + out, self.max_model_len)
 
     def _pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.cache.page_size)
 
-    def _predicted_peak(self, extra: list[Request]) -> int:
-        return sum(self._pages_for(self._expected_len(r)) for r in self.running + extra)
+    def _predicted_pages(self, req: Request) -> int:
+        return self._pages_for(self._expected_len(req))
 
-    def _fits_prediction(self, req: Request) -> bool:
+    def _predicted_peak(self) -> int:
+        return sum(self._predicted_pages(r) for r in self.running)
+
+    def _fits_prediction(self, req: Request, peak: int | None = None) -> bool:
+        """Would `req` fit beside the running requests at their predicted ends? `peak`: the running requests'
+        predicted pages when the caller already has them (admission adds each admitted request's pages to it,
+        instead of summing over every running request again)."""
         if not self.running:
             return True        # always admit one request so the engine makes progress
         if not self.cfg.predict_memory:
             return self._pages_for(req.num_computed + 1) <= self.allocator.num_free
-        return self._predicted_peak([req]) <= self.allocator.capacity
+        peak = self._predicted_peak() if peak is None else peak
+        return peak + self._predicted_pages(req) <= self.allocator.capacity
 
     # ---- pages ------------------------------------------------------------------------------------
     def _grow(self, req: Request, upto: int) -> bool:
@@ -158,9 +167,12 @@ class Scheduler:
             if left <= 0 or not self._room_for_chunk(batch):
                 break
             left -= self._add_chunk(batch, req, left)
+        peak = None            # running requests' predicted pages, summed once per step
         while self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out:
             req = self.waiting[0]
-            if not self._fits_prediction(req):
+            if peak is None and self.running and self.cfg.predict_memory:
+                peak = self._predicted_peak()
+            if not self._fits_prediction(req, peak):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -172,6 +184,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             left -= took
+            if peak is not None:
+                peak += self._predicted_pages(req)
         if not batch.seqs and not batch.swap_out and not batch.swap_in:
             return None
         n = batch.num_tokens
