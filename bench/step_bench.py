@@ -16,7 +16,7 @@ SeqSpec = tuple[int, int, int]               # (num_pages, first position, query
 def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
     """A device `StepInput` for `runner` (greedy sampling, random token ids)."""
     import numpy as np
-    from nfjax.engine.runner import StepInput
+    from nfjax.engine.step_input import StepInput
     from nfjax.kv.metadata import build_metadata
     cc = runner.cache_cfg
     nxt, specs = 1, []

@@ -20,40 +20,20 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS
 from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.scheduler import Batch
+from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class StepInput:
-    tokens: Int[Array, "T"]          # token ids known on the host (prompt chunks, decode inputs already read)
-    token_src: Int[Array, "T"]       # >= 0: take the token from that row of the previous step's samples
-    meta: AttentionMetadata
-    temperature: Float[Array, "S"]
-    top_k: Int[Array, "S"]
-    top_p: Float[Array, "S"]
-    seeds: UInt32[Array, "S"]
-    counters: Int[Array, "S"]        # outputs generated before this sample: the per-request key's step
-
-
-def _stage(old: StepInput, new: StepInput) -> StepInput:
-    """`new`'s values written over `old`'s (donated) buffers, so the step programs always read the same
-    addresses. (Returning `new` itself would not do: jax forwards an output that is an input, and drops the
-    unused donated one.)"""
-    return jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
 
 
 def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[Array, "T D"]:
@@ -157,6 +137,7 @@ class Runner:
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[tuple[int, bool], object] = {}      # (bucket, any_sampled) -> compiled head
         self._stage: dict[int, object] = {}                  # bucket -> compiled copy into the staged inputs
+        self._unpack: dict[int, object] = {}                 # bucket -> the same from one packed int32 vector
         self._staged: dict[int, StepInput] = {}              # bucket -> the step inputs' device buffers
         self.stable_inputs = sc.stable_inputs
         # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
@@ -179,7 +160,16 @@ class Runner:
                                          z.astype(np.float32), z, z.astype(np.float32) + 1, z.astype(np.uint32), z))
 
     def _to_device(self, inp: StepInput) -> StepInput:
-        return jax.device_put(inp, self.replicated)     # one batched host->device transfer
+        return jax.device_put(inp, self.replicated)
+
+    def put_input(self, bucket: int, inp: StepInput) -> StepInput:
+        """A host `StepInput` on the device: with `stable_inputs`, one packed copy written into the bucket's
+        staged buffers (nfjax/engine/step_input.py); else a device_put of every field."""
+        if not self.stable_inputs:
+            return self._to_device(inp)
+        packed = jax.device_put(pack(inp), self.replicated)
+        self._staged[bucket] = self._unpack[bucket](self._staged[bucket], packed)
+        return self._staged[bucket]
 
     def compile_all(self, progress: bool = False) -> None:
         t0 = time.perf_counter()
@@ -195,7 +185,11 @@ class Runner:
             x = x_sh.update(shape=(b, self.cfg.hidden_size))
             if b not in self._embed:
                 if self.stable_inputs:
-                    self._stage[b] = jax.jit(_stage, donate_argnums=0, out_shardings=rep).lower(inp, inp).compile()
+                    self._stage[b] = jax.jit(stage, donate_argnums=0, out_shardings=rep).lower(inp, inp).compile()
+                    packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inp)),), jnp.int32,
+                                                  sharding=rep)
+                    self._unpack[b] = jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
+                        inp, packed).compile()
                     self._staged[b] = self._example_input(b)
                 self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
                     self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
@@ -280,7 +274,7 @@ class Runner:
         meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
                               num_decode=batch.num_decode)
         t0 = time.perf_counter()
-        inp = self._to_device(StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
+        inp = self.put_input(t, StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
         t1 = time.perf_counter()
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
@@ -292,7 +286,7 @@ class Runner:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
         0). Benchmarks call this with synthetic inputs."""
-        if self.stable_inputs:
+        if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         x = self._embed[bucket](self.rest_state, self._prev, inp)
         for i0, n, prog in self.layer_programs(bucket, label):
