@@ -190,7 +190,7 @@ class Runner:
                                                   sharding=rep)
                     self._unpack[b] = jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
                         inp, packed).compile()
-                    self._staged[b] = self._example_input(b)
+                    self._staged[b] = inp           # lowering read only its shapes; the steps take it over
                 self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
                     self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
                 for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort

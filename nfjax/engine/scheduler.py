@@ -170,7 +170,7 @@ class Scheduler:
         peak = None            # running requests' predicted pages, summed once per step
         while self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out:
             req = self.waiting[0]
-            if peak is None and self.running and self.cfg.predict_memory:
+            if peak is None and self.cfg.predict_memory:
                 peak = self._predicted_peak()
             if not self._fits_prediction(req, peak):
                 break
