@@ -43,7 +43,7 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5,
     import jax
     import numpy as np
     from bench.step_bench import make_step_input, mixed_batch
-    from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
+    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
     from nfjax.engine.runner import Runner
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.parallel import make_mesh, shard_model
@@ -54,8 +54,8 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5,
     model = random_model(cfg)
     shard_model(model, mesh)
     pages = sum(p for p, _, _ in seqs) + 8
-    r = Runner(model, CacheConfig(16, pages, max(p for p, _, _ in seqs)), SchedulerConfig((bucket,), max_seqs=272),
-               mesh, ScheduleConfig(command_buffers=command_buffers))
+    r = Runner(model, CacheConfig(16, pages, max(p for p, _, _ in seqs)), BatcherConfig((bucket,), max_seqs=272),
+               mesh, ExecutionConfig(command_buffers=command_buffers))
     r.compile_all()
     inp = make_step_input(r, seqs, bucket, nd, np.random.default_rng(0))
     calls: dict[str, list[float]] = {}

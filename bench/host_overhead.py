@@ -19,21 +19,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def drive(workload: str, n: int, max_seqs: int, num_pages: int, page_size: int, buckets: tuple[int, ...]) -> dict:
     """Schedule every request of the workload to completion; per-step schedule() times and batch shapes."""
     from bench.workloads import parse
-    from nfjax.config import CacheConfig, SchedulerConfig
+    from nfjax.config import CacheConfig, BatcherConfig
     from nfjax.engine.request import Request
     from nfjax.engine.sampling_params import SamplingParams
-    from nfjax.engine.scheduler import Scheduler
+    from nfjax.engine.batcher import Batcher
 
     work = parse(workload, n, 128_256, seed=1)
     longest = max(len(p) + o for p, o in work)
-    sched = Scheduler(SchedulerConfig(token_buckets=buckets, max_seqs=max_seqs),
+    sched = Batcher(BatcherConfig(token_buckets=buckets, max_seqs=max_seqs),
                       CacheConfig(page_size, num_pages, -(-longest // page_size)), max_model_len=1 << 20)
     for i, (p, o) in enumerate(work):
         sched.add(Request(f"r{i}", p, SamplingParams.greedy(max_tokens=o, ignore_eos=True), seed=i))
     times, decodes, tokens = [], [], []
     while sched.has_work():
         t = time.perf_counter()
-        batch = sched.schedule({})
+        batch = sched.next_batch({})
         times.append(time.perf_counter() - t)
         if batch is None:
             raise RuntimeError("the scheduler stalled with work left")

@@ -34,7 +34,7 @@ def step_ablation(args, cfg, out: dict) -> None:
     import numpy as np
     from bench.common import time_fn
     from bench.step_bench import kernel_table, make_step_input, mixed_batch, run_step, stream_timeline, trace
-    from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
+    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
     from nfjax.engine.runner import Runner
     from nfjax.models.random_init import random_model
     from nfjax.parallel import make_mesh, shard_model
@@ -47,8 +47,8 @@ def step_ablation(args, cfg, out: dict) -> None:
     mesh = make_mesh(args.tp)
     model = random_model(cfg)
     shard_model(model, mesh)
-    runner = Runner(model, CacheConfig(ps, pages, per_seq), SchedulerConfig(buckets, max_seqs=args.max_seqs), mesh,
-                    ScheduleConfig(strategies=strategies(args), streams=args.streams))
+    runner = Runner(model, CacheConfig(ps, pages, per_seq), BatcherConfig(buckets, max_seqs=args.max_seqs), mesh,
+                    ExecutionConfig(strategies=strategies(args), streams=args.streams))
     runner.compile_all()
     out["compile_s"] = runner.compile_seconds
     out["skipped"] = {f"{b}:{lb}": why for (b, lb), why in runner.variants.skipped.items()}

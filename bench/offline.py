@@ -59,7 +59,7 @@ def engine_run(args, workloads: list[str]) -> dict:
     from bench.common import device_name
     from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, ScheduleConfig, SchedulerConfig, StrategyConfig
+    from nfjax.config import EngineConfig, ExecutionConfig, BatcherConfig, StrategyConfig
     from nfjax.engine import Engine
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.tokenizer.silent import SilentTokenizer
@@ -75,14 +75,14 @@ def engine_run(args, workloads: list[str]) -> dict:
     works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
     num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction)
     cache = cache_for(list(works.values()), args.page_size, num_pages)
-    sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
+    sched = BatcherConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
     t = time.perf_counter()
     strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
                        for sp in filter(None, args.strategies.split(",")))
-    schedule = ScheduleConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers,
+    schedule = ExecutionConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers,
                               layers_per_program=args.layers_per_program, stable_inputs=not args.fresh_inputs)
-    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, schedule=schedule))
+    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, execution=schedule))
     compile_s = time.perf_counter() - t
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--layers-per-program", type=int, default=4, help="decoder layers per compiled program")
     ap.add_argument("--no-command-buffers", action="store_true", help="XLA CUDA-graph command buffers off")
     ap.add_argument("--fresh-inputs", action="store_true", help="hand each step its inputs in new device buffers "
-                    "(ScheduleConfig.stable_inputs off; for comparison)")
+                    "(ExecutionConfig.stable_inputs off; for comparison)")
     ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
                     "nanoflow:llama3-8b_h100_tp1_beside_mact,dual_batch:1-1 (default: Sequential only)")
     ap.add_argument("--streams", action="store_true", help="run the strategies' GPU stream regions")

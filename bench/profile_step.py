@@ -37,7 +37,7 @@ def child(args) -> dict:
     import numpy as np
     from bench.common import device_info, time_fn
     from bench.step_bench import kernel_table, make_step_input, run_step, trace
-    from nfjax.config import CacheConfig, SchedulerConfig
+    from nfjax.config import CacheConfig, BatcherConfig
     from nfjax.engine.runner import Runner
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.parallel import make_mesh, shard_model
@@ -51,7 +51,7 @@ def child(args) -> dict:
     pages_per = max(p for _, seqs, _ in batches.values() for p, _, _ in seqs)
     need = max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values())
     cache = CacheConfig(page_size=ps, num_pages=need + 8, max_pages_per_seq=pages_per)
-    sched = SchedulerConfig(token_buckets=tuple(sorted({b for b, _, _ in batches.values()})), max_seqs=max_seqs)
+    sched = BatcherConfig(token_buckets=tuple(sorted({b for b, _, _ in batches.values()})), max_seqs=max_seqs)
     mesh = make_mesh(1)
     model = random_model(cfg)
     shard_model(model, mesh)

@@ -67,7 +67,7 @@ def build_engine(args):
                                         token_buckets=args.token_buckets, max_seqs=args.max_seqs, tp=args.tp)
         from nfjax.server import model_name_for
         return engine, model_name_for(args.model)
-    from nfjax.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nfjax.config import CacheConfig, EngineConfig, BatcherConfig
     from nfjax.kv.cache import pages_that_fit
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.tokenizer.silent import SilentTokenizer
@@ -84,7 +84,7 @@ def build_engine(args):
             num_pages = CPU_NUM_PAGES
     per_seq = args.max_pages_per_seq or -(-cfg.max_position_embeddings // ps)
     cache = CacheConfig(page_size=ps, num_pages=num_pages, max_pages_per_seq=min(per_seq, num_pages - 1))
-    sched = SchedulerConfig(token_buckets=args.token_buckets or (256, 512, 1024, 2048),
+    sched = BatcherConfig(token_buckets=args.token_buckets or (256, 512, 1024, 2048),
                             max_seqs=args.max_seqs or 256)
     tok = SilentTokenizer(cfg.vocab_size, cfg.eos_token_ids)
     return Engine(model, tok, EngineConfig(cfg, cache, sched)), args.shape
@@ -94,7 +94,7 @@ def engine_info(engine) -> dict:
     import jax
     d = jax.devices()[0]
     return {"model_config": engine.model_config.to_json(), "cache": vars(engine.config.cache),
-            "scheduler": vars(engine.config.scheduler), "compile_s": engine.runner.compile_seconds,
+            "scheduler": vars(engine.config.batcher), "compile_s": engine.runner.compile_seconds,
             "device": f"{d.platform}:{getattr(d, 'device_kind', '?')}", "device_count": jax.device_count(),
             "jax": jax.__version__}
 

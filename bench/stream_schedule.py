@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--plan", default="llama3-8b_h100_tp1_fullsm")
     ap.add_argument("--dump", default=None, help="folder for the optimized HLO text of each step program")
     args = ap.parse_args()
-    from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig, StrategyConfig
+    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig, StrategyConfig
     from nfjax.engine.runner import Runner
     from nfjax.models.random_init import SHAPES, random_model
     from nfjax.parallel import make_mesh, shard_model
@@ -52,8 +52,8 @@ def main() -> None:
     mesh = make_mesh(1)
     model = random_model(cfg)
     shard_model(model, mesh)
-    sc = ScheduleConfig(strategies=(StrategyConfig("nanoflow", plan=args.plan),), streams=True)
-    r = Runner(model, CacheConfig(16, 512, 64), SchedulerConfig((args.bucket,), max_seqs=64), mesh, sc)
+    sc = ExecutionConfig(strategies=(StrategyConfig("nanoflow", plan=args.plan),), streams=True)
+    r = Runner(model, CacheConfig(16, 512, 64), BatcherConfig((args.bucket,), max_seqs=64), mesh, sc)
     r.compile_all()
     for key, exe in r._steps.items():
         text = exe.as_text()

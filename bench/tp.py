@@ -48,7 +48,7 @@ def child(args) -> dict:
     from bench.engine_bench import (cache_for, gemm_tflops, kv_pages, pages_needed,
                                     run_workload, synthetic_pages, time_batches)
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, ParallelConfig, SchedulerConfig
+    from nfjax.config import EngineConfig, ParallelConfig, BatcherConfig
     from nfjax.engine import Engine
     from nfjax.models.random_init import random_model
     from nfjax.parallel import make_mesh, sharding_fn, tp_config
@@ -71,7 +71,7 @@ def child(args) -> dict:
     num_pages = args.num_pages or kv_pages(cfg, ps, args.kv_fraction, tp, need)
     cache = cache_for([work], ps, num_pages, min_context=args.ctx + 1)
     buckets = tuple(sorted({int(b) for b in args.buckets.split(",")} | {args.decode, args.mixed}))
-    sched = SchedulerConfig(token_buckets=buckets, max_seqs=args.max_seqs)
+    sched = BatcherConfig(token_buckets=buckets, max_seqs=args.max_seqs)
     print(f"[tp={tp}] init {init_s:.1f}s; gemm {gemm:.1f} TFLOP/s/device; {num_pages} KV pages", flush=True)
     out = {"tp": tp, "device": device_info(), "gemm_tflops": gemm, "optimal_tok_s": optimal, "init_s": init_s,
            "num_pages": num_pages, "buckets": buckets, "config": cfg.to_json(), "variants": {}}

@@ -160,7 +160,7 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class BatcherConfig:
     token_buckets: tuple[int, ...] = (64, 256)   # dense token budgets, one compiled step each
     max_seqs: int = 32                            # sequences per step (decode + prefill)
     max_prefill_seqs: int = 16                    # prefill chunks per step (bounds the prefill kernel's tiles)
@@ -210,7 +210,7 @@ class StrategyConfig:
     min_tokens: int = 0                 # chosen only for batches with at least this many real tokens
     min_decode: int = 0                 # ... and at least this many decode tokens
     name: str | None = None             # label in stats and `Runner.pin_strategy` (default: derived)
-    streams: bool | None = None         # put ops on the streams the schedule names (None: ScheduleConfig.streams)
+    streams: bool | None = None         # put ops on the streams the schedule names (None: ExecutionConfig.streams)
 
     def __post_init__(self):
         if self.kind not in STRATEGY_KINDS:
@@ -257,7 +257,7 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
+class ExecutionConfig:
     """How a step's layers run: variants compiled per bucket, chosen per batch (first eligible in order;
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
@@ -282,7 +282,7 @@ class ScheduleConfig:
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)

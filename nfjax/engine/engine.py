@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, ScheduleConfig, SchedulerConfig
+from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, ExecutionConfig, BatcherConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput
 from nfjax.engine.request import Request, Status
 from nfjax.engine.runner import Runner, StepHandle
 from nfjax.engine.sampling_params import SamplingParams
-from nfjax.engine.scheduler import Scheduler
+from nfjax.engine.batcher import Batcher
 from nfjax.engine.trace import StepTrace
 from nfjax.errors import UserError
 
@@ -39,10 +39,10 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = config.model
-        self.runner = Runner(model, config.cache, config.scheduler, mesh, config.schedule,
+        self.runner = Runner(model, config.cache, config.batcher, mesh, config.execution,
                              skip_collectives=config.parallel.skip_collectives, take_weights=take_weights)
         self.runner.compile_all(progress=progress)
-        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_position_embeddings)
+        self.batcher = Batcher(config.batcher, config.cache, config.model.max_position_embeddings)
         self.trace = StepTrace()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
@@ -57,7 +57,7 @@ class Engine:
                         page_size: int | None = None, num_pages: int | None = None,
                         max_pages_per_seq: int | None = None, token_buckets: Iterable[int] | None = None,
                         max_seqs: int | None = None, tp: int = 1, progress: bool = False,
-                        schedule: ScheduleConfig | None = None) -> "Engine":
+                        schedule: ExecutionConfig | None = None) -> "Engine":
         """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket.
 
         With tp > 1 the weights are restored straight into their shards on a `tp` mesh. `schedule`: the
@@ -75,19 +75,19 @@ class Engine:
         cache = CacheConfig()
         cache = dataclasses.replace(cache, **{k: v for k, v in dict(
             page_size=page_size, num_pages=num_pages, max_pages_per_seq=max_pages_per_seq).items() if v is not None})
-        sched = SchedulerConfig()
+        sched = BatcherConfig()
         if token_buckets is not None:
             sched = dataclasses.replace(sched, token_buckets=tuple(sorted(token_buckets)))
         if max_seqs is not None:
             sched = dataclasses.replace(sched, max_seqs=max_seqs)
         return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched, parallel=ParallelConfig(tp),
-                                                             schedule=schedule or ScheduleConfig()),
+                                                             execution=schedule or ExecutionConfig()),
                    progress=progress, mesh=mesh)
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.max_model_len
+        return self.batcher.max_model_len
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -115,33 +115,33 @@ class Engine:
         req = Request(rid, ids, params, seed)
         self._requests[rid] = req
         self._texts[rid] = OutputText(self.tokenizer, params, ids)
-        self.scheduler.add(req)
+        self.batcher.add(req)
         return rid
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.finished:
-            self.scheduler.finish(req, "abort")
+            self.batcher.finish(req, "abort")
         self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.batcher.has_work() or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.batcher.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.swapped)
+        return len(self.batcher.running) + len(self.batcher.swapped)
 
     @property
     def pages_used(self) -> int:
-        return self.scheduler.pages_used
+        return self.batcher.pages_used
 
     @property
     def pages_total(self) -> int:
-        return self.scheduler.allocator.capacity
+        return self.batcher.allocator.capacity
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -149,7 +149,7 @@ class Engine:
         t0 = time.perf_counter()
         prev = self._inflight
         slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
-        batch = self.scheduler.schedule(slots)
+        batch = self.batcher.next_batch(slots)
         handle = None
         if batch is not None:
             for req, pages in batch.swap_out:
@@ -196,7 +196,7 @@ class Engine:
             elif len(req.output_ids) >= p.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
                 reason = "length"
             if reason:
-                self.scheduler.finish(req, reason)
+                self.batcher.finish(req, reason)
                 req.timings.finished = now
             outs.append(self._output(req, [tok]))
         return outs

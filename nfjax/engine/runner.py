@@ -25,9 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS
-from nfjax.config import CacheConfig, ScheduleConfig, SchedulerConfig
+from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
 from nfjax.engine.sampler import sample
-from nfjax.engine.scheduler import Batch
+from nfjax.engine.batcher import Batch
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
@@ -99,8 +99,8 @@ class StepHandle:
 class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
-    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: SchedulerConfig, mesh: Mesh,
-                 schedule: ScheduleConfig | None = None, skip_collectives: bool = False,
+    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: BatcherConfig, mesh: Mesh,
+                 schedule: ExecutionConfig | None = None, skip_collectives: bool = False,
                  take_weights: bool = False):
         """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel).
         `schedule`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch.
@@ -108,7 +108,7 @@ class Runner:
         The layers run from per-layer copies of the weights; `take_weights` deletes the model's stacked layer
         arrays as they are copied (the model is unusable afterwards; `model()` rebuilds one)."""
         from nfjax.schedule.variants import SEQUENTIAL, Variants
-        sc = schedule or ScheduleConfig()
+        sc = schedule or ExecutionConfig()
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched

@@ -1,15 +1,15 @@
 """Nano-batch schedules: the layer's op graph, the scheduler API, strategies, NanoFlow plans, the executor.
 
-A strategy (`Scheduler` subclass) is planned per token bucket into a `Program` (pure Python, validated), which
+A strategy (`Strategy` subclass) is planned per token bucket into a `LayerSchedule` (pure Python, validated), which
 the executor traces into the step function: every nano-op of a step lives in one jitted program.
 """
-from nfjax.schedule.api import (Kernel, NanoBatch, NanoOp, Program, ScheduleContext, ScheduleError, Scheduler,
+from nfjax.schedule.api import (Kernel, NanoBatch, NanoOp, LayerSchedule, ScheduleContext, ScheduleError, Strategy,
                                 Step)
 from nfjax.schedule.graph import OpGraph, layer_graph
 from nfjax.schedule.plan import Plan, PlanError, load_plan, save_plan
 from nfjax.schedule.strategies import (REDUCE_NORM, CommOverlap, DualBatchOverlap, FusedReduceNorm,
                                        NanoBatchOnly, NanoFlow, Sequential)
 
-__all__ = ["Kernel", "NanoBatch", "NanoOp", "Program", "ScheduleContext", "ScheduleError", "Scheduler", "Step",
+__all__ = ["Kernel", "NanoBatch", "NanoOp", "LayerSchedule", "ScheduleContext", "ScheduleError", "Strategy", "Step",
            "OpGraph", "layer_graph", "Plan", "PlanError", "load_plan", "save_plan", "REDUCE_NORM", "CommOverlap",
            "DualBatchOverlap", "FusedReduceNorm", "NanoBatchOnly", "NanoFlow", "Sequential"]

@@ -1,6 +1,6 @@
-"""The scheduler API (DynaFlow style): a schedule is a Python program over nano-ops, recorded into a `Program`.
+"""The scheduler API (DynaFlow style): a schedule is a Python program over nano-ops, recorded into a `LayerSchedule`.
 
-A strategy subclasses `Scheduler` and implements `schedule(ctx)`, which calls
+A strategy subclasses `Strategy` and implements `schedule(ctx)`, which calls
   * `split(sizes)`         once, to cut the step's T tokens into contiguous nano-batches (token order);
   * `get_ready_ops(i)`     the ops not yet run on nano-batch i whose inputs are ready (see `graph.py`);
   * `execute(ops, stream=None, kernel=None, share=None)`
@@ -12,7 +12,7 @@ A strategy subclasses `Scheduler` and implements `schedule(ctx)`, which calls
       `stream` k >= 1 puts the op on extra GPU stream k (0 / None: the program's main stream); `share` is the
       fraction of the GPU the op's kernel may take (its program count), read by kernels that support it.
 
-Nothing runs while `schedule` runs: `plan(ctx)` records the calls into a `Program` (validated: every op on
+Nothing runs while `schedule` runs: `record(ctx)` records the calls into a `LayerSchedule` (validated: every op on
 every token exactly once, in dependency order), and the executor traces that program into the step function.
 Planning is pure Python on static sizes, so it is cheap and testable without compiling anything.
 """
@@ -109,7 +109,7 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Program:
+class LayerSchedule:
     """A validated schedule for one token bucket: what the executor traces."""
     strategy: str
     num_tokens: int
@@ -138,7 +138,7 @@ class _Trace:
         self.steps: list[Step] = []
 
 
-class Scheduler:
+class Strategy:
     """Base class of every strategy. Subclasses set `name` and implement `schedule(ctx)`."""
     name = "scheduler"
     splits = False        # does it cut the batch (then XLA's dot merger is turned off for it ...)
@@ -152,7 +152,7 @@ class Scheduler:
         raise NotImplementedError
 
     # ---- planning -------------------------------------------------------------------------------------
-    def plan(self, ctx: ScheduleContext) -> Program:
+    def record(self, ctx: ScheduleContext) -> LayerSchedule:
         why = self.eligible(ctx)
         if why:
             raise ScheduleError(f"{self.name}: cannot run on a {ctx.num_tokens}-token bucket: {why}")
@@ -166,7 +166,7 @@ class Scheduler:
             if missing:
                 raise ScheduleError(f"{self.name}: schedule() ended with ops never executed: "
                                     f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-            return Program(self.name, ctx.num_tokens, tr.nbs, tuple(tr.steps), _buffered(ctx, tr.steps),
+            return LayerSchedule(self.name, ctx.num_tokens, tr.nbs, tuple(tr.steps), _buffered(ctx, tr.steps),
                            _carry_ranges(ctx, tr.steps))
         finally:
             self._trace = None
@@ -175,7 +175,7 @@ class Scheduler:
     def _tr(self) -> _Trace:
         tr = getattr(self, "_trace", None)
         if tr is None:
-            raise ScheduleError("split/get_ready_ops/execute are only valid inside schedule(), run by plan()")
+            raise ScheduleError("split/get_ready_ops/execute are only valid inside schedule(), run by record()")
         return tr
 
     # ---- the API schedules call -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Executor: traces a `Program` into the layer body, so a whole step (all nano-ops of every layer) is one program.
+"""Executor: traces a `LayerSchedule` into the layer body, so a whole step (all nano-ops of every layer) is one program.
 
-`program_layer_fn(program)` returns the `layer_fn(layer, ctx, env) -> env` hook of `LlamaModel.__call__`; the
+`schedule_layer_fn(program)` returns the `layer_fn(layer, ctx, env) -> env` hook of `LlamaModel.__call__`; the
 runner jits one step per (token bucket, strategy) with it. Per step of the program, in program order:
   * inputs: a value produced in one piece covering the step's tokens is used as is (or statically sliced);
     a read spanning several pieces (a merge; `program.buffered` names these values) joins them (below);
@@ -23,7 +23,7 @@ XLA fuses with the pieces' producers (each producer writes its rows of the merge
 a preallocated buffer looks cheaper but is fragile: XLA (CPU, 0.10.2) fused the last update into a consumer's
 reshape and then copied the partly built buffer, and rewrote slices of the finished buffer into slices of an
 earlier version, which forces a copy before the next in-place write. The residual stream crosses layers in the
-pieces the program writes it in (`program_layer_fn`), so no merge (and no copy into the loop carry) is needed
+pieces the program writes it in (`schedule_layer_fn`), so no merge (and no copy into the loop carry) is needed
 between layers. Tests assert on the optimized HLO that no `copy` has the shape of a merged buffer, a carried
 piece or the KV cache. What a merge still costs: when a producer cannot fuse (a GEMM), the concatenate moves
 its piece once; a GEMM kernel that writes its tile at an output offset removes that on GPU.
@@ -42,14 +42,14 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from nfjax.compat import num_sms, on_gpu, on_stream
 from nfjax.models.ops import GLOBAL_VALUES, Resource
-from nfjax.schedule.api import Program, Step
+from nfjax.schedule.api import LayerSchedule, Step
 from nfjax.schedule.meta import nano_metadata
 
 
 class _Values:
     """The env of one layer under a program: every value as the pieces its steps wrote (token ranges)."""
 
-    def __init__(self, program: Program, env: dict):
+    def __init__(self, program: LayerSchedule, env: dict):
         self.t = program.num_tokens
         self.pieces: dict[str, list[tuple[int, int, jax.Array]]] = {}
         self.globals = {k: v for k, v in env.items() if k in GLOBAL_VALUES}
@@ -114,7 +114,7 @@ def _group_scope(gid: int | None):
     return set_xla_metadata(_scheduling_group_id=str(gid)) if gid is not None else contextlib.nullcontext()
 
 
-def run_program(program: Program, layer, ctx, env: dict, streams: bool = False, trace: list | None = None,
+def run_layer_schedule(program: LayerSchedule, layer, ctx, env: dict, streams: bool = False, trace: list | None = None,
                 group_ids=None) -> dict:
     """One layer under `program`. `trace`, if given, receives the (value, lo, hi, shape) of every merge;
     `group_ids`: the scheduling-group id source shared by all layers of a step (streams only)."""
@@ -178,7 +178,7 @@ def gpu_stream(step: Step) -> int | None:
     return step.stream or None
 
 
-def program_layer_fn(program: Program, streams: bool = False):
+def schedule_layer_fn(program: LayerSchedule, streams: bool = False):
     """The `layer_fn` hook running `program` on every layer; `streams`: put its steps in stream regions
     (decided by `Variant.streams`, which turns them off for a program that names no stream).
 
@@ -189,7 +189,7 @@ def program_layer_fn(program: Program, streams: bool = False):
     group_ids = itertools.count()
 
     def layer_fn(layer, ctx, env):
-        return run_program(program, layer, ctx, env, streams, merges, group_ids)
+        return run_layer_schedule(program, layer, ctx, env, streams, merges, group_ids)
     layer_fn.program = program
     layer_fn.merges = merges            # filled while tracing: what the HLO checks look for
     if len(program.carry_ranges) > 1:

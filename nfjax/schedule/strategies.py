@@ -1,4 +1,4 @@
-"""Strategies: schedules over the layer's op graph, all written against the `Scheduler` API.
+"""Strategies: schedules over the layer's op graph, all written against the `Strategy` API.
 
   Sequential        every op once on the whole batch (the plain forward).
   NanoBatchOnly     split, then each op on each nano-batch in turn, nothing overlapped (NanoFlow's overhead
@@ -20,7 +20,7 @@ from jax import lax
 
 from nfjax.compat import all_gather_invariant
 from nfjax.models.ops import Resource
-from nfjax.schedule.api import Kernel, NanoOp, ScheduleContext, ScheduleError, Scheduler
+from nfjax.schedule.api import Kernel, NanoOp, ScheduleContext, ScheduleError, Strategy
 from nfjax.schedule.beside import HORIZONTAL_KERNELS
 
 
@@ -37,7 +37,7 @@ def split_sizes(weights, num_tokens: int, align: int) -> list[int] | None:
     return sizes if all(s > 0 for s in sizes) else None
 
 
-class Sequential(Scheduler):
+class Sequential(Strategy):
     name = "sequential"
 
     def schedule(self, ctx: ScheduleContext) -> None:
@@ -46,7 +46,7 @@ class Sequential(Scheduler):
             self.execute(self.nano_op(node.name, 0))
 
 
-class _Split(Scheduler):
+class _Split(Strategy):
     """Base of the strategies that cut the batch by relative `split` weights (boundaries aligned)."""
     splits = True
 
@@ -179,7 +179,7 @@ class DualBatchOverlap(_Split):
                 raise ScheduleError(f"{self.name}: stuck at {[c[h] for c, h in zip(chains, heads) if h < len(c)]}")
 
 
-class NanoFlow(Scheduler):
+class NanoFlow(Strategy):
     """Runs a `Plan`: the finest common refinement of the groups' nano-batches is the split; a group's
     nano-batch is a merge of the fine ones it spans. Each stream's order is kept; streams are interleaved one
     op per stream per round, an op waiting until its dependencies (possibly on another stream) ran."""

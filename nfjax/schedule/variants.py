@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nfjax.compat import NO_COMMAND_BUFFERS, NO_DOT_MERGER
-from nfjax.config import ScheduleConfig, StrategyConfig
-from nfjax.schedule.api import Program, ScheduleContext, Scheduler
-from nfjax.schedule.executor import program_layer_fn
+from nfjax.config import ExecutionConfig, StrategyConfig
+from nfjax.schedule.api import LayerSchedule, ScheduleContext, Strategy
+from nfjax.schedule.executor import schedule_layer_fn
 from nfjax.schedule.graph import layer_graph
 from nfjax.schedule.strategies import (CommOverlap, DualBatchOverlap, FusedReduceNorm, NanoBatchOnly, NanoFlow,
                                        Sequential)
@@ -14,7 +14,7 @@ from nfjax.schedule.strategies import (CommOverlap, DualBatchOverlap, FusedReduc
 SEQUENTIAL = "sequential"
 
 
-def build_scheduler(sc: StrategyConfig) -> Scheduler:
+def build_strategy(sc: StrategyConfig) -> Strategy:
     if sc.kind == "sequential":
         s = Sequential()
         s.name = sc.label
@@ -31,7 +31,7 @@ def build_scheduler(sc: StrategyConfig) -> Scheduler:
 class Variant:
     label: str
     config: StrategyConfig
-    program: Program
+    program: LayerSchedule
     splits: bool
     dot_merger: bool = False
 
@@ -42,7 +42,7 @@ class Variant:
         return bool(on) and any(st.stream for st in self.program.steps)
 
     def layer_fn(self, streams: bool):
-        return program_layer_fn(self.program, self.streams(streams))
+        return schedule_layer_fn(self.program, self.streams(streams))
 
     def compiler_options(self, streams: bool = False) -> dict:
         """The dot merger off for split variants (unless their plan keeps it); command buffers off for stream
@@ -56,7 +56,7 @@ class Variant:
 class Variants:
     """The variants of every bucket (planned now; compiled by the runner) and the per-batch choice."""
 
-    def __init__(self, cfg: ScheduleConfig, buckets, tp: int):
+    def __init__(self, cfg: ExecutionConfig, buckets, tp: int):
         self.cfg = cfg
         self.streams = bool(cfg.streams)
         graph = layer_graph()
@@ -73,12 +73,12 @@ class Variants:
                 if b < c.min_bucket:
                     self.skipped[(b, c.label)] = f"bucket < min_bucket={c.min_bucket}"
                     continue
-                s = build_scheduler(c)
+                s = build_strategy(c)
                 why = s.eligible(ctx)
                 if why:
                     self.skipped[(b, c.label)] = why
                     continue
-                vs[c.label] = Variant(c.label, c, s.plan(ctx), s.splits, s.dot_merger)
+                vs[c.label] = Variant(c.label, c, s.record(ctx), s.splits, s.dot_merger)
             self.by_bucket[b] = vs
 
     def choose(self, bucket: int, num_tokens: int, num_decode: int, pinned: str | None = None) -> str:

@@ -5,7 +5,7 @@ import random
 import jax
 import pytest
 
-from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.config import CacheConfig, BatcherConfig
 from nfjax.engine import SamplingParams
 
 from tests.engine.conftest import make_engine
@@ -16,7 +16,7 @@ def tight_engine():
     # 40 usable pages of 8 tokens for 64 requests of up to ~100 tokens each, admitted while any page is free
     # (memory prediction off): running requests outgrow the pool, so preemption is certain
     return make_engine(CacheConfig(page_size=8, num_pages=41, max_pages_per_seq=16),
-                       SchedulerConfig(token_buckets=(16, 64), max_seqs=16, predict_memory=False))
+                       BatcherConfig(token_buckets=(16, 64), max_seqs=16, predict_memory=False))
 
 
 def _workload(n=64, seed=0):
@@ -61,7 +61,7 @@ def test_batch_invariance_with_preemption_and_no_recompiles(tight_engine, roomy_
 def roomy_engine_alone():
     # same weights (seed 0) and buckets as tight_engine, roomy cache: each request runs alone
     return make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
-                       SchedulerConfig(token_buckets=(16, 64), max_seqs=16))
+                       BatcherConfig(token_buckets=(16, 64), max_seqs=16))
 
 
 def test_trace_accounts_every_token(tight_engine):
@@ -81,7 +81,7 @@ def test_trace_accounts_every_token(tight_engine):
 def test_page_table_wider_than_the_pool():
     # max_pages_per_seq > num_pages: the swap programs are shaped by the page-table width, not the pool
     eng = make_engine(CacheConfig(page_size=8, num_pages=6, max_pages_per_seq=16),
-                      SchedulerConfig(token_buckets=(16,), max_seqs=4, predict_memory=False))
+                      BatcherConfig(token_buckets=(16,), max_seqs=4, predict_memory=False))
     outs = eng.generate(["one two", "three four five", "six"],
                         SamplingParams.greedy(max_tokens=12, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
@@ -91,7 +91,7 @@ def test_page_table_wider_than_the_pool():
 
 def test_prefill_chunks_per_step_are_capped(roomy_engine_alone):
     eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
-                      SchedulerConfig(token_buckets=(16, 64), max_seqs=16, max_prefill_seqs=2))
+                      BatcherConfig(token_buckets=(16, 64), max_seqs=16, max_prefill_seqs=2))
     prompts, lens = _workload(8, seed=2)
     params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in lens]
     outs = eng.generate(prompts, params)

@@ -121,11 +121,11 @@ def test_prompt_too_long_and_bad_ids(roomy_engine):
 
 def test_layer_groups_with_a_remainder_match_the_naive_loop():
     """Three layers, two per program: a step runs a 2-layer and a 1-layer program."""
-    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from nfjax.config import ExecutionConfig, BatcherConfig
     from tests.engine.conftest import TINY, make_engine
     eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
-                      SchedulerConfig(token_buckets=(32,), max_seqs=4), cfg=TINY.replace(num_layers=3),
-                      schedule=ScheduleConfig(layers_per_program=2))
+                      BatcherConfig(token_buckets=(32,), max_seqs=4), cfg=TINY.replace(num_layers=3),
+                      execution=ExecutionConfig(layers_per_program=2))
     assert eng.runner.groups == [(0, 2), (2, 1)] and (32, "sequential", 1) in eng.runner._steps
     prompts = ["layer groups", "x"]
     outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
@@ -135,10 +135,10 @@ def test_layer_groups_with_a_remainder_match_the_naive_loop():
 
 def test_command_buffers_off_compiles_and_matches():
     """The XLA option that turns CUDA-graph command buffers off is accepted (it is a no-op on CPU)."""
-    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from nfjax.config import ExecutionConfig, BatcherConfig
     from tests.engine.conftest import make_engine
     eng = make_engine(CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=16),
-                      SchedulerConfig(token_buckets=(32,), max_seqs=4), schedule=ScheduleConfig(command_buffers=False))
+                      BatcherConfig(token_buckets=(32,), max_seqs=4), execution=ExecutionConfig(command_buffers=False))
     assert eng.runner.xla_options == {"xla_gpu_enable_command_buffer": ""}
     out = eng.generate("command buffers", SamplingParams.greedy(max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == naive_greedy(eng, eng.tokenizer.encode("command buffers"), 6)
@@ -148,9 +148,9 @@ def test_step_inputs_staged_in_the_same_buffers():
     """Every step of a bucket reads its inputs from the same device buffers (the staging copy writes over the
     donated previous ones), and the tokens equal those of an engine that hands each step fresh buffers."""
     import jax
-    from nfjax.config import ScheduleConfig, SchedulerConfig
+    from nfjax.config import ExecutionConfig, BatcherConfig
     from tests.engine.conftest import make_engine
-    cache, sched = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16), SchedulerConfig((32, 64), max_seqs=4)
+    cache, sched = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16), BatcherConfig((32, 64), max_seqs=4)
     prompts = ["staged inputs, a longer prompt than the rest", "ab", "c"]
     sp = SamplingParams.greedy(max_tokens=10, ignore_eos=True)
     eng = make_engine(cache, sched)
@@ -167,6 +167,6 @@ def test_step_inputs_staged_in_the_same_buffers():
     eng.runner.run_step = spy
     outs = eng.generate(prompts, sp)
     assert sum(len(v) for v in seen.values()) == len(seen) and 32 in seen    # one address set per bucket
-    fresh = make_engine(cache, sched, schedule=ScheduleConfig(stable_inputs=False))
+    fresh = make_engine(cache, sched, execution=ExecutionConfig(stable_inputs=False))
     assert not fresh.runner._staged
     assert [o.token_ids for o in fresh.generate(prompts, sp)] == [o.token_ids for o in outs]

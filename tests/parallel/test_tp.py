@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from nfjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from nfjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, BatcherConfig
 from nfjax.engine import Engine, SamplingParams
 from nfjax.errors import UserError
 from nfjax.kv.metadata import build_metadata
@@ -16,7 +16,7 @@ QWEN2 = LLAMA3.replace(model_type="qwen2", num_heads=4, num_kv_heads=2, head_dim
                        tie_word_embeddings=True)
 PROMPTS = ["Hello there", "tensor parallel", "a", "The quick brown fox jumps"]
 CACHE = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=8)
-SCHED = SchedulerConfig(token_buckets=(64,), max_seqs=4)
+SCHED = BatcherConfig(token_buckets=(64,), max_seqs=4)
 
 
 def engine_for(cfg, tp):

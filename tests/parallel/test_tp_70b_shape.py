@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, BatcherConfig
 from nfjax.engine import Engine, SamplingParams
 from nfjax.kv.metadata import build_metadata
 from nfjax.models.random_init import LLAMA3_70B, random_model
@@ -25,7 +25,7 @@ CFG = LLAMA3_70B.replace(num_layers=1, intermediate_size=1024, vocab_size=512, d
 PROMPTS = [[11, 22, 33], [7], [100, 200, 300, 400, 500], [3, 3]]
 BUCKET = 16                     # smallest dense step: every step reads all 0.84 GB of weights regardless
 CACHE = CacheConfig(page_size=8, num_pages=16, max_pages_per_seq=2)
-SCHED = SchedulerConfig(token_buckets=(BUCKET,), max_seqs=4)
+SCHED = BatcherConfig(token_buckets=(BUCKET,), max_seqs=4)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced host) devices")
 

@@ -2,7 +2,7 @@
 so each strategy is compared with `sequential` on the same weights without recompiling (pin_strategy)."""
 from pathlib import Path
 
-from nfjax.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, ScheduleConfig, SchedulerConfig,
+from nfjax.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, ExecutionConfig, BatcherConfig,
                           StrategyConfig)
 from nfjax.engine import Engine, SamplingParams
 from nfjax.models.random_init import random_model
@@ -15,7 +15,7 @@ TINY_BESIDE = str(HERE / "tiny_beside_plan.json")     # a horizontal kernel (dec
 CFG = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
                   head_dim=8, rope_theta=500000.0, max_position_embeddings=256, eos_token_ids=(257,))
 CACHE = CacheConfig(page_size=8, num_pages=128, max_pages_per_seq=16)
-SCHED = SchedulerConfig(token_buckets=(64,), max_seqs=6)
+SCHED = BatcherConfig(token_buckets=(64,), max_seqs=6)
 
 # Splits chosen to cut inside the decode rows (4 of 64), inside prefill chunks (24, 16, 32), and three ways.
 ALL = (StrategyConfig("nanobatch", split=(1, 15), align=4),
@@ -44,7 +44,7 @@ def engine(tp: int, streams: bool | None = None) -> Engine:
     if key not in _ENGINES:
         model = random_model(CFG, seed=1, std=0.2)   # wide logit margins: token equality tests the schedule
         _ENGINES[key] = Engine(model, ByteTokenizer(), EngineConfig(
-            CFG, CACHE, SCHED, parallel=ParallelConfig(tp), schedule=ScheduleConfig(ALL, streams=streams)))
+            CFG, CACHE, SCHED, parallel=ParallelConfig(tp), execution=ExecutionConfig(ALL, streams=streams)))
     return _ENGINES[key]
 
 

@@ -3,11 +3,11 @@ compiles)."""
 import numpy as np
 import pytest
 
-from nfjax.config import ConfigError, ScheduleConfig, StrategyConfig
+from nfjax.config import ConfigError, ExecutionConfig, StrategyConfig
 from nfjax.kv.metadata import build_metadata
 from nfjax.models.ops import Resource
 from nfjax.schedule import (REDUCE_NORM, CommOverlap, DualBatchOverlap, FusedReduceNorm, NanoBatchOnly,
-                            ScheduleContext, ScheduleError, Scheduler, Sequential, layer_graph)
+                            ScheduleContext, ScheduleError, Strategy, Sequential, layer_graph)
 from nfjax.schedule.meta import nano_metadata
 from nfjax.schedule.variants import Variants
 
@@ -31,7 +31,7 @@ def test_graph_comes_from_the_model_ops():
                           ("ffn_norm", "up_gate", "act", "down", "mlp_reduce", "residual"))
 
 
-class Probe(Scheduler):
+class Probe(Strategy):
     """Runs a test body as its schedule."""
     name = "probe"
 
@@ -60,7 +60,7 @@ def test_ready_ops_follow_dependencies():
                 if not s.is_done(node.name, i):
                     s.execute(s.nano_op(node.name, i))
 
-    prog = Probe(body).plan(ctx())
+    prog = Probe(body).record(ctx())
     assert seen["start"] == ["attn_norm"]
     assert seen["after_nb0_rope"] == []
     assert seen["after_all_rope"] == ["attn_decode"]
@@ -83,7 +83,7 @@ def test_ready_ops_follow_dependencies():
 ])
 def test_schedule_errors_name_the_culprit(body, msg):
     with pytest.raises(ScheduleError, match=msg):
-        Probe(body).plan(ctx())
+        Probe(body).record(ctx())
 
 
 def test_merged_and_fused_execution():
@@ -98,7 +98,7 @@ def test_merged_and_fused_execution():
             for i in range(3):
                 s.execute(s.nano_op(name, i))
 
-    prog = Probe(body).plan(ctx())
+    prog = Probe(body).record(ctx())
     assert prog.order[:2] == ["attn_norm@0,1[0:32]", "attn_norm@2[32:64]"]
     fused = [s for s in prog.steps if s.kernel]
     assert len(fused) == 1 and fused[0].ops == ("attn_reduce", "ffn_norm") and fused[0].ins == ("o_partial", "x")
@@ -108,24 +108,24 @@ def test_merged_and_fused_execution():
 
 
 def test_comm_overlap_issues_each_all_reduce_before_the_next_gemm():
-    order = CommOverlap((1, 1)).plan(ctx()).order
+    order = CommOverlap((1, 1)).record(ctx()).order
     pos = {s.split("[")[0]: i for i, s in enumerate(order)}
     assert pos["attn_reduce@0"] == pos["o_proj_op@0"] + 1 and pos["attn_reduce@0"] < pos["o_proj_op@1"]
     assert pos["mlp_reduce@0"] == pos["down@0"] + 1 and pos["mlp_reduce@0"] < pos["down@1"]
     # the baseline that only splits keeps op order: both GEMMs before either all-reduce
-    base = [s.split("[")[0] for s in NanoBatchOnly((1, 1)).plan(ctx()).order]
+    base = [s.split("[")[0] for s in NanoBatchOnly((1, 1)).record(ctx()).order]
     assert base.index("o_proj_op@1") < base.index("attn_reduce@0")
 
 
 def test_fused_reduce_norm_replaces_two_ops():
-    prog = FusedReduceNorm((1, 1), align=8).plan(ctx())
+    prog = FusedReduceNorm((1, 1), align=8).record(ctx())
     names = [s.kernel or s.ops[0] for s in prog.steps]
     assert names.count("reduce_norm") == 2 and "attn_reduce" not in names and "ffn_norm" not in names
     assert not FusedReduceNorm().splits and FusedReduceNorm((1, 1)).splits
 
 
 def test_dual_batch_overlaps_attention_of_one_with_mlp_of_the_other():
-    prog = DualBatchOverlap().plan(ctx())
+    prog = DualBatchOverlap().record(ctx())
     order = [s.split("[")[0].split(" ")[0] for s in prog.order]
     first_mlp0, last_attn1 = order.index("ffn_norm@0"), order.index("attn_prefill@1")
     assert order.index("attn_decode@1") < first_mlp0 < last_attn1        # interleaved in program order
@@ -138,7 +138,7 @@ def test_split_sizes_and_eligibility():
     assert NanoBatchOnly((1, 1, 2), align=8).sizes(ctx()) == [16, 16, 32]
     assert NanoBatchOnly((1, 1), align=8).eligible(ctx(t=8)) is not None   # 8 tokens cannot split at 8
     with pytest.raises(ScheduleError, match="cannot run"):
-        NanoBatchOnly((1, 1), align=8).plan(ctx(t=8))
+        NanoBatchOnly((1, 1), align=8).record(ctx(t=8))
 
 
 def _positions_from_kernel_fields(m):
@@ -174,7 +174,7 @@ def test_nano_metadata_is_a_batch_of_its_own(lo, hi):
 
 
 def test_variants_choose_per_batch():
-    cfg = ScheduleConfig((StrategyConfig("nanobatch", min_bucket=64, min_tokens=40),
+    cfg = ExecutionConfig((StrategyConfig("nanobatch", min_bucket=64, min_tokens=40),
                           StrategyConfig("comm_overlap", split=(1, 3), align=4, min_decode=8)))
     v = Variants(cfg, (16, 64), tp=1)
     assert set(v.by_bucket[16]) == {"comm_overlap:1-3", "sequential"}
@@ -198,7 +198,7 @@ def test_strategy_config_errors(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         StrategyConfig(**kw)
     with pytest.raises(ConfigError, match="labelled 'nanobatch:1-1'"):
-        ScheduleConfig((StrategyConfig("nanobatch"), StrategyConfig("nanobatch")))
+        ExecutionConfig((StrategyConfig("nanobatch"), StrategyConfig("nanobatch")))
 
 
 @pytest.mark.parametrize("spec", ["sequential", "nanobatch:1-1", "dual_batch:1-3", "comm_overlap:1-1-2",
@@ -216,16 +216,16 @@ def test_bad_strategy_spec_names_the_problem(spec, msg):
 
 
 def test_sequential_is_the_plain_forward():
-    prog = Sequential().plan(ctx())
+    prog = Sequential().record(ctx())
     assert [s.ops[0] for s in prog.steps] == list(G.names) and prog.carry_ranges == ((0, 64),)
     assert not prog.buffered and all(s.stream is None for s in prog.steps)
 
 
 def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
-    from nfjax.schedule.api import Scheduler
+    from nfjax.schedule.api import Strategy
     from nfjax.schedule.beside import DECODE_BESIDE_UP_GATE as K
 
-    class Beside(Scheduler):
+    class Beside(Strategy):
         name = "beside"
 
         def __init__(self, pair, stream=None):
@@ -243,7 +243,7 @@ def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
                 while ready := self.get_ready_ops(i):
                     self.execute(ready[0])
 
-    prog = Beside([("attn_decode", 0), ("up_gate", 1)]).plan(ctx())
+    prog = Beside([("attn_decode", 0), ("up_gate", 1)]).record(ctx())
     step = next(s for s in prog.steps if s.parts)
     assert repr(step) == "decode_beside_up_gate(attn_decode@0[0:8] share=0.25 + up_gate@1[8:64])"
     assert [(p.ops, p.start, p.stop, p.ins, p.outs) for p in step.parts] == [
@@ -251,8 +251,8 @@ def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
     ops = sorted((op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs)
     assert ops == sorted((op, i) for op in G.names for i in (0, 1))
     with pytest.raises(ScheduleError, match="runs \\['attn_decode', 'up_gate'\\] side by side"):
-        Beside([("attn_decode", 0), ("down", 1)]).plan(ctx())
+        Beside([("attn_decode", 0), ("down", 1)]).record(ctx())
     with pytest.raises(ScheduleError, match="it runs on stream 0"):
-        Beside([("attn_decode", 0), ("up_gate", 1)], stream=1).plan(ctx())
+        Beside([("attn_decode", 0), ("up_gate", 1)], stream=1).record(ctx())
     with pytest.raises(ScheduleError, match="not ready before the kernel runs"):   # up_gate@0 needs attn_decode@0
-        Beside([("attn_decode", 0), ("up_gate", 0)]).plan(ctx())
+        Beside([("attn_decode", 0), ("up_gate", 0)]).record(ctx())

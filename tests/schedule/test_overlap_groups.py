@@ -9,7 +9,7 @@ from nfjax.schedule.strategies import NanoFlow
 
 
 def test_region_groups_the_main_stream_work_up_to_the_reader_of_its_tokens():
-    prog = NanoFlow(load_plan("llama3-8b_h100_tp1_decode_overlap")).plan(ScheduleContext(2048, layer_graph(), 1))
+    prog = NanoFlow(load_plan("llama3-8b_h100_tp1_decode_overlap")).record(ScheduleContext(2048, layer_graph(), 1))
     groups = _OverlapGroups(itertools.count(7))
     got = [(repr(s).split(" ")[0], groups.enter(s, gpu_stream(s) is not None)) for s in prog.steps]
     region = [name for name, g in got if g == 7]

@@ -21,7 +21,7 @@ def test_shipped_plans_exist():
 def test_shipped_plan_plans_at_its_bucket_and_scales(name):
     plan = load_plan(name)
     nf = NanoFlow(plan)
-    prog = nf.plan(ScheduleContext(plan.bucket, G, plan.tp))
+    prog = nf.record(ScheduleContext(plan.bucket, G, plan.tp))
     ops = [(op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs]
     assert sorted(ops) == sorted((op, i) for op in G.names for i in range(len(prog.nano_batches)))
     assert any(s.stream or s.parts for s in prog.steps)       # it overlaps: a second stream or a horizontal kernel
@@ -95,14 +95,14 @@ def test_deadlocking_stream_orders_are_reported():
     # any order that respects dependencies plans: stream 1 may run nano-batch 1's attention first
     d["streams"][1]["order"] = ["attn:1", "attn:0"]
     plan = Plan.from_json(copy.deepcopy(d)).validate(G)
-    prog = NanoFlow(plan).plan(ScheduleContext(64, G, 1))
+    prog = NanoFlow(plan).record(ScheduleContext(64, G, 1))
     assert prog.order.index(next(s for s in prog.order if s.startswith("attn_decode@3"))) < \
         prog.order.index(next(s for s in prog.order if s.startswith("attn_decode@0")))
     # stream 0 wants o:1 (needs attention of tokens 32..63) before qkv:2, which every attention waits for
     d["streams"][0]["order"] = ["qkv:0", "qkv:1", "o:1", "qkv:2", "o:0", "mlp:0", "mlp:1"]
     plan = Plan.from_json(d).validate(G)
     with pytest.raises(ScheduleError, match="deadlock; every stream waits: stream 0: o_proj_op"):
-        NanoFlow(plan).plan(ScheduleContext(64, G, 1))
+        NanoFlow(plan).record(ScheduleContext(64, G, 1))
 
 
 def test_per_nano_batch_share_wins_over_the_op_share():
@@ -110,7 +110,7 @@ def test_per_nano_batch_share_wins_over_the_op_share():
     d["share"] = {"down": 0.5, "down:1": 0.75}
     plan = Plan.from_json(d).validate(G)
     assert (plan.share_of("down", 0), plan.share_of("down", 1), plan.share_of("kqv", 0)) == (0.5, 0.75, None)
-    prog = NanoFlow(plan).plan(ScheduleContext(64, G, 1))
+    prog = NanoFlow(plan).record(ScheduleContext(64, G, 1))
     # mlp's nano-batches are tokens [0:16] and [16:64]
     assert [s for s in prog.order if s.startswith("down@")] == ["down@0,1[0:16] share=0.5",
                                                                  "down@2,3[16:64] share=0.75"]
@@ -125,5 +125,5 @@ def test_a_plan_may_keep_the_dot_merger():
         plan = Plan.from_json({**d, "xla_dot_merger": keep}).validate(G)
         assert plan.xla_dot_merger is keep and Plan.from_json(plan.to_json()) == plan
         nf = NanoFlow(plan)
-        v = Variant(nf.name, StrategyConfig(), nf.plan(ScheduleContext(64, G, 1)), nf.splits, nf.dot_merger)
+        v = Variant(nf.name, StrategyConfig(), nf.record(ScheduleContext(64, G, 1)), nf.splits, nf.dot_merger)
         assert v.splits and v.compiler_options() == want

@@ -10,7 +10,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nfjax.config import CacheConfig, SchedulerConfig
+from nfjax.config import CacheConfig, BatcherConfig
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 
@@ -37,8 +37,8 @@ class Batch:
         return sum(s.num_tokens for s in self.seqs)
 
 
-class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, max_model_len: int):
+class Batcher:
+    def __init__(self, sched: BatcherConfig, cache: CacheConfig, max_model_len: int):
         self.cfg = sched
         self.cache = cache
         self.budget = max(sched.token_buckets)
@@ -137,7 +137,7 @@ class Scheduler:
         return False
 
     # ---- batch formation --------------------------------------------------------------------------
-    def schedule(self, prev_slots: dict[str, int]) -> Batch | None:
+    def next_batch(self, prev_slots: dict[str, int]) -> Batch | None:
         """Form the next step. `prev_slots` maps request ids to their sampled row in the step in flight."""
         batch = Batch(bucket=0, seqs=[], num_decode=0)
         self._swap_in(batch)
