@@ -1,4 +1,4 @@
-"""One typed config tree: model, cache, scheduler, server. Plain frozen dataclasses, JSON-friendly."""
+"""One typed config tree: model, cache, batcher, execution, parallel, server. Plain frozen dataclasses, JSON-friendly."""
 from __future__ import annotations
 
 import dataclasses
@@ -155,16 +155,45 @@ def _rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
-    num_pages: int = 512            # device KV pages (page 0 is reserved as a scratch page)
-    max_pages_per_seq: int = 64     # page-table width: max context = page_size * max_pages_per_seq
+    num_pages: int | None = None           # device KV pages, page 0 a scratch page (None: what fits, see below)
+    max_pages_per_seq: int | None = None   # page-table width (None: the model's context, see max_model_len)
+    max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
+    kv_memory_fraction: float = 0.9        # automatic num_pages: this share of device memory left after weights
+
+    def __post_init__(self):
+        for f in ("page_size", "num_pages", "max_pages_per_seq", "max_model_len"):
+            v = getattr(self, f)
+            if v is not None and v < (2 if f == "num_pages" else 1):
+                raise ConfigError(f"cache.{f} must be >= {2 if f == 'num_pages' else 1}, got {v}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"cache.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold `num_tokens` positions."""
+        return -(-num_tokens // self.page_size)
 
 
 @dataclass(frozen=True)
 class BatcherConfig:
-    token_buckets: tuple[int, ...] = (64, 256)   # dense token budgets, one compiled step each
-    max_seqs: int = 32                            # sequences per step (decode + prefill)
+    token_buckets: tuple[int, ...] | None = None  # dense token budgets, one compiled step each (None: by device)
+    max_seqs: int | None = None                   # sequences per step (None: sized from the buckets and KV pages)
     max_prefill_seqs: int = 16                    # prefill chunks per step (bounds the prefill kernel's tiles)
     predict_memory: bool = True                   # NanoFlow admission control; off = admit while pages are free
+
+    def __post_init__(self):
+        if self.token_buckets is not None:
+            b = tuple(sorted({int(x) for x in self.token_buckets}))
+            if not b or b[0] < 1:
+                raise ConfigError(f"batcher.token_buckets must be positive integers, got {self.token_buckets}")
+            object.__setattr__(self, "token_buckets", b)
+        for f in ("max_seqs", "max_prefill_seqs"):
+            v = getattr(self, f)
+            if v is not None and v < 1:
+                raise ConfigError(f"batcher.{f} must be >= 1, got {v}")
+
+    def seqs_for(self, bucket: int) -> int:
+        """Sequence rows of a step compiled for `bucket` tokens: each sequence brings at least one token."""
+        return min(self.max_seqs, bucket)
 
 
 @dataclass(frozen=True)
@@ -283,6 +312,5 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)

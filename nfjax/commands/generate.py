@@ -9,7 +9,6 @@ import time
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="generate text from prompts (default model: the shipped tiny model)")
     p.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
-    p.add_argument("--model", default=None, help="nfjax checkpoint folder (see `nfjax convert`)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
@@ -17,16 +16,17 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
+    from nfjax.engine.builder import add_engine_args
+    add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from nfjax import Engine, SamplingParams
+    from nfjax import SamplingParams
+    from nfjax.engine.builder import from_flags
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, tp=args.tp, progress=sys.stderr.isatty())
+    engine = from_flags(args, progress=sys.stderr.isatty())
     print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     if len(args.prompts) == 1:
         out = None

@@ -10,7 +10,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nfjax.config import CacheConfig, BatcherConfig
+from nfjax.config import EngineConfig
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 
@@ -38,11 +38,12 @@ class Batch:
 
 
 class Batcher:
-    def __init__(self, sched: BatcherConfig, cache: CacheConfig, max_model_len: int):
-        self.cfg = sched
-        self.cache = cache
+    def __init__(self, config: EngineConfig):
+        """`config` with its automatic sizes resolved (`Runner.config`)."""
+        self.cfg = sched = config.batcher
+        self.cache = cache = config.cache
         self.budget = max(sched.token_buckets)
-        self.max_model_len = min(max_model_len, cache.page_size * cache.max_pages_per_seq)
+        self.max_model_len = cache.max_model_len
         self.allocator = PageAllocator(cache.num_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in arrival order
@@ -79,17 +80,19 @@ class Batcher:
 
     # ---- memory prediction ------------------------------------------------------------------------
     def _expected_len(self, req: Request) -> int:
-        est = req.params.max_tokens
-        if self._out_len_count:
+        p = req.params
+        est = p.max_tokens
+        # A request that ignores EOS and has no stop condition runs to max_tokens: its length is known, and the
+        # mean of other requests (a warm-up's 4-token outputs, say) must not stand in for it, or admission
+        # over-commits the cache and every later step preempts (bench/NOTES.md section 9).
+        exact = p.ignore_eos and not p.stop and not p.stop_token_ids
+        if self._out_len_count and not exact:
             est = min(est, math.ceil(self._out_len_sum / self._out_len_count))
         out = max(est, req.num_launched_outputs + 1)
         return min(req.prompt_len + out, self.max_model_len)
 
-    def _pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.cache.page_size)
-
     def _predicted_pages(self, req: Request) -> int:
-        return self._pages_for(self._expected_len(req))
+        return self.cache.pages_for(self._expected_len(req))
 
     def _predicted_peak(self) -> int:
         return sum(self._predicted_pages(r) for r in self.running)
@@ -101,13 +104,13 @@ class Batcher:
         if not self.running:
             return True        # always admit one request so the engine makes progress
         if not self.cfg.predict_memory:
-            return self._pages_for(req.num_computed + 1) <= self.allocator.num_free
+            return self.cache.pages_for(req.num_computed + 1) <= self.allocator.num_free
         peak = self._predicted_peak() if peak is None else peak
         return peak + self._predicted_pages(req) <= self.allocator.capacity
 
     # ---- pages ------------------------------------------------------------------------------------
     def _grow(self, req: Request, upto: int) -> bool:
-        need = self._pages_for(upto) - len(req.pages)
+        need = self.cache.pages_for(upto) - len(req.pages)
         if need <= 0:
             return True
         if need > self.allocator.num_free:
@@ -123,7 +126,7 @@ class Batcher:
                 continue
             self.running.remove(victim)
             victim.status = Status.SWAPPED
-            keep = self._pages_for(victim.num_computed)
+            keep = self.cache.pages_for(victim.num_computed)
             if len(victim.pages) > keep:            # pages grown ahead hold nothing yet
                 self.allocator.free(victim.pages[keep:])
                 victim.pages = victim.pages[:keep]
@@ -168,7 +171,9 @@ class Batcher:
                 break
             left -= self._add_chunk(batch, req, left)
         peak = None            # running requests' predicted pages, summed once per step
-        while self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out:
+        # No admission while a preempted request waits to come back: new requests would take its pages.
+        while (self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out
+               and not self.swapped):
             req = self.waiting[0]
             if peak is None and self.cfg.predict_memory:
                 peak = self._predicted_peak()
@@ -213,7 +218,7 @@ class Batcher:
     def _swap_in(self, batch: Batch) -> None:
         while self.swapped:
             req = self.swapped[0]
-            need = self._pages_for(req.num_computed + 1)
+            need = self.cache.pages_for(req.num_computed + 1)
             if need > self.allocator.num_free or not self._fits_prediction(req):
                 return
             self.swapped.popleft()

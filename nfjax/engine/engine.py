@@ -1,14 +1,13 @@
 """`Engine`: the user-facing API over scheduler + runner (continuous batching, async one-step-ahead loop)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, ExecutionConfig, BatcherConfig
+from nfjax.config import EngineConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput
 from nfjax.engine.request import Request, Status
@@ -36,13 +35,12 @@ class Engine:
         if tp > model.cfg.num_kv_heads:
             replicate_kv_heads(model, tp, mesh)
         shard_model(model, mesh)
-        self.config = config
         self.tokenizer = tokenizer
         self.model_config = config.model
-        self.runner = Runner(model, config.cache, config.batcher, mesh, config.execution,
-                             skip_collectives=config.parallel.skip_collectives, take_weights=take_weights)
+        self.runner = Runner(model, config, mesh, take_weights=take_weights)
+        self.config = config = self.runner.config      # automatic sizes resolved
         self.runner.compile_all(progress=progress)
-        self.batcher = Batcher(config.batcher, config.cache, config.model.max_position_embeddings)
+        self.batcher = Batcher(config)
         self.trace = StepTrace()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
@@ -53,36 +51,19 @@ class Engine:
         self._eos = frozenset(config.model.eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None,
-                        page_size: int | None = None, num_pages: int | None = None,
-                        max_pages_per_seq: int | None = None, token_buckets: Iterable[int] | None = None,
-                        max_seqs: int | None = None, tp: int = 1, progress: bool = False,
-                        schedule: ExecutionConfig | None = None) -> "Engine":
+    def from_pretrained(cls, path: str | Path | None = None, *, dtype: str | None = None, progress: bool = False,
+                        config: dict | None = None, **settings) -> "Engine":
         """Load an nfjax checkpoint (no path: the shipped tiny model) and compile every bucket.
 
-        With tp > 1 the weights are restored straight into their shards on a `tp` mesh. `schedule`: the
-        nano-batch strategies compiled as step variants (default: sequential only).
+        `config`: engine settings as {section: {field: value}} (sections cache, batcher, execution, parallel);
+        `settings`: the same by flag name (page_size=, num_pages=, token_buckets=, max_seqs=, tp=, strategies=,
+        plan=, ...; see `nfjax.engine.builder.add_engine_args`), applied over `config`.
         """
-        from nfjax.checkpoint.orbax_io import load_config, load_model
-        from nfjax.parallel import make_mesh, sharding_fn, tp_config
-        from nfjax.tokenizer import load_tokenizer
-        path = Path(path) if path is not None else TINY_MODEL
-        if not path.is_dir():
-            raise UserError(f"{path}: no such model folder")
-        tp_config(load_config(path), tp)
-        mesh = make_mesh(tp)
-        model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
-        cache = CacheConfig()
-        cache = dataclasses.replace(cache, **{k: v for k, v in dict(
-            page_size=page_size, num_pages=num_pages, max_pages_per_seq=max_pages_per_seq).items() if v is not None})
-        sched = BatcherConfig()
-        if token_buckets is not None:
-            sched = dataclasses.replace(sched, token_buckets=tuple(sorted(token_buckets)))
-        if max_seqs is not None:
-            sched = dataclasses.replace(sched, max_seqs=max_seqs)
-        return cls(model, load_tokenizer(path), EngineConfig(model.cfg, cache, sched, parallel=ParallelConfig(tp),
-                                                             execution=schedule or ExecutionConfig()),
-                   progress=progress, mesh=mesh)
+        from nfjax.engine.builder import build_engine, overrides_from_args
+        overrides = {k: dict(v) for k, v in (config or {}).items()}
+        for section, vals in overrides_from_args(settings).items():
+            overrides.setdefault(section, {}).update(vals)
+        return build_engine(path, overrides, dtype=dtype, progress=progress)
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
     @property
@@ -158,10 +139,6 @@ class Engine:
             for req in batch.swap_in:
                 self.runner.swap_in(req.host_kv, req.pages)
                 req.host_kv = None
-            now = time.perf_counter()
-            for sq in batch.seqs:
-                if sq.req.timings.first_scheduled is None:
-                    sq.req.timings.first_scheduled = now
             handle = self.runner.launch(batch) if batch.seqs else None
             if handle is not None:
                 handle.host_ms = (time.perf_counter() - t0) * 1e3

@@ -18,7 +18,6 @@ class Status(enum.Enum):
 @dataclass
 class Timings:
     arrival: float = field(default_factory=time.perf_counter)
-    first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
 
@@ -40,7 +39,6 @@ class Request:
     num_computed: int = 0        # tokens whose KV is written by launched steps (prompt and generated)
     num_launched_outputs: int = 0  # outputs that launched steps will produce (host learns them one step late)
     finish_reason: str | None = None
-    stop_pending: bool = False   # finished on the host; a launched step may still carry it
     host_kv: object = None       # swapped-out KV (host arrays) while SWAPPED
     timings: Timings = field(default_factory=Timings)
 

@@ -24,12 +24,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from nfjax.compat import NO_COMMAND_BUFFERS
-from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
+from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
+from nfjax.config import EngineConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
-from nfjax.kv.cache import KVCache
+from nfjax.kv.cache import KVCache, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
@@ -63,10 +63,13 @@ def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, i
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
 
 
-def _head(rest_gd, any_sampled: bool, rest_state, x: Float[Array, "T D"], inp: StepInput) -> Int[Array, "S"]:
+def _head(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
+          inp: StepInput) -> Int[Array, "M"]:
+    """Samples of the bucket's S rows, padded to `max_seqs` rows: every bucket's embed reads the same shape."""
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled)
+    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled)
+    return jnp.pad(out, (0, max_seqs - out.shape[0]))
 
 
 def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
@@ -99,16 +102,17 @@ class StepHandle:
 class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
-    def __init__(self, model: LlamaModel, cache: CacheConfig, sched: BatcherConfig, mesh: Mesh,
-                 schedule: ExecutionConfig | None = None, skip_collectives: bool = False,
-                 take_weights: bool = False):
-        """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel).
-        `schedule`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch.
-        `skip_collectives`: BENCHMARK ONLY, compile without the row-parallel all-reduces (wrong tokens).
+    def __init__(self, model: LlamaModel, config: EngineConfig, mesh: Mesh, take_weights: bool = False):
+        """`model`'s weights must already sit in their shardings on `mesh` (see nfjax.parallel). `config`'s
+        automatic sizes are resolved here, where the free device memory is known (`self.config`).
+        `config.execution`: the step variants (nano-batch strategies) compiled per bucket and chosen per batch.
         The layers run from per-layer copies of the weights; `take_weights` deletes the model's stacked layer
         arrays as they are copied (the model is unusable afterwards; `model()` rebuilds one)."""
+        from nfjax.engine.builder import resolve
         from nfjax.schedule.variants import SEQUENTIAL, Variants
-        sc = schedule or ExecutionConfig()
+        self.config = config = resolve(config, free_device_bytes(), on_gpu())
+        cache, sched, sc = config.cache, config.batcher, config.execution
+        skip_collectives = config.parallel.skip_collectives
         self.cfg = model.cfg
         self.cache_cfg = cache
         self.sched = sched
@@ -153,7 +157,7 @@ class Runner:
 
     # ---- compilation ------------------------------------------------------------------------------
     def _example_input(self, bucket: int) -> StepInput:
-        s, p, ps = self.max_seqs, self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
+        s, p, ps = self.sched.seqs_for(bucket), self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
         meta = build_metadata([], bucket, s, p, ps)
         z = np.zeros(s, np.int32)
         return self._to_device(StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta,
@@ -194,7 +198,7 @@ class Runner:
                 self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
                     self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
                 for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
-                    self._head[(b, any_sampled)] = jax.jit(partial(_head, self.rest_gd, any_sampled),
+                    self._head[(b, any_sampled)] = jax.jit(partial(_head, self.rest_gd, any_sampled, self.max_seqs),
                                                            out_shardings=rep).lower(self.rest_state, x, inp).compile(
                         compiler_options=self.xla_options or None)
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
@@ -251,8 +255,8 @@ class Runner:
 
     # ---- steps ------------------------------------------------------------------------------------
     def launch(self, batch: Batch) -> StepHandle:
-        s, p, ps = self.max_seqs, self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
         t = batch.bucket
+        s, p, ps = self.sched.seqs_for(t), self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
         tokens = np.zeros(t, np.int32)
         src = np.full(t, -1, np.int32)
         temp = np.zeros(s, np.float32)

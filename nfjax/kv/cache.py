@@ -41,11 +41,18 @@ def bytes_per_token(model: ModelConfig, dtype=None) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dt.itemsize
 
 
-def pages_that_fit(model: ModelConfig, page_size: int, fraction: float = 0.9, device=None) -> int:
-    """How many KV pages fit in `fraction` of the device memory still free (weights already placed)."""
+def free_device_bytes(device=None) -> int | None:
+    """Device memory not yet in use (None: the device keeps no statistics, as a CPU)."""
     dev = device or jax.devices()[0]
     stats = dev.memory_stats() or {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    if free <= 0:
-        raise RuntimeError(f"{dev}: no memory statistics; pass num_pages explicitly")
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def pages_that_fit(model: ModelConfig, page_size: int, fraction: float = 0.9, device=None) -> int:
+    """How many KV pages fit in `fraction` of the device memory still free (weights already placed)."""
+    free = free_device_bytes(device)
+    if not free or free <= 0:
+        raise RuntimeError(f"{device or jax.devices()[0]}: no memory statistics; pass num_pages explicitly")
     return max(2, int(free * fraction) // (bytes_per_token(model) * page_size))

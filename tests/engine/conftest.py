@@ -12,14 +12,14 @@ TINY = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_la
 
 
 def make_engine(cache: CacheConfig, sched: BatcherConfig, cfg: ModelConfig = TINY, seed: int = 0,
-                schedule: ExecutionConfig | None = None) -> Engine:
+                execution: ExecutionConfig | None = None) -> Engine:
     # init scale 0.2 keeps greedy argmax margins wide, so token equality checks test the engine, not rounding
     model = LlamaModel(cfg, nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     scaled = jax.tree_util.tree_map_with_path(
         lambda path, x: x * 10.0 if getattr(path[-2], "key", None) in ("kernel", "embedding") else x, state)
     nnx.update(model, scaled)
-    return Engine(model, ByteTokenizer(), EngineConfig(cfg, cache, sched, execution=schedule or ExecutionConfig()))
+    return Engine(model, ByteTokenizer(), EngineConfig(cfg, cache, sched, execution=execution or ExecutionConfig()))
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def test_skip_collectives_drops_the_layer_all_reduces():
     for skip in (False, True):
         model = random_model(LLAMA3, seed=1)
         shard_model(model, mesh)
-        r = Runner(model, CACHE, SCHED, mesh, skip_collectives=skip)
+        r = Runner(model, EngineConfig(LLAMA3, CACHE, SCHED, parallel=ParallelConfig(2, skip_collectives=skip)), mesh)
         r.compile_all()
         hlo = r._steps[(64, "sequential")].as_text()
         counts[skip] = len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo))

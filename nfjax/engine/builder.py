@@ -1,0 +1,206 @@
+"""One way to build an engine: flags (CLI) or a JSON file -> `EngineConfig` -> `Engine`.
+
+Every entry point (`nfjax generate`, `nfjax serve`, `Engine.from_pretrained`, the benches) goes through here, so
+a flag means the same thing everywhere. Settings left unset (None) are sized here, in one place, once the
+weights sit on the device (`resolve`): the KV pages from free device memory, the page-table width from the
+context length, the token buckets by device, and the sequences per step from the buckets and the pages.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig, ExecutionConfig, ModelConfig,
+                          ParallelConfig, StrategyConfig)
+
+SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
+                             "parallel": ParallelConfig}
+# Token budgets compiled when none are given. A GPU step's cost follows its padded token count, so decode
+# batches get buckets close to their size (a 277-sequence decode padded to 512 took 1.5x the GEMM time).
+GPU_BUCKETS = (64, 128, 256, 384, 512, 1024, 2048)
+CPU_BUCKETS = (64, 256)
+CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
+MAX_AUTO_SEQS = 512
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags (every one defaults to None: unset flags leave the config file's or the built-in value)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="nfjax checkpoint folder (default: the shipped tiny model)")
+    g.add_argument("--engine-config", metavar="FILE", default=None,
+                   help="JSON with sections cache, batcher, execution, parallel (flags override it)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights and activations")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (devices)")
+    g.add_argument("--page-size", type=int, default=None, help="positions per KV page (default 16)")
+    g.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages (default: what fits in --kv-memory-fraction of free GPU memory; 512 on CPU)")
+    g.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="share of device memory left after the weights that the KV pages take (default 0.9)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's maximum)")
+    g.add_argument("--max-pages-per-seq", type=int, default=None, help="page-table width (default: from the context)")
+    g.add_argument("--token-buckets", type=_ints, default=None, metavar="N,N,...",
+                   help=f"dense token budgets, one compiled step each (default GPU {','.join(map(str, GPU_BUCKETS))}; "
+                        f"CPU {','.join(map(str, CPU_BUCKETS))})")
+    g.add_argument("--max-seqs", type=int, default=None,
+                   help=f"sequences per step (default: the largest bucket, at most {MAX_AUTO_SEQS} and the KV pages)")
+    g.add_argument("--max-prefill-seqs", type=int, default=None, help="prefill chunks per step (default 16)")
+    g.add_argument("--no-predict-memory", dest="predict_memory", action="store_const", const=False, default=None,
+                   help="admit while pages are free instead of by predicted peak memory")
+    g.add_argument("--strategies", default=None, metavar="SPEC,...",
+                   help="step strategies tried before Sequential, e.g. nanoflow:llama3-8b_h100_tp1_beside_mact or "
+                        "dual_batch:1-1 (default: Sequential only)")
+    g.add_argument("--plan", default=None, help="a NanoFlow plan (shipped name or JSON file): --strategies nanoflow:PLAN")
+    g.add_argument("--strategy-min-decode", type=int, default=None,
+                   help="use the strategies only for batches with at least this many decode tokens")
+    g.add_argument("--strategy-min-tokens", type=int, default=None,
+                   help="use the strategies only for batches with at least this many tokens")
+    g.add_argument("--layers-per-program", type=int, default=None, help="decoder layers per compiled program")
+    g.add_argument("--no-command-buffers", dest="command_buffers", action="store_const", const=False, default=None,
+                   help="XLA CUDA-graph command buffers off")
+    g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
+                   help="each step's inputs in new device buffers (for comparison)")
+
+
+# flag -> (section, field); the flags not listed here (strategies, plan, dtype) are handled by name below
+_FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cache", "max_model_len": "cache",
+         "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
+         "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
+         "command_buffers": "execution", "stable_inputs": "execution", "tp": "parallel"}
+
+
+def overrides_from_args(args: argparse.Namespace | dict) -> dict:
+    """The engine settings a command line (or a dict of the same names) gives, as {section: {field: value}}:
+    the `--engine-config` file first, then every flag that was set."""
+    a = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    out = load_engine_file(a["engine_config"]) if a.get("engine_config") else {}
+    for name, section in _FLAT.items():
+        if a.get(name) is not None:
+            out.setdefault(section, {})[name] = a[name]
+    specs = [s for s in (a.get("strategies") or "").split(",") if s.strip()]
+    if a.get("plan"):
+        specs.insert(0, f"nanoflow:{a['plan']}")
+    limits = {k: a[f"strategy_{k}"] for k in ("min_decode", "min_tokens") if a.get(f"strategy_{k}") is not None}
+    if specs:
+        out.setdefault("execution", {})["strategies"] = [StrategyConfig.from_spec(s, **limits) for s in specs]
+    elif limits:
+        raise ConfigError("--strategy-min-decode / --strategy-min-tokens need --strategies or --plan")
+    return out
+
+
+def load_engine_file(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such engine config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: expected a JSON object with sections {', '.join(SECTIONS)}")
+    return d
+
+
+def _strategy(v: Any) -> StrategyConfig:
+    if isinstance(v, StrategyConfig):
+        return v
+    if isinstance(v, str):
+        return StrategyConfig.from_spec(v)
+    if isinstance(v, dict):
+        try:
+            return StrategyConfig(**{k: tuple(x) if isinstance(x, list) else x for k, x in v.items()})
+        except TypeError as e:
+            raise ConfigError(f"execution.strategies: {e}") from None
+    raise ConfigError(f"execution.strategies: each entry is a spec string or an object, got {v!r}")
+
+
+def engine_config(model: ModelConfig, overrides: dict | None = None) -> EngineConfig:
+    """`EngineConfig` for `model` with `overrides` ({section: {field: value}}) over the built-in defaults.
+    Automatic sizes stay None until `resolve`."""
+    overrides = dict(overrides or {})
+    bad = sorted(set(overrides) - set(SECTIONS))
+    if bad:
+        raise ConfigError(f"engine config: unknown section {bad[0]!r}; sections are {', '.join(SECTIONS)}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        vals = dict(overrides.get(name) or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(vals) - known)
+        if unknown:
+            raise ConfigError(f"engine config: unknown field {name}.{unknown[0]}; fields are {', '.join(sorted(known))}")
+        if "strategies" in vals:
+            vals["strategies"] = tuple(_strategy(v) for v in vals["strategies"])
+        if vals.get("token_buckets") is not None:
+            vals["token_buckets"] = tuple(vals["token_buckets"])
+        try:
+            parts[name] = cls(**vals)
+        except TypeError as e:
+            raise ConfigError(f"engine config: {name}: {e}") from None
+    return EngineConfig(model, **parts)
+
+
+def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> EngineConfig:
+    """Every automatic (None) size made concrete. `free_bytes`: device memory free after the weights (None
+    when the device keeps no statistics, as on CPU)."""
+    from nfjax.kv.cache import bytes_per_token
+    m, c, b = config.model, config.cache, config.batcher
+    tp = config.parallel.tp
+    num_pages = c.num_pages
+    if num_pages is None:
+        if free_bytes is None:
+            num_pages = CPU_NUM_PAGES
+        else:
+            local = m.replace(num_kv_heads=max(m.num_kv_heads, tp) // tp)     # KV heads each device holds
+            num_pages = max(2, int(free_bytes * c.kv_memory_fraction) // (bytes_per_token(local) * c.page_size))
+    max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+    per_seq = c.max_pages_per_seq or c.pages_for(max_len)
+    cache = dataclasses.replace(c, num_pages=num_pages, max_pages_per_seq=per_seq,
+                                max_model_len=min(max_len, per_seq * c.page_size))
+    buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
+    max_seqs = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets), num_pages - 1)
+    batcher = dataclasses.replace(b, token_buckets=buckets, max_seqs=max_seqs)
+    return dataclasses.replace(config, cache=cache, batcher=batcher)
+
+
+def build_engine(model_dir: str | Path | None = None, overrides: dict | None = None, *, dtype: str | None = None,
+                 progress: bool = False, model=None, tokenizer=None, mesh=None, take_weights: bool = True):
+    """An `Engine` from a checkpoint folder (None: the shipped tiny model), or from an in-memory `model`
+    (random weights in the benches) with its `tokenizer`."""
+    from nfjax.engine.engine import TINY_MODEL, Engine
+    from nfjax.errors import UserError
+    from nfjax.parallel import make_mesh, sharding_fn, tp_config
+    overrides = dict(overrides or {})
+    tp = int((overrides.get("parallel") or {}).get("tp", 1))
+    if model is None:
+        from nfjax.checkpoint.orbax_io import load_config, load_model
+        from nfjax.tokenizer import load_tokenizer
+        path = Path(model_dir) if model_dir is not None else TINY_MODEL
+        if not path.is_dir():
+            raise UserError(f"{path}: no such model folder")
+        tp_config(load_config(path), tp)             # a clear error before any weight is read
+        mesh = mesh or make_mesh(tp)
+        model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
+        tokenizer = tokenizer or load_tokenizer(path)
+    if tokenizer is None:
+        raise UserError("build_engine: an in-memory model needs its tokenizer")
+    return Engine(model, tokenizer, engine_config(model.cfg, overrides), progress=progress, mesh=mesh,
+                  take_weights=take_weights)
+
+
+def from_flags(args: argparse.Namespace, *, progress: bool = False, **kw):
+    """`build_engine` from parsed `add_engine_args` flags (plus `--model`, if the parser has it)."""
+    return build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
+                        progress=progress, **kw)
