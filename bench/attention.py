@@ -125,9 +125,9 @@ def check_dispatch(rng, ps=16):
 def run_checks(quick, kinds):
     rng = np.random.default_rng(0)
     rows, res = [], {}
-    cases = [("decode", 16, 4, {}), ("decode", 64, 4, {"num_splits": 3}), ("decode", 16, 1, {"num_programs": 40}),
+    cases = [("decode", 16, 4, {}), ("decode", 64, 4, {"num_splits": 3}), ("decode", 16, 1, {"num_ctas": 40}),
              ("decode", 64, 8, {"block_kv": 64, "num_stages": 4}), ("prefill", 16, 4, {}),
-             ("prefill", 64, 8, {"num_programs": 100, "num_warpgroups": 1}),
+             ("prefill", 64, 8, {"num_ctas": 100, "num_warpgroups": 1}),
              ("prefill", 16, 1, {"block_kv": 64, "num_stages": 3}), ("prefill", 16, 4, {"pingpong": False}),
              ("prefill", 64, 8, {"num_stages": 3}), ("dispatch", 16, 4, {})]
     if quick:
@@ -245,7 +245,7 @@ def program_sweep(b, ctx, ps, programs, base_cfg, iters):
     nbytes = 2 * b * ctx * KVH * D * 2
     rows = []
     for np_ in programs:
-        cfg = dict(base_cfg, num_programs=np_)
+        cfg = dict(base_cfg, num_ctas=np_)
         try:
             f = jax.jit(functools.partial(paged_decode_attention, scale=D ** -0.5, **cfg, **KW))
             t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=iters, reps=3)
@@ -314,11 +314,11 @@ def main():
     cbw = copy["bytes_per_s"]
     log(f"copy {cbw / 1e12:.2f} TB/s (read+write)  gemm {gemm['tflops']:.0f} TFLOP/s  [{time.perf_counter() - t_start:.0f}s]")
 
-    default = {"num_programs": nsm}
+    default = {"num_ctas": nsm}
     configs = {"default": default,
                "bkv64_s4": dict(default, block_kv=64, num_stages=4),
                "bkv64_s3": dict(default, block_kv=64, num_stages=3),
-               "2x_programs_bkv64_s2": dict(default, num_programs=2 * nsm, block_kv=64, num_stages=2)}
+               "2x_programs_bkv64_s2": dict(default, num_ctas=2 * nsm, block_kv=64, num_stages=2)}
     partial = {}
 
     def save():

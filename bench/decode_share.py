@@ -34,11 +34,9 @@ CONFIGS = {"heads_bkv128_s2": ("heads", {}),
            "swapped_bkv192_s2": ("swapped", {"block_kv": 192, "num_stages": 2}),
            "swapped_bkv64_s4": ("swapped", {"block_kv": 64, "num_stages": 4})}
 H, KVH, D = 32, 8, 128
-# the swapped kernel's producer/consumer variants and probes (see paged_decode_swapped.attention_kernel)
-VARIANTS = {"kernel": {}, "kernel_reduce_sums": {"row_sums": "reduce"}, "probe_copies": {"probe": "copies"},
-            "probe_l2": {"probe": "l2"}, "probe_l2_reduce_sums": {"probe": "l2", "row_sums": "reduce"},
-            **{f"probe_l2_{a}": {"probe": f"l2+{a}"} for a in ("no_kq", "no_vp", "no_reduce")},
-            "probe_l2_no_kq_vp": {"probe": "l2+no_kq+no_vp"}, "probe_l2_none": {"probe": "l2+no_kq+no_vp+no_reduce"}}
+# the swapped kernel's softmax-denominator variants (see paged_decode_swapped.attention_kernel); its copy-only and
+# L2 probes (bench/results/decode_share-{probe,ablate}-fused-20261123.json) left the kernel after those runs
+VARIANTS = {"kernel": {}, "kernel_reduce_sums": {"row_sums": "reduce"}}
 
 
 def log(*a):
@@ -82,7 +80,7 @@ def checks(kw) -> dict:
         ref = paged_decode_attention_ref(q, kc, vc, jnp.int32(0), pt, lens, D ** -0.5)
         for name, (kern, cfg) in CONFIGS.items():
             try:
-                out = KERNELS[kern](q, kc, vc, jnp.int32(0), pt, lens, scale=D ** -0.5, num_programs=40, **cfg,
+                out = KERNELS[kern](q, kc, vc, jnp.int32(0), pt, lens, scale=D ** -0.5, num_ctas=40, **cfg,
                                     **kw)
                 res[f"{name} ps={ps}"] = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
             except Exception as ex:  # noqa: BLE001 - report and go on
@@ -102,7 +100,7 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
         rows = []
         for p in programs:
             try:
-                f = jax.jit(functools.partial(KERNELS[kern], scale=D ** -0.5, num_programs=p, **cfg, **kw))
+                f = jax.jit(functools.partial(KERNELS[kern], scale=D ** -0.5, num_ctas=p, **cfg, **kw))
                 t = time_fn(f, arg_sets=[(qq, kc, vc, jnp.int32(0), pt, lens) for qq in (q, q2)], iters=10, reps=3)
                 rows.append({"programs": p, "s": t["median_s"], "bytes_per_s": nbytes / t["median_s"]})
             except Exception as ex:  # noqa: BLE001
@@ -116,7 +114,7 @@ def sweep(b, ctx, ps, programs, kw) -> dict:
 
 def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0, names=None) -> list[dict]:
     """The swapped kernel alone on `programs` SMs, per variant: TB/s of K/V streamed (batch 256 x context
-    1280). The probes bound where one SM's time goes: copies alone, and compute with every copy hitting L2."""
+    1280)."""
     b, ctx = (4, 64) if kw else (256, 1280)
     rows = []
     for ps in page_sizes:
@@ -128,10 +126,10 @@ def variant_table(kw, programs, page_sizes, cache_gb: float = 0.0, names=None) -
             for p in ((2,) if kw else programs):
                 r = {"page_size": ps, "variant": name, "programs": p}
                 try:
-                    f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_programs=p,
+                    f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_ctas=p,
                                                   **cfg, **kw))
                     out = f(q, kc, vc, jnp.int32(0), pt, lens)
-                    if "probe" not in cfg and ref is not None:
+                    if ref is not None:
                         r["relerr"] = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
                     t = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"]
                     r.update(ms=t * 1e3, tbs=nbytes / t / 1e12, gbs_per_sm=nbytes / t / 1e9 / p)
@@ -163,7 +161,7 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
 
         def attn_ms(a):
             if a not in attn_at:
-                f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_programs=a,
+                f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_ctas=a,
                                               **kw))
                 attn_at[a] = time_fn(f, q, kc, vc, jnp.int32(0), pt, lens, iters=10, reps=3)["median_s"] * 1e3
             return attn_at[a]
@@ -186,11 +184,11 @@ def fused_pairs(kw, programs=(22, 33, 44, 55), page_sizes=(16,), widths=(14336, 
                 try:
                     if not kw:     # each half alone on its own share of the SMs
                         if (n, a) not in gemm_at:
-                            g_a = jax.jit(functools.partial(persistent_gemm, num_programs=num_sms() - a))
+                            g_a = jax.jit(functools.partial(persistent_gemm, num_ctas=num_sms() - a))
                             gemm_at[n, a] = time_fn(g_a, x, w, iters=10, reps=3)["median_s"] * 1e3
                         r["attn_on_share_ms"], r["gemm_on_share_ms"] = attn_ms(a), gemm_at[n, a]
-                    tiny = {"gemm_programs": 1, "block_kv": 64} if kw else {}
-                    f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_programs=a,
+                    tiny = {"gemm_ctas": 1, "block_kv": 64} if kw else {}
+                    f = jax.jit(functools.partial(decode_attention_beside_gemm, scale=D ** -0.5, attn_ctas=a,
                                                   spread=spread, **({"config": cf} if cf else {}), **tiny, **kw))
                     o, y = f(q, kc, vc, jnp.int32(0), pt, lens, x, w)
                     r["relerr_attn"], r["relerr_gemm"] = relerr(o, ref_o), relerr(y, ref_y)
@@ -226,7 +224,7 @@ def main():
                     help="variants table: K and V caches of at least this many GiB each, the batch's pages "
                          "scattered over them (default: just the batch's pages); no reference check then")
     ap.add_argument("--variants", default=None,
-                    help="also (before the fused table) the swapped kernel's variants and probes alone on these "
+                    help="also (before the fused table) the swapped kernel's variants alone on these "
                          "program counts, e.g. 22,33,44,132")
     ap.add_argument("--variant-names", default=None,
                     help=f"only these variants, comma-separated (of {', '.join(VARIANTS)})")
@@ -243,7 +241,7 @@ def main():
         print_table(["page", "variant", "programs", "ms", "TB/s", "GB/s per SM", "rel err"],
                     [[r["page_size"], r["variant"], r["programs"], r.get("ms"), r.get("tbs"), r.get("gbs_per_sm"),
                       r.get("relerr", r.get("error"))] for r in variants],
-                    title="\n== swapped decode kernel alone: variants and probes ==")
+                    title="\n== swapped decode kernel alone: variants ==")
     if args.fused_only:
         rows = fused_pairs(kw, ints(args.fused_programs), ints(args.fused_page_sizes), ints(args.fused_widths),
                            tuple(bool(v) for v in ints(args.fused_spread)),

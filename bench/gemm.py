@@ -80,7 +80,7 @@ class Worker:
         if job["kind"] == "cublas":
             f = jax.jit(lambda x, w: jnp.dot(x, w))
         else:
-            f = jax.jit(functools.partial(persistent_gemm, num_programs=job["programs"], config=job["config"],
+            f = jax.jit(functools.partial(persistent_gemm, num_ctas=job["programs"], config=job["config"],
                                           interpret=self.smoke))
         t0 = time.perf_counter()
         y = jax.block_until_ready(f(*sets[0]))

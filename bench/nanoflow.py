@@ -122,7 +122,7 @@ def rp_table(args, out: dict) -> None:
     x, w, q, paged_attn = gemm_beside_attention(args.rp_gemm, b, ctx, swapped=args.rp_swapped)
 
     def gemm(x, w, p):
-        return persistent_gemm(x, w, num_programs=p)
+        return persistent_gemm(x, w, num_ctas=p)
 
     def attn(q, p):
         return paged_attn(q, p, args.rp_stages)

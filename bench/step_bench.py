@@ -165,5 +165,5 @@ def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: in
     lens = jnp.full((b,), ctx, jnp.int32)
 
     def attn(q, programs: int, stages: int = 2):
-        return kernel(q, kc, vc, jnp.int32(0), pt, lens, scale=d ** -0.5, num_programs=programs, num_stages=stages)
+        return kernel(q, kc, vc, jnp.int32(0), pt, lens, scale=d ** -0.5, num_ctas=programs, num_stages=stages)
     return x, w, q, attn

@@ -45,11 +45,11 @@ def build(args):
     small = jnp.ones((128, 128), jnp.float32)
     big = jax.random.normal(jax.random.key(6), (8192, 8192), jnp.float32)
 
-    gemm = lambda x: persistent_gemm(x, w, num_programs=pg)                      # noqa: E731
+    gemm = lambda x: persistent_gemm(x, w, num_ctas=pg)                      # noqa: E731
     attn = lambda q: paged_attn(q, pa)                                            # noqa: E731
     cublas = lambda x: jnp.dot(x, w)                                              # noqa: E731
     fusion = lambda a: jnp.sin(a) * 2.0 + 1.0                                    # noqa: E731
-    nested = lambda x: jax.jit(lambda v: persistent_gemm(v, w, num_programs=pg))(x)  # noqa: E731
+    nested = lambda x: jax.jit(lambda v: persistent_gemm(v, w, num_ctas=pg))(x)  # noqa: E731
     cb_off = dict(NO_COMMAND_BUFFERS)
     return {                                            # most telling first; command buffers off last
         "spin|spin": (spin, spin, (small, small), {}),

@@ -1,44 +1,19 @@
 """The few places where jax 0.10.2 (CPU dev/CI, Python 3.11) and jax 0.11.2 (GPU machines, Python 3.12) differ.
 
-Keep every version check here so the rest of the code reads the same under both.
+Keep every version check here so the rest of the code reads the same under both (the kernels' own live in
+pallas_kernels/_compat.py, which imports nothing from nfjax; its helpers are re-exported here).
 """
 from __future__ import annotations
 
 import jax
+
+from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms  # noqa: F401 - the kernels' own, re-exported
 
 JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
-
-
-def mosaic_gpu_interpret_params(**kw):
-    """`InterpretGPUParams` for running Pallas Mosaic GPU kernels on CPU (interpret mode).
-
-    0.11 exports it as `jax.experimental.pallas.mosaic_gpu.InterpretGPUParams`; 0.10.2 has the same class
-    only under `jax._src` (interpret mode itself works there).
-    """
-    try:
-        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-    except ImportError:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams(**kw)
-
-
-# Known gap: the 0.10.2 GPU interpreter cannot run wgmma on a transposed shared-memory operand (q @ k.T) nor
-# with the left operand in registers (p @ v), and has no CPU rule for layout casts. Kernels therefore use
-# plain jnp matmuls on loaded SMEM tiles and no layout hints when interpreting (pallas_kernels/_mgpu.py).
-
-
-def num_sms(default: int = 132) -> int:
-    """Streaming multiprocessors of the first GPU (the natural program count of a persistent kernel)."""
-    try:
-        d = jax.devices()[0]
-        n = getattr(d, "core_count", None)
-        return int(n) if n else default
-    except Exception:   # noqa: BLE001 - no device / attribute: fall back
-        return default
 
 
 def on_stream(fn, stream: int):

@@ -1,12 +1,12 @@
-"""Decode attention and a GEMM in ONE kernel, split by program id (horizontal fusion). Pallas Mosaic GPU.
+"""Decode attention and a GEMM in ONE kernel, split by CTA (horizontal fusion). Pallas Mosaic GPU.
 
 NanoFlow overlaps a memory-bound op (decode attention) with a compute-bound one (a GEMM of other tokens) by
 giving each a share of the SMs. With two kernels on two streams that depends on XLA's scheduler issuing them
 together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
-programs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
-of its work items, programs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
-tiles. A and G are the plan's resource shares as program counts. With `spread=True` (the default) the attention
-programs are instead every (A + G) / A-th grid index rather than a block of consecutive CTAs: 3-11% faster in
+CTAs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
+of its work items, CTAs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
+tiles. A and G are the plan's resource shares as CTA counts. With `spread=True` (the default) the attention
+CTAs are instead every (A + G) / A-th grid index rather than a block of consecutive CTAs: 3-11% faster in
 all six pairs of bench/results/decode_share-spread-fused-20261123.json. Each branch allocates its own SMEM and
 barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.
 The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use idle.
@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import compiler_params
 from pallas_kernels.paged_decode_swapped import attention_kernel, finish, out_types, prepare
 from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, cdiv, gemm_kernel, \
@@ -41,29 +41,29 @@ def gemm_fits(x_shape, w_shapes, cfg: TileConfig) -> bool:
             and all(k2 == k and n % cfg.block_n == 0 for k2, n in w_shapes))
 
 
-def program_role(pid, attn_programs: int, total: int, spread: bool):
-    """(is attention, index among the attention programs, index among the GEMM programs) of grid index pid
+def cta_role(pid, attn_ctas: int, total: int, spread: bool):
+    """(is attention, index among the attention CTAs, index among the GEMM CTAs) of grid index pid
     (a traced or plain int). Attention holds [0, A), or with `spread` every grid index where floor(p * A / total)
     steps up."""
-    def before(p):          # attention programs among grid indices [0, p)
-        return (p * attn_programs) // total if spread else jnp.minimum(p, attn_programs)
+    def before(p):          # attention CTAs among grid indices [0, p)
+        return (p * attn_ctas) // total if spread else jnp.minimum(p, attn_ctas)
     a = before(pid)
     return before(pid + 1) > a, a, pid - a
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "attn_programs", "gemm_programs", "num_splits", "block_kv",
+@functools.partial(jax.jit, static_argnames=("scale", "attn_ctas", "gemm_ctas", "num_splits", "block_kv",
                                              "num_stages", "config", "spread", "interpret"), inline=True)
 def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                  v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                  page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
                                  x: Float[Array, "M K"], w, *, scale: float,
-                                 attn_programs: int, gemm_programs: int | None = None,
+                                 attn_ctas: int, gemm_ctas: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
                                  interpret: bool = False
                                  ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
-    """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_programs + gemm_programs
-    programs (gemm_programs=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
+    """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_ctas + gemm_ctas
+    CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
@@ -72,31 +72,31 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         raise ValueError(f"x {x.shape} @ w {[w_i.shape for w_i in ws]}: the fused kernel needs M % 8 == 0, "
                          f"M >= {cfg.block_m}, K % {cfg.block_k} == 0 and each N % {cfg.block_n} == 0")
     m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
-    gp_ = gemm_programs or max(1, num_sms() - attn_programs)
+    gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
-    qr, ns, attn_scratch = prepare(q, k_cache, num_programs=attn_programs, num_splits=num_splits,
+    qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits,
                                    block_kv=block_kv, num_stages=num_stages)
     kvh = k_cache.shape[3]
-    a_prog, nw = attn_programs, len(ws)
+    a_prog, nw = attn_ctas, len(ws)
 
     total = a_prog + gp_
 
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")
-        is_attn, a_idx, g_idx = program_role(pid, a_prog, total, spread)
+        is_attn, a_idx, g_idx = cta_role(pid, a_prog, total, spread)
 
         @pl.when(is_attn)
         def _():
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
-                                                      num_kv_heads=kvh, num_splits=ns, num_programs=a_prog,
-                                                      scale=scale, interpret=interpret, program=a_idx),
+                                                      num_kv_heads=kvh, num_splits=ns, num_ctas=a_prog,
+                                                      scale=scale, interpret=interpret, cta=a_idx),
                           *attn_scratch, collective_axes="wg")
 
         @pl.when(jnp.logical_not(is_attn))
         def _():
-            pl.run_scoped(lambda *s: gemm_kernel(x_hbm, w_hbm, y_hbm, *s, cfg=cfg, num_programs=gp_,
-                                                 program=g_idx),
+            pl.run_scoped(lambda *s: gemm_kernel(x_hbm, w_hbm, y_hbm, *s, cfg=cfg, num_ctas=gp_,
+                                                 cta=g_idx),
                           *gemm_scratch(cfg, x.dtype), collective_axes="wg")
 
     o_t, lse, *ys = plgpu.kernel(

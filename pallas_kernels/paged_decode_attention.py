@@ -2,7 +2,7 @@
 
 Work item = (sequence b, kv head, split s). A split covers ceil(len_b / num_splits) positions of sequence b
 (rounded up to whole blocks), so ragged lengths split evenly. The kernel runs a persistent grid of
-`num_programs` programs (CTAs); program p takes items p, p + P, p + 2P, ... This program count is the
+`num_ctas` CTAs; CTA p takes items p, p + P, p + 2P, ... This CTA count is the
 resource share R of NanoFlow: with P < #SMs the kernel leaves SMs free for a kernel on another stream.
 
 Per item: the G = H / KH query heads of the kv head are the rows of the query tile (padded to a multiple of 8;
@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params
+from pallas_kernels._compat import mosaic_gpu_interpret_params
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
 
@@ -54,13 +54,13 @@ def paged_decode_attention_ref(q: Float[Array, "B H D"], k_cache: Float[Array, "
     return jnp.einsum("bkgl,blkd->bkgd", w, v).reshape(b, h, d).astype(q.dtype)
 
 
-def choose_num_splits(work: int, programs: int, max_splits: int = 16) -> int:
-    """Fewest splits that keep the persistent programs >= 90% busy (equal-length items assumed)."""
+def choose_num_splits(work: int, ctas: int, max_splits: int = 16) -> int:
+    """Fewest splits that keep the persistent CTAs >= 90% busy (equal-length items assumed)."""
     best, best_eff = 1, 0.0
     ns = 1
     while ns <= max_splits:
         w = work * ns
-        eff = w / (cdiv(w, programs) * programs)
+        eff = w / (cdiv(w, ctas) * ctas)
         if eff >= 0.9:
             return ns
         if eff > best_eff + 1e-9:
@@ -70,7 +70,7 @@ def choose_num_splits(work: int, programs: int, max_splits: int = 16) -> int:
 
 
 def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-            q_s, o_s, lse_s, q_bar, k_s, v_s, k_bar, v_bar, *, num_kv_heads, num_splits, num_programs,
+            q_s, o_s, lse_s, q_bar, k_s, v_s, k_bar, v_bar, *, num_kv_heads, num_splits, num_ctas,
             group_pad, scale, interpret):
     ops = Ops(interpret)
     block_kv = k_s.shape[1]
@@ -79,7 +79,7 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
     layer = params_hbm[0]
 
     def item(k, carry):
-        w = pid + k * num_programs
+        w = pid + k * num_ctas
         b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
                                           block_kv=block_kv)
 
@@ -92,28 +92,28 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                       o_hbm.at[w], lse_hbm.at[w])
         return carry
 
-    n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
+    n_mine = lax.div(num_items - pid + (num_ctas - 1), num_ctas)
     lax.fori_loop(0, n_mine, item, None)
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
+@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "interpret"), inline=True)
 def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                            v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                            page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
-                           num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
+                           num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                            num_stages: int = 2, interpret: bool = False) -> Float[Array, "B H D"]:
     """Decode attention over the paged cache for layer `layer` (a traced scalar; the stacked cache is not
-    sliced). Sequences with seq_lens == 0 produce 0. `num_splits=None` picks one for `num_programs`."""
+    sliced). Sequences with seq_lens == 0 produce 0. `num_splits=None` picks one for `num_ctas`."""
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     g = h // kvh
-    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
+    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     items = b * kvh * ns
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
+    body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                              group_pad=gp, scale=scale, interpret=interpret)
     o, lse = plgpu.kernel(
         body,
@@ -124,7 +124,7 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
                        plgpu.SMEM((ROWS,), jnp.float32),
                        plgpu.Barrier(num_barriers=1),
                        *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps)],
-        grid=(num_programs,), grid_names=("p",), compiler_params=compiler_params(),
+        grid=(num_ctas,), grid_names=("p",), compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
     return combine_splits(o, lse, b, kvh, ns, g).astype(q.dtype)
@@ -144,7 +144,7 @@ def store_partial(acc, m, l, bcast, o_s, lse_s, o_src, lse_src, o_dst, lse_dst):
     plgpu.copy_smem_to_gmem(lse_src, lse_dst)
 
 
-def grouped_queries(q, k_cache, *, block_kv: int, num_programs: int, num_splits: int | None):
+def grouped_queries(q, k_cache, *, block_kv: int, num_ctas: int, num_splits: int | None):
     """Checks, then (q as [B * KH, GP, D] with each kv head's G query heads padded to GP = 8k, GP, splits)."""
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
@@ -153,7 +153,7 @@ def grouped_queries(q, k_cache, *, block_kv: int, num_programs: int, num_splits:
         raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group of at most {ROWS}")
     check_block(block_kv, ps, d)
     gp = cdiv(g, 8) * 8
-    ns = num_splits or choose_num_splits(b * kvh, num_programs)
+    ns = num_splits or choose_num_splits(b * kvh, num_ctas)
     qr = q.reshape(b, kvh, g, d)
     if gp != g:
         qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - g), (0, 0)))

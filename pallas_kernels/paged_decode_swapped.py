@@ -7,10 +7,10 @@ needs most of the SMs to reach HBM bandwidth, which leaves nothing for a GEMM be
 Here the roles swap: S^T = K Q^T ([block_kv, GP], block_kv rows, N = GP columns) and O^T += V^T P^T, so
 the tensor cores and the softmax do 1/8 of the work per K/V block, and the per-SM rate is set by the copies.
 
-Work mapping, splits, persistence (`num_programs` = NanoFlow's resource share R), the page-by-page TMA
+Work mapping, splits, persistence (`num_ctas` = NanoFlow's resource share R), the page-by-page TMA
 copies and the split reduction are those of paged_decode_attention.py, whose `paged_decode_attention_ref`
-is this kernel's reference too. Two warpgroups per program: a producer issues the TMA copies of every K/V
-block of the program's items through `num_stages` stages (one block counter across items, so the pipeline
+is this kernel's reference too. Two warpgroups per CTA: a producer issues the TMA copies of every K/V
+block of the CTA's items through `num_stages` stages (one block counter across items, so the pipeline
 does not drain between items; q is double-buffered), and a consumer computes. Copy issue was a measured
 third of a block's time at 16-position pages when the computing warpgroup issued them.
 The softmax runs over axis 0 (positions): its max is a cross-warp reduction through Mosaic's reduction
@@ -29,15 +29,13 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, \
     block_pages, copy_kv_pages, kv_scratch, smem_tile_transforms
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
-PROBES = ("", "copies", "l2")
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
-ABLATIONS = {"no_kq", "no_vp", "no_reduce"}     # consumer parts a probe leaves out
 
 
 def _cols(x, shape):
@@ -53,56 +51,42 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
-                     num_splits, num_programs, scale, interpret, program=None, probe: str | None = None,
-                     row_sums: str = "wgmma"):
-    """Warpgroup 1 streams every K/V block of this program's items through the stages (one global block
-    counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `program`: this
-    program's index among the `num_programs` (None: the grid index; a fused kernel gives others other work).
-
-    `probe` (measurement only, bench/decode_share.py --variants; outputs are NOT attention): "copies" = the
-    consumer only waits for each block and releases it (the copy-side limit); "l2" = every copy of an item
-    reads its first page, which then stays in L2 (the limit without HBM); "+no_kq", "+no_vp", "+no_reduce"
-    appended leave that part out of the consumer (what each costs).
+                     num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma"):
+    """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
+    counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
+    CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
 
     `row_sums`: how the consumer adds up each block's probabilities for the softmax denominator: "wgmma" = a
     second wgmma, ones @ P^T, beside V^T P^T (no cross-warp reduction; the sum of the bf16 P the numerator
     uses); "reduce" = P's column sums in f32, a cross-warp reduction per block."""
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
-    base, *ablate = (probe or "").split("+")
-    if base not in PROBES or not set(ablate) <= ABLATIONS:
-        raise ValueError(f"probe={probe!r}: one of {PROBES}, then '+'-joined {sorted(ABLATIONS)}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
-    pid = lax.axis_index("p") if program is None else program
+    pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
     layer = params_hbm[0]
-    n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
+    n_mine = lax.div(num_items - pid + (num_ctas - 1), num_ctas)
     coords = functools.partial(_item_coords, lens_hbm=lens_hbm, num_kv_heads=num_kv_heads,
                                num_splits=num_splits, block_kv=block_kv)
     c = scale * LOG2E
 
     def producer():
         def item(k, g):
-            b, kh, kv_lo, _, n_blk = coords(pid + k * num_programs)
+            b, kh, kv_lo, _, n_blk = coords(pid + k * num_ctas)
             qslot = lax.rem(k, 2)
             pl.when(k >= 2)(lambda: plgpu.barrier_wait(q_free.at[qslot]))
             plgpu.copy_gmem_to_smem(q_hbm.at[b * num_kv_heads + kh], q_s.at[qslot], q_bar.at[qslot])
 
-            def pages_of(i):
-                pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
-                                    page_size=k_hbm.shape[2])
-                if base == "l2":
-                    pages = (pt_hbm[b, 0],) * len(pages)
-                return pages
-
             def block(i, g):
                 slot = lax.rem(g, num_stages)
                 pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
+                                    page_size=k_hbm.shape[2])
                 copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
-                              pages=pages_of(i), kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
+                              pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
                 return g + 1
             return lax.fori_loop(0, n_blk, block, g)
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
@@ -115,22 +99,6 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         lax.fori_loop(jnp.maximum(total - num_stages, 0), total, drain(consumed, num_stages), None)
         lax.fori_loop(jnp.maximum(n_mine - 2, 0), n_mine, drain(q_free, 2), None)
 
-    def copies_only():
-        def item(k, g):
-            n_blk = coords(pid + k * num_programs)[4]
-            plgpu.barrier_wait(q_bar.at[lax.rem(k, 2)])
-
-            def block(i, cr):
-                slot = lax.rem(g + i, num_stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_arrive(consumed.at[slot])
-                return cr
-            lax.fori_loop(0, n_blk, block, None)
-            plgpu.barrier_arrive(q_free.at[lax.rem(k, 2)])
-            return g + n_blk
-        lax.fori_loop(0, n_mine, item, jnp.int32(0))
-
     def consumer():
         by_wgmma = row_sums == "wgmma"
         ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), v_s.dtype)) if by_wgmma else None
@@ -139,31 +107,26 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            if "no_kq" in ablate:
-                s = ops.wgmma_layout(jnp.zeros((block_kv, gp), jnp.float32))
-            else:
-                s = ops.kq(k_s.at[slot], q) * c                            # [BKV, GP]
+            s = ops.kq(k_s.at[slot], q) * c                                # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
-            m_new = m if "no_reduce" in ablate else jnp.maximum(m, s.max(axis=0))
+            m_new = jnp.maximum(m, s.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
             acc = acc * _cols(alpha, acc.shape)
             plgpu.barrier_wait(v_bar.at[slot])
             if by_wgmma:
                 l = l * _cols(alpha, l.shape)
-                if "no_vp" not in ablate:
-                    acc, l = ops.vp_and_sums(acc, l, p.astype(v_s.dtype), v_s.at[slot], p_s, ones)
+                acc, l = ops.vp_and_sums(acc, l, p.astype(v_s.dtype), v_s.at[slot], p_s, ones)
             else:
-                l = l * alpha + (0.0 if "no_reduce" in ablate else p.sum(axis=0))
-                if "no_vp" not in ablate:
-                    acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
+                l = l * alpha + p.sum(axis=0)
+                acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
             plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
             return acc, m_new, l
 
         def item(k, g):
-            w = pid + k * num_programs
+            w = pid + k * num_ctas
             _, _, kv_lo, kv_hi, n_blk = coords(w)
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
@@ -186,46 +149,45 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 1)(producer)
-    pl.when(wg == 0)(copies_only if base == "copies" else consumer)
+    pl.when(wg == 0)(consumer)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "num_splits", "block_kv", "num_stages",
-                                             "probe", "row_sums", "interpret"), inline=True)
+@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
+                                             "row_sums", "interpret"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
-                                   num_programs: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int | None = None, probe: str | None = None,
-                                   row_sums: str | None = None, interpret: bool = False) -> Float[Array, "B H D"]:
+                                   num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
+                                   num_stages: int | None = None, row_sums: str | None = None,
+                                   interpret: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
-    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json). `probe`, `row_sums`: see
-    `attention_kernel`."""
-    share = num_programs <= 0.6 * num_sms()
+    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`."""
+    share = num_ctas <= 0.6 * num_sms()
     if num_stages is None:
         num_stages = 3 if share else 2
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
-    qr, ns, scratch = prepare(q, k_cache, num_programs=num_programs, num_splits=num_splits, block_kv=block_kv,
+    qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                               num_stages=num_stages)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
-    body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_programs=num_programs,
-                             scale=scale, interpret=interpret, probe=probe, row_sums=row_sums)
+    body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
+                             scale=scale, interpret=interpret, row_sums=row_sums)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
-        grid=(num_programs,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
+        grid=(num_ctas,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
     return finish(o_t, lse, q.shape, kvh, ns)
 
 
-def prepare(q, k_cache, *, num_programs: int, num_splits: int | None, block_kv: int, num_stages: int):
+def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
     d, ps = q.shape[2], k_cache.shape[2]
-    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_programs=num_programs, num_splits=num_splits)
+    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
     tf = smem_tile_transforms(q.dtype)
     scratch = [plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
                plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),

@@ -9,7 +9,7 @@ one kv head (row r = token r // G, head r % G), so one K/V stream serves the who
 warpgroups (default) each own 64 rows and share the K/V stages; by default they run "ping-pong"
 (pallas_kernels/_mgpu.py): one warpgroup's softmax overlaps the other's matmuls. The wrapper plans tiles with
 jnp on device (no host sync): tile -> (sequence, first token, first position), gathers the query tiles into
-[tiles * KH, W, 64, D], runs one program per (tile, kv head) — the hardware block scheduler balances the
+[tiles * KH, W, 64, D], runs one CTA per (tile, kv head) — the hardware block scheduler balances the
 ragged causal work — and gathers the output back to token order. Blocks wholly below a tile's first position
 run unmasked; the rest apply the causal / length mask.
 
@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params
+from pallas_kernels._compat import mosaic_gpu_interpret_params
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
 
@@ -89,7 +89,7 @@ def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_til
 
 
 def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar, k_s, v_s, k_bar, v_bar,
-            *extra, num_kv_heads, group, num_programs, num_wgs, pingpong, scale, interpret):
+            *extra, num_kv_heads, group, num_ctas, num_wgs, pingpong, scale, interpret):
     ops = Ops(interpret)
     num_items = info_hbm.shape[1] * num_kv_heads
     pid = lax.axis_index("p")
@@ -97,7 +97,7 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
     layer = params_hbm[0]
 
     def item(k, carry):
-        w = pid + k * num_programs
+        w = pid + k * num_ctas
         tile = lax.div(w, num_kv_heads)
         kh = lax.rem(w, num_kv_heads)
         seq, pos0, kv_hi = info_hbm[0, tile], info_hbm[1, tile], info_hbm[2, tile]
@@ -121,22 +121,22 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
             plgpu.copy_smem_to_gmem(mine, o_hbm.at[w, 0] if wg is None else o_hbm.at[w, wg])
         return carry
 
-    n_mine = lax.div(num_items - pid + (num_programs - 1), num_programs)
+    n_mine = lax.div(num_items - pid + (num_ctas - 1), num_ctas)
     lax.fori_loop(0, n_mine, item, None)
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_programs", "block_kv", "num_stages", "num_warpgroups",
+@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "block_kv", "num_stages", "num_warpgroups",
                                              "pingpong", "interpret"), inline=True)
 def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
                             v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                             page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
                             query_start: Int[Array, "S1"], first_seq: Int[Array, ""], *, scale: float,
-                            num_programs: int | None = None, block_kv: int = 128, num_stages: int = 2,
+                            num_ctas: int | None = None, block_kv: int = 128, num_stages: int = 2,
                             num_warpgroups: int = 2, pingpong: bool = True,
                             interpret: bool = False) -> Float[Array, "T H D"]:
     """Causal attention of each live sequence's query chunk over its cached positions (see module doc).
-    `num_programs=None` launches one program per (tile, kv head); an int makes the grid persistent (one
+    `num_ctas=None` launches one CTA per (tile, kv head); an int makes the grid persistent (one
     warpgroup only). `num_warpgroups` 64-row parts of a tile share one K/V stream; `pingpong` staggers two.
     Tokens outside live sequences (decodes before `first_seq`, padding) give 0."""
     t, h, d = q.shape
@@ -147,8 +147,8 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
         raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group")
     check_block(block_kv, ps, d)
     nw = num_warpgroups
-    if nw > 1 and num_programs is not None:
-        raise ValueError("a persistent grid (num_programs) needs num_warpgroups=1")
+    if nw > 1 and num_ctas is not None:
+        raise ValueError("a persistent grid (num_ctas) needs num_warpgroups=1")
     pingpong = pingpong and nw == 2         # staggering needs exactly two warpgroups
     rows = ROWS * nw
     if g > rows:
@@ -165,10 +165,10 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
         qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - tpt * g), (0, 0)))
     qt = qt.reshape(nt * kvh, nw, ROWS, d)
     items = nt * kvh
-    progs = items if num_programs is None else min(num_programs, items)
+    progs = items if num_ctas is None else min(num_ctas, items)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_programs=progs, num_wgs=nw,
+    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_ctas=progs, num_wgs=nw,
                              pingpong=pingpong, scale=scale, interpret=interpret)
     threads = {"num_threads": nw, "thread_name": "wg"} if nw > 1 else {}
     ot = plgpu.kernel(

@@ -1,11 +1,11 @@
 """Persistent bf16 GEMM y = x @ w (f32 accumulation, bf16 out). Pallas Mosaic GPU (Hopper, wgmma).
 
-The grid is `num_programs` persistent programs (CTAs); output tile t is computed by program t % P. That count
+The grid is `num_ctas` persistent CTAs; output tile t is computed by CTA t % P. That count
 is NanoFlow's resource share: with P < #SMs the GEMM leaves SMs free for a kernel on another stream.
 
 Tiling: a CTA tile is block_m x block_n; W = 2 consumer warpgroups each own block_m / 2 rows of it (their
 accumulator, block_m / 2 x block_n f32, lives in registers) and share the B tile. K streams through SMEM in
-block_k slabs `stages` deep with TMA copies. The stream of (tile, k-step) pairs of one program is ONE
+block_k slabs `stages` deep with TMA copies. The stream of (tile, k-step) pairs of one CTA is ONE
 pipeline: the copies of the next tile's first slabs are in flight while the current tile's epilogue runs.
 Each consumer keeps one wgmma in flight: after issuing step s it waits for step s - 1 and releases that slot.
 Who refills a released slot: with `producer=True` a third warpgroup (few registers) does only TMA issue
@@ -13,7 +13,7 @@ Who refills a released slot: with `producer=True` a third warpgroup (few registe
 Epilogue: registers -> bf16 -> SMEM -> TMA store, `epi_cols` columns at a time (a narrower epilogue buffer
 leaves SMEM for a deeper pipeline).
 
-Tile order: tiles are numbered in groups of `group_m` M-tiles, M fastest inside a group, so the programs
+Tile order: tiles are numbered in groups of `group_m` M-tiles, M fastest inside a group, so the CTAs
 running at one time share the same few w column blocks (w is the large operand here; x stays in L2).
 
 Ragged sizes: TMA offsets into a tiled SMEM layout must be multiples of the tile (8 rows, 64 columns), and
@@ -38,7 +38,7 @@ from jaxtyping import Array, Float
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from nfjax.compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import cdiv, compiler_params, smem_tile_transforms
 
 SMEM_BYTES = 227 * 1024      # Hopper's opt-in shared memory per block (what Mosaic GPU checks against)
@@ -98,10 +98,10 @@ def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
     return jnp.minimum(tm * block_m, m - block_m), jnp.minimum(tn * block_n, n - block_n)
 
 
-def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_programs: int,
-                program=None):
-    """The kernel body, run by `num_programs` grid programs; `program` is this one's index among them (None:
-    the grid index; a fused kernel gives other programs other work). `w_hbm`/`o_hbm` may be equal-length
+def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_ctas: int,
+                cta=None):
+    """The kernel body, run by `num_ctas` CTAs; `cta` is this one's index among them (None:
+    the grid index; a fused kernel gives other CTAs other work). `w_hbm`/`o_hbm` may be equal-length
     tuples: x @ w_i -> o_i for each i, as one GEMM over the weights side by side (each N_i a multiple of
     block_n, so no tile straddles two)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
@@ -117,14 +117,14 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
     rows = bm // NUM_WGS
     k_steps = k_dim // bk
     num_tiles = cdiv(m, bm) * cdiv(n, bn)
-    pid = lax.axis_index("p") if program is None else program
+    pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
     origin = functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m)
-    n_mine = lax.div(num_tiles - pid + (num_programs - 1), num_programs)
-    total = n_mine * k_steps          # (tile, k-step) pairs this program streams through the stages
+    n_mine = lax.div(num_tiles - pid + (num_ctas - 1), num_ctas)
+    total = n_mine * k_steps          # (tile, k-step) pairs this CTA streams through the stages
 
     def issue(s, slot):
-        m0, n0 = origin(pid + lax.div(s, k_steps) * num_programs)
+        m0, n0 = origin(pid + lax.div(s, k_steps) * num_ctas)
         k0 = lax.rem(s, k_steps) * bk
         for i in range(NUM_WGS):      # one A box per consumer: each wgmma reads an untransposed [rows, bk] tile
             plgpu.copy_gmem_to_smem(x_hbm.at[pl.ds(m0 + i * rows, rows), pl.ds(k0, bk)], a_s.at[slot, i],
@@ -160,7 +160,7 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
 
     def consumer():
         def tile(t, carry):
-            m0, n0 = origin(pid + t * num_programs)
+            m0, n0 = origin(pid + t * num_ctas)
             s0 = t * k_steps
 
             def acc_scope(acc_ref):
@@ -208,7 +208,7 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
             consumer()
     else:
         @pl.when(wg == 0)
-        def _():     # fill the pipeline (a loop, not unrolled: keeps the interpreter's program small)
+        def _():     # fill the pipeline (a loop, not unrolled: keeps the interpreter's traced code small)
             lax.fori_loop(0, jnp.minimum(total, stages), lambda i, c: issue(i, i), None)
         consumer()
         pl.when(wg == 0)(drain)
@@ -225,10 +225,10 @@ def gemm_scratch(cfg: TileConfig, dtype) -> list:
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)]      # one per consumer
 
 
-@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"), inline=True)
-def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_programs: int | None = None,
+@functools.partial(jax.jit, static_argnames=("num_ctas", "config", "interpret"), inline=True)
+def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_ctas: int | None = None,
                     config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> Float[Array, "M N"]:
-    """y = x @ w (bf16 in, f32 accumulation, x.dtype out) on `num_programs` persistent CTAs (None: one per
+    """y = x @ w (bf16 in, f32 accumulation, x.dtype out) on `num_ctas` persistent CTAs (None: one per
     SM). `config`: a TileConfig or a name in TILE_CONFIGS. See the module doc for tiling and padding."""
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
@@ -246,10 +246,10 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_progr
     if (kp, np_) != (k_dim, n):
         w = jnp.pad(w, ((0, kp - k_dim), (0, np_ - n)))
     num_tiles = cdiv(mp, cfg.block_m) * cdiv(np_, cfg.block_n)
-    progs = min(num_programs or num_sms(), num_tiles)
+    progs = min(num_ctas or num_sms(), num_tiles)
 
     y = plgpu.kernel(
-        functools.partial(gemm_kernel, cfg=cfg, num_programs=progs),
+        functools.partial(gemm_kernel, cfg=cfg, num_ctas=progs),
         out_type=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         scratch_types=gemm_scratch(cfg, x.dtype),
         grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
@@ -257,33 +257,3 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_progr
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(x, w)
     return y if (mp, np_) == (m, n) else y[:m, :n]
-
-
-@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"), inline=True)
-def persistent_gemm_multi(x: Float[Array, "M K"], ws: tuple, *, num_programs: int | None = None,
-                          config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> tuple:
-    """(x @ w for w in ws) as ONE persistent GEMM over the weights side by side (the MLP's gate and up
-    projections): no padding, so M % 8 == 0, M >= block_m, K % block_k == 0 and each N % block_n == 0."""
-    cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
-    cfg.check()
-    m, k_dim = x.shape
-    bad = [w.shape for w in ws if w.shape[0] != k_dim or w.shape[1] % cfg.block_n or w.dtype != x.dtype]
-    if bad or m % 8 or m < cfg.block_m or k_dim % cfg.block_k or jnp.dtype(x.dtype).itemsize != 2:
-        raise ValueError(f"x {x.shape} {x.dtype} @ {[(w.shape, w.dtype) for w in ws]}: need M % 8 == 0, "
-                         f"M >= {cfg.block_m}, K % {cfg.block_k} == 0, every N % {cfg.block_n} == 0, one 16-bit "
-                         "dtype")
-    num_tiles = cdiv(m, cfg.block_m) * sum(w.shape[1] for w in ws) // cfg.block_n
-    progs = min(num_programs or num_sms(), num_tiles)
-    nw = len(ws)
-
-    def body(x_hbm, *rest):
-        gemm_kernel(x_hbm, tuple(rest[:nw]), tuple(rest[nw:2 * nw]), *rest[2 * nw:], cfg=cfg, num_programs=progs)
-
-    ys = plgpu.kernel(
-        body, out_type=tuple(jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype) for w in ws),
-        scratch_types=gemm_scratch(cfg, x.dtype),
-        grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
-        compiler_params=compiler_params(),
-        interpret=mosaic_gpu_interpret_params() if interpret else None,
-    )(x, *ws)
-    return tuple(ys)

@@ -53,9 +53,9 @@ def test_kernels_on_two_streams_lower_for_cuda_without_nested_calls():
             sds((1, b * pages + 1, ps, kvh, d), jnp.bfloat16), sds((b, pages), jnp.int32), sds((b,), jnp.int32))
 
     def pair(x, w, q, kc, pt, lens):
-        gemm = on_stream(lambda x: persistent_gemm(x, w, num_programs=88), 1)
+        gemm = on_stream(lambda x: persistent_gemm(x, w, num_ctas=88), 1)
         attn = on_stream(lambda q: paged_decode_attention(q, kc, kc, jnp.int32(0), pt, lens, scale=0.1,
-                                                          num_programs=44), 2)
+                                                          num_ctas=44), 2)
         return gemm(x), attn(q)
 
     text = jax.jit(pair).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -83,32 +83,3 @@ class PageAllocator:
             raise ValueError(f"page {p} is not an allocatable page (1..{self.num_pages - 1})")
         if self._ref[p] == 0:
             raise ValueError(f"page {p} is not allocated")
-
-
-class PageTable:
-    """One request's pages in order (token i lives in page pages[i // page_size] at offset i % page_size)."""
-
-    def __init__(self, allocator: PageAllocator, page_size: int):
-        self.allocator, self.page_size = allocator, page_size
-        self.pages: list[int] = []
-
-    def pages_needed(self, num_tokens: int) -> int:
-        """Extra pages needed so that `num_tokens` tokens fit."""
-        return max(0, -(-num_tokens // self.page_size) - len(self.pages))
-
-    def ensure(self, num_tokens: int) -> list[int]:
-        """Grow to hold `num_tokens` tokens; returns the newly added pages (OutOfPages leaves it unchanged)."""
-        new = self.allocator.allocate(self.pages_needed(num_tokens))
-        self.pages.extend(new)
-        return new
-
-    def fork(self) -> "PageTable":
-        """A second table sharing all of this one's pages (copy-on-write is the caller's business)."""
-        other = PageTable(self.allocator, self.page_size)
-        self.allocator.share(self.pages)
-        other.pages = list(self.pages)
-        return other
-
-    def release(self) -> None:
-        self.allocator.free(self.pages)
-        self.pages = []

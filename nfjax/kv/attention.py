@@ -49,16 +49,16 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
 
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                      scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                     num_programs: int | None = None) -> Float[Array, "R H D"]:
+                     num_ctas: int | None = None) -> Float[Array, "R H D"]:
     """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
-    `num_programs`: the decode kernel's persistent program count (NanoFlow's resource share)."""
+    `num_ctas`: the decode kernel's persistent CTA count (NanoFlow's resource share)."""
     if not _use_kernels(use_kernels, q, kv):
         s = meta.seq_lens.shape[0]
         lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
         return _reference(q[:min(s, q.shape[0])], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
     q_r, pt, lens = decode_rows(q, meta)
     return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
-                                          num_programs=num_programs or num_sms(), interpret=interpret)
+                                          num_ctas=num_ctas or num_sms(), interpret=interpret)
 
 
 def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
@@ -94,13 +94,13 @@ def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, "
 
 def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                     scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                    num_programs: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
+                    num_ctas: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
     """The whole mixed batch (padding rows: 0 on the kernel path, don't-care on the reference path)."""
     if not _use_kernels(use_kernels, q, kv):
         return _reference(q, kv, layer, meta, scale)
     t = q.shape[0]
     dec = decode_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
-                           num_programs=num_programs)
+                           num_ctas=num_ctas)
     pre = prefill_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
                             max_prefill_seqs=max_prefill_seqs)
     dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec)

@@ -51,7 +51,7 @@ class LayerContext:
     meta: AttentionMetadata
     inv_freq: Float[Array, "D2"]
     tp_axis: str | None = None       # mesh axis of the enclosing shard_map; None = not tensor-parallel
-    num_programs: int | None = None  # resource share of this op as a kernel program count (None: the whole GPU)
+    num_ctas: int | None = None  # resource share of this op as a kernel CTA count (None: the whole GPU)
     opts: ForwardOptions = ForwardOptions()
 
     @property
@@ -84,7 +84,7 @@ class DecoderLayer(nnx.Module):
     def kqv(self, ctx, h):
         t, hd = h.shape[0], self.cfg.head_dim
         # head counts come from the (possibly tensor-parallel local) weight shapes
-        np_ = ctx.num_programs
+        np_ = ctx.num_ctas
         return (dense(self.q_proj, h, np_).reshape(t, -1, hd), dense(self.k_proj, h, np_).reshape(t, -1, hd),
                 dense(self.v_proj, h, np_).reshape(t, -1, hd))
 
@@ -98,7 +98,7 @@ class DecoderLayer(nnx.Module):
     def attn_decode(self, ctx, q, kv):
         """Decode rows [0, num_decode) (bandwidth-bound); other rows are don't-care."""
         t = q.shape[0]
-        out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_programs=ctx.num_programs)
+        out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_ctas=ctx.num_ctas)
         out = out.reshape(out.shape[0], -1)                 # rows [0, min(S, T))
         return out if out.shape[0] == t else jnp.pad(out, ((0, t - out.shape[0]), (0, 0)))
 
@@ -111,7 +111,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):
-        return dense(self.o_proj, attn, ctx.num_programs)
+        return dense(self.o_proj, attn, ctx.num_ctas)
 
     @op(Resource.NETWORK, ins=("o_partial",), outs=("o",))
     def attn_reduce(self, ctx, o_partial):
@@ -124,7 +124,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("h2",), outs=("gate", "up"))
     def up_gate(self, ctx, h2):
-        return dense(self.gate_proj, h2, ctx.num_programs), dense(self.up_proj, h2, ctx.num_programs)
+        return dense(self.gate_proj, h2, ctx.num_ctas), dense(self.up_proj, h2, ctx.num_ctas)
 
     @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))
     def act(self, ctx, gate, up):
@@ -132,7 +132,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("a",), outs=("d_partial",))
     def down(self, ctx, a):
-        return dense(self.down_proj, a, ctx.num_programs)
+        return dense(self.down_proj, a, ctx.num_ctas)
 
     @op(Resource.NETWORK, ins=("d_partial",), outs=("d",))
     def mlp_reduce(self, ctx, d_partial):

@@ -122,13 +122,6 @@ class LayerSchedule:
     def order(self) -> list[str]:
         return [repr(s) for s in self.steps]
 
-    def describe(self) -> str:
-        nbs = " ".join(f"[{b.start}:{b.stop})" for b in self.nano_batches)
-        lines = [f"{self.strategy}: T={self.num_tokens} nano-batches {nbs}; merged reads of: "
-                 f"{', '.join(sorted(self.buffered)) or '-'}"]
-        lines += [f"  {i:3d} {s!r}" for i, s in enumerate(self.steps)]
-        return "\n".join(lines)
-
 
 class _Trace:
     def __init__(self, ctx: ScheduleContext):

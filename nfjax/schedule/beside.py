@@ -1,10 +1,10 @@
 """Horizontal kernels for the scheduler API: ops of different nano-batches side by side in one launch.
 
 `DECODE_BESIDE_UP_GATE` runs one nano-batch's decode attention (`attn_decode`) and another's MLP gate/up
-projections (`up_gate`) as one Pallas kernel whose programs are split between them
+projections (`up_gate`) as one Pallas kernel whose CTAs are split between them
 (pallas_kernels/attention_beside_gemm.py): NanoFlow's overlap of a memory-bound and a compute-bound op
 without relying on XLA to issue two streams together. The attention part's share (a plan's
-`"attn_decode:K"` share) is its program count; the GEMM takes the other SMs. Where the fused kernel does not
+`"attn_decode:K"` share) is its CTA count; the GEMM takes the other SMs. Where the fused kernel does not
 apply (CPU, shapes it does not take, biases), the two ops run one after the other through their own code,
 so every schedule that uses it also runs, with the same results, everywhere.
 """
@@ -39,10 +39,10 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
         return _sequential(layer, ctxs, ins, parts)
     t = q.shape[0]
     q_r, pt, lens = decode_rows(q, ctx_a.meta)
-    attn_programs = ctx_a.num_programs or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
+    attn_ctas = ctx_a.num_ctas or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
     attn, (gate, up) = decode_attention_beside_gemm(
         q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
-        attn_programs=attn_programs)
+        attn_ctas=attn_ctas)
     attn = attn.reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))

@@ -5,7 +5,7 @@ runner jits one step per (token bucket, strategy) with it. Per step of the progr
   * inputs: a value produced in one piece covering the step's tokens is used as is (or statically sliced);
     a read spanning several pieces (a merge; `program.buffered` names these values) joins them (below);
   * the op (or fused kernel) runs with a per-nano-batch context: attention metadata rebased to the
-    nano-batch's tokens (`meta.nano_metadata`), `num_programs` from the step's resource share;
+    nano-batch's tokens (`meta.nano_metadata`), `num_ctas` from the step's resource share;
   * the KV cache is threaded through the steps that write it (in-place scatters; the graph's dependency
     rule puts every read after all of the layer's writes, so XLA never has to copy the cache);
   * with streams on, a step of plan stream k >= 1 runs in a `compat.on_stream` region (compute_on
@@ -129,7 +129,7 @@ def run_layer_schedule(program: LayerSchedule, layer, ctx, env: dict, streams: b
             metas[key] = nano_metadata(ctx.meta, *key) if ctx.meta is not None else None
         sctx = dataclasses.replace(ctx, meta=metas[key])
         if step.share is not None and sms:
-            sctx = dataclasses.replace(sctx, num_programs=max(1, round(step.share * sms)))
+            sctx = dataclasses.replace(sctx, num_ctas=max(1, round(step.share * sms)))
         return sctx
 
     for step in program.steps:

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nfjax.kv.allocator import SCRATCH_PAGE, OutOfPages, PageAllocator, PageTable
+from nfjax.kv.allocator import SCRATCH_PAGE, OutOfPages, PageAllocator
 
 
 def test_basic_and_scratch_page():
@@ -45,22 +45,6 @@ def test_bad_frees_change_nothing():
     assert a.refcount(p[0]) == 1 and a.num_free == 2
     with pytest.raises(ValueError):
         a.share([3])
-
-
-def test_page_table_grows_forks_releases():
-    a = PageAllocator(10)
-    t = PageTable(a, page_size=16)
-    assert t.ensure(1) and len(t.pages) == 1
-    assert t.ensure(16) == [] and len(t.ensure(33)) == 2
-    u = t.fork()
-    assert u.pages == t.pages and all(a.refcount(p) == 2 for p in t.pages)
-    t.release()
-    assert a.num_free == 6
-    u.release()
-    assert a.num_free == 9
-    with pytest.raises(OutOfPages):
-        t.ensure(16 * 10)
-    assert t.pages == []
 
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 6), st.integers(0, 10 ** 6)),

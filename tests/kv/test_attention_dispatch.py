@@ -35,7 +35,7 @@ def test_kernel_path_matches_reference_on_mixed_batch(max_prefill_seqs):
     q, kv, meta, live = _batch(rng, specs, num_tokens=28, max_seqs=5, max_pages=5)
     layer = jnp.int32(1)
     ref = paged_attention(q, kv, layer, meta, 0.125, use_kernels=False)
-    out = paged_attention(q, kv, layer, meta, 0.125, use_kernels=True, interpret=True, num_programs=3,
+    out = paged_attention(q, kv, layer, meta, 0.125, use_kernels=True, interpret=True, num_ctas=3,
                           max_prefill_seqs=max_prefill_seqs)
     o, r = np.asarray(out[:live], np.float64), np.asarray(ref[:live], np.float64)
     assert np.isfinite(o).all(), f"seed {seed}"

@@ -24,7 +24,7 @@ def test_decode_kernel_matches_reference(paged_case, kernel, ps, g, d, bkv, ns, 
     c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens)
     q = c.queries(len(lens))
     out = KERNELS[kernel](q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), scale=c.scale,
-                          num_programs=progs, num_splits=ns, block_kv=bkv, num_stages=2, interpret=True)
+                          num_ctas=progs, num_splits=ns, block_kv=bkv, num_stages=2, interpret=True)
     ref = paged_decode_attention_ref(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), c.scale)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"unwritten (NaN-poisoned) outputs, seed {c.seed}"
@@ -33,13 +33,13 @@ def test_decode_kernel_matches_reference(paged_case, kernel, ps, g, d, bkv, ns, 
 
 
 def test_swapped_row_sums_by_reduction_match_reference(paged_case):
-    """The swapped kernel's other softmax denominator (f32 cross-warp sums, `row_sums="reduce"`) is kept for
-    bench/decode_share.py --variants; it must stay correct too."""
+    """The swapped kernel's other softmax denominator (f32 cross-warp sums, `row_sums="reduce"`), which it takes
+    on all the SMs (the engine's decode attention outside a share)."""
     lens = [0, 1, 2 * 64 + 5, 47]
     c = paged_case(kv_heads=2, group=4, head_dim=64, page_size=16, seq_lens=lens)
     q = c.queries(len(lens))
     out = paged_decode_attention_swapped(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens),
-                                         scale=c.scale, num_programs=3, block_kv=64, num_stages=2,
+                                         scale=c.scale, num_ctas=3, block_kv=64, num_stages=2,
                                          row_sums="reduce", interpret=True)
     ref = paged_decode_attention_ref(q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), c.scale)
     assert c.rel_err(np.asarray(out, np.float32), ref) < 1e-2
@@ -66,7 +66,7 @@ def test_choose_num_splits():
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("ps,d,kw", [(16, 128, {}), (64, 128, {"block_kv": 64, "num_stages": 4}),
-                                     (16, 64, {"num_programs": 16, "num_splits": 4}),
+                                     (16, 64, {"num_ctas": 16, "num_splits": 4}),
                                      (16, 128, {"block_kv": 192, "num_stages": 2})])
 def test_decode_kernel_lowers_for_gpu(kernel, ps, d, kw):
     if kernel == "heads" and kw.get("block_kv") == 192:
@@ -78,16 +78,12 @@ def test_decode_kernel_lowers_for_gpu(kernel, ps, d, kw):
     KERNELS[kernel].trace(*args, scale=d ** -0.5, **kw).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("probe,row_sums", [("copies", "wgmma"), ("l2", "reduce"), ("", "reduce"),
-                                            ("l2+no_kq+no_vp+no_reduce", "wgmma")])
-def test_swapped_probes_lower_for_gpu(probe, row_sums):
-    """The measurement probes and the softmax-denominator variants of bench/decode_share.py --variants build for
-    the GPU; a bad name is refused."""
+@pytest.mark.parametrize("row_sums", ["wgmma", "reduce"])
+def test_swapped_row_sums_lower_for_gpu(row_sums):
+    """Both softmax denominators of the swapped kernel build for the GPU (the engine takes "wgmma" on a share of
+    the SMs, "reduce" on all of them)."""
     sds = jax.ShapeDtypeStruct
     cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
     args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
-    paged_decode_attention_swapped.trace(*args, scale=0.1, probe=probe, row_sums=row_sums).lower(
-        lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match="probe="):
-        paged_decode_attention_swapped.trace(*args, scale=0.1, probe="l2+no_softmax")
+    paged_decode_attention_swapped.trace(*args, scale=0.1, row_sums=row_sums).lower(lowering_platforms=("cuda",))

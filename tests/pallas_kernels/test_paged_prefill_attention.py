@@ -24,7 +24,7 @@ def test_prefill_kernel_matches_reference(paged_case, ps, g, d, nw, pp, progs, f
     q = c.queries(t)
     qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
     args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), qs, jnp.int32(first))
-    out = paged_prefill_attention(*args, scale=c.scale, num_programs=progs, num_warpgroups=nw, pingpong=pp,
+    out = paged_prefill_attention(*args, scale=c.scale, num_ctas=progs, num_warpgroups=nw, pingpong=pp,
                                   block_kv=64, num_stages=2, interpret=True)
     ref = paged_prefill_attention_ref(*args, c.scale)
     out = np.asarray(out, np.float32)
@@ -48,7 +48,7 @@ def test_prefill_reference_matches_mixed_reference(paged_case):
 
 
 @pytest.mark.parametrize("ps,h,kvh,d,kw", [(16, 32, 8, 128, {}), (64, 32, 8, 128, {"block_kv": 64, "num_stages": 3}),
-                                           (16, 8, 8, 64, {"num_programs": 132, "num_warpgroups": 1})])
+                                           (16, 8, 8, 64, {"num_ctas": 132, "num_warpgroups": 1})])
 def test_prefill_kernel_lowers_for_gpu(ps, h, kvh, d, kw):
     sds = jax.ShapeDtypeStruct
     cache = sds((2, 4096, ps, kvh, d), jnp.bfloat16)

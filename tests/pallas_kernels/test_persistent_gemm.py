@@ -33,7 +33,7 @@ def test_gemm_kernel_matches_reference(m, k, n, config, programs):
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = jax.random.normal(kw, (k, n), jnp.bfloat16)
-    out = persistent_gemm(x, w, num_programs=programs, config=config, interpret=True)
+    out = persistent_gemm(x, w, num_ctas=programs, config=config, interpret=True)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"unwritten (NaN-poisoned) outputs, seed {seed}"
@@ -73,5 +73,5 @@ def test_gemm_kernel_lowers_for_gpu(config):
     for i, (k, n) in enumerate(LLAMA3_8B):
         m = (2048, 512, 1000, 4096)[i]         # 1000: padded to a multiple of 8, last M tile shifted back
         args = (sds((m, k), jnp.bfloat16), sds((k, n), jnp.bfloat16))
-        persistent_gemm.trace(*args, config=config, num_programs=(None, 88)[i % 2]).lower(
+        persistent_gemm.trace(*args, config=config, num_ctas=(None, 88)[i % 2]).lower(
             lowering_platforms=("cuda",))

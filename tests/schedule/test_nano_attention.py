@@ -30,7 +30,7 @@ def test_kernels_on_nano_metadata_match_the_full_batch(lo, hi):
     live = min(hi, 3 + 9 + 14) - lo                                 # padding rows are don't-care
     ref = np.asarray(paged_attention(q, kv, layer, meta, 0.125, use_kernels=False)[lo:lo + live], np.float64)
     out = paged_attention(q[lo:hi], kv, layer, nano_metadata(meta, lo, hi), 0.125, use_kernels=True,
-                          interpret=True, num_programs=2)
+                          interpret=True, num_ctas=2)
     o = np.asarray(out[:live], np.float64)
     assert np.isfinite(o).all()
     assert np.linalg.norm(o - ref) / np.linalg.norm(ref) < 1e-2
