@@ -1,0 +1,76 @@
+"""Workloads and model shapes handed from the nfjax side to a peer engine's process, as plain JSON.
+
+The nfjax side writes the exact (prompt token ids, output length) pairs that bench/workloads.py drew and its
+engine ran; the peer reads them back and builds its requests from them, so both engines see the same ids and
+lengths (nothing is re-drawn). Pure Python: importable without vLLM, torch or JAX.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def write_workload(path: str, work: Work) -> None:
+    """`work` as a JSON list of [ids, output_len]; written to a temporary name, then renamed."""
+    doc = [[[int(t) for t in ids], int(n)] for ids, n in work]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def read_workload(path: str) -> Work:
+    with open(path) as f:
+        doc = json.load(f)
+    work = []
+    for i, item in enumerate(doc):
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list) and item[0]
+                and isinstance(item[1], int) and item[1] >= 1):
+            raise ValueError(f"{path}: request {i} is not [non-empty token id list, output length >= 1]")
+        work.append(([int(t) for t in item[0]], item[1]))
+    return work
+
+
+def digest(work: Work) -> str:
+    """sha256 of the ids and lengths (both sides report it: equal digests, equal requests)."""
+    h = hashlib.sha256()
+    for ids, n in work:
+        h.update(json.dumps([list(ids), int(n)], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def stats(work: Work) -> dict:
+    return {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
+            "output_tokens": sum(n for _, n in work), "digest": digest(work)}
+
+
+def vllm_requests(work: Work) -> list[tuple[dict, int]]:
+    """vLLM's token-id prompt dicts and each request's max_tokens, in order."""
+    return [({"prompt_token_ids": list(ids)}, int(n)) for ids, n in work]
+
+
+def requests_work(reqs: list[tuple[dict, int]]) -> Work:
+    """The (ids, output length) pairs a list of vLLM requests carries (what the peer actually sends)."""
+    return [(list(p["prompt_token_ids"]), n) for p, n in reqs]
+
+
+def hf_config(model: dict) -> dict:
+    """An HF `config.json` dict for an nfjax ModelConfig given as `ModelConfig.to_json()` (what a peer loads
+    with dummy weights); `ModelConfig.from_hf` of it gives the same config back."""
+    cfg = {"architectures": [HF_ARCHITECTURES[model["model_type"]]], "model_type": model["model_type"],
+           "vocab_size": model["vocab_size"], "hidden_size": model["hidden_size"],
+           "intermediate_size": model["intermediate_size"], "num_hidden_layers": model["num_layers"],
+           "num_attention_heads": model["num_heads"], "num_key_value_heads": model["num_kv_heads"],
+           "head_dim": model["head_dim"], "rope_theta": model["rope_theta"], "rms_norm_eps": model["rms_norm_eps"],
+           "max_position_embeddings": model["max_position_embeddings"], "hidden_act": "silu",
+           "attention_bias": model["qkv_bias"], "mlp_bias": False,
+           "tie_word_embeddings": model["tie_word_embeddings"], "torch_dtype": model["dtype"],
+           "eos_token_id": list(model["eos_token_ids"]), "bos_token_id": model["bos_token_id"], "use_cache": True}
+    if model.get("rope_scaling"):
+        cfg["rope_scaling"] = dict(model["rope_scaling"])
+    return cfg
