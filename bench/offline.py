@@ -1,10 +1,11 @@
 """Offline throughput: the engine on a random-weight model shape, fixed 1024/512 and ShareGPT-shaped
 workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params)); several engine
-variants (e.g. Sequential and a NanoFlow plan) and the HF transformers continuous-batching peer side by side in
-the same call.
+variants (e.g. Sequential and a NanoFlow plan) and peers side by side in the same call: `--peer hf` (default) the
+HF transformers continuous-batching peer, `--peer vllm` vLLM on the exact requests the engine ran
+(bench/peers/vllm.py; README "Benchmarks" says how it reaches the GPU machine), `--peer hf,vllm` both, `none`.
 
 usage: python bench/offline.py --shape llama3-8b --workloads 1024x512,sharegpt --num-requests 512 \
-           --peer-requests 16 \
+           --peer hf,vllm --peer-requests 16 \
            --variants "sequential=;mact=--strategies nanoflow:llama3-8b_h100_tp1_beside_mact --page-size 64"
 """
 from __future__ import annotations
@@ -44,20 +45,36 @@ def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
 
 def run_peer(args, workload: str, n: int) -> dict:
     """The peer runs in its own process, so torch and JAX never hold the GPU at once."""
+    timeout = args.peer_timeout or 240
     cmd = [sys.executable, "bench/hf_peer.py", "--shape", args.shape, "--workload", workload,
-           "--num-requests", str(n), "--time-limit", str(max(30, args.peer_timeout - 20))]
+           "--num-requests", str(n), "--time-limit", str(max(30, timeout - 20))]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         return json.loads(line[-1]) if line else {"error": p.stderr[-1500:]}
     except subprocess.TimeoutExpired:
-        return {"error": f"peer timed out after {args.peer_timeout}s"}
+        return {"error": f"peer timed out after {timeout}s"}
+
+
+def run_vllm(args, engine: dict, work_dir: str) -> dict:
+    """vLLM on the workloads the first finished variant wrote to `work_dir` (its exact ids and lengths), a
+    model of the shape that variant ran (its config), in a process of its own after every variant's."""
+    from bench.peers import VLLM_SCRIPT, run_json_child
+    model = os.path.join(work_dir, "model.json")
+    with open(model, "w") as f:
+        json.dump(engine["config"], f)
+    cmd = [sys.executable, VLLM_SCRIPT, "--mode", "offline", "--model-config", model, "--shape", args.shape,
+           *(a for w in engine["workloads"] for a in ("--workload", f"{w}={os.path.join(work_dir, w + '.json')}")),
+           *shlex.split(args.vllm_args)]
+    print("== vLLM:", " ".join(cmd), flush=True)
+    return run_json_child(cmd, args.peer_timeout or 480, label="vllm")
 
 
 def engine_run(args, workloads: list[str]) -> dict:
     """Our engine on every workload (a child process per variant, so the GPU is free again afterwards)."""
     from bench.common import device_name
     from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
+    from bench.peers.workload_io import stats as workload_stats
     from bench.workloads import parse
     from nfjax.config import EngineConfig, ExecutionConfig, BatcherConfig, StrategyConfig
     from nfjax.engine import Engine
@@ -73,6 +90,11 @@ def engine_run(args, workloads: list[str]) -> dict:
     model = random_model(cfg)
     buckets = tuple(int(b) for b in args.buckets.split(","))
     works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
+    if args.workload_dir:           # the exact requests, for a peer (bench/peers/workload_io.py)
+        from bench.peers.workload_io import write_workload
+        os.makedirs(args.workload_dir, exist_ok=True)
+        for w, work in works.items():
+            write_workload(os.path.join(args.workload_dir, f"{w}.json"), work)
     num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction)
     cache = cache_for(list(works.values()), args.page_size, num_pages)
     sched = BatcherConfig(token_buckets=buckets, max_seqs=args.max_seqs)
@@ -89,17 +111,22 @@ def engine_run(args, workloads: list[str]) -> dict:
            "engine_args": {k: getattr(args, k) for k in ("page_size", "max_seqs", "strategies", "streams",
                                                         "strategy_min_decode", "layers_per_program",
                                                         "no_command_buffers", "fresh_inputs")},
-           "results": {}}
+           "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
         out["results"][w] = run_workload(engine, work, w, optimal)
     return out
 
 
-def summarize(ours: dict[str, dict], peers: dict[str, dict]) -> tuple[dict, list[list], float]:
+def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None = None) -> tuple[dict, list[list],
+                                                                                           float]:
     """Flat summary, table rows and the optimal tok/s used, from each variant's engine result (in the order
-    run; the first is the baseline) and the peer's result per workload. % of optimal uses the mean of the GEMM
-    rates the variants measured in this call, so the variants are compared on one ceiling."""
+    run; the first is the baseline), the HF peer's result per workload and vLLM's (bench/peers/vllm.py's JSON,
+    offline mode). % of optimal uses the mean of the GEMM rates the variants measured in this call, so the
+    variants are compared on one ceiling. nfjax_vs_vllm_<workload>: the best variant's tok/s over vLLM's."""
     first = next(iter(ours.values()))
+    vllm = vllm or {}
+    vdoc = vllm.get("partial_result") or vllm     # a run past its time limit: the workloads it finished
+    vllm_results = vdoc.get("results") or {}
     gemm = statistics.mean(o["gemm_tflops"] for o in ours.values())
     optimal = gemm * 1e12 / (2 * first["params"])
     summary = {"compile_s_all_buckets": max(o["compile_s"] for o in ours.values()), "gemm_tflops": gemm,
@@ -109,9 +136,11 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict]) -> tuple[dict, list
         key = WORKLOAD_KEYS.get(w, w.replace("x", "_"))
         tok = {v: o["results"][w]["total_tok_s"] for v, o in ours.items() if w in o["results"]}
         peer_tok = (peers.get(w) or {}).get("total_tok_s")
+        vllm_tok = vllm_results.get(w, {}).get("total_tok_s")
         for v, t in tok.items():
             rows.append([w, v, ours[v]["results"][w]["requests"], f"{t:,.0f}", f"{100 * t / optimal:.1f}%",
-                         f"{peer_tok:,.0f}" if peer_tok else "n/a", f"{t / peer_tok:.1f}x" if peer_tok else "n/a"])
+                         f"{peer_tok:,.0f}" if peer_tok else "n/a", f"{t / peer_tok:.1f}x" if peer_tok else "n/a",
+                         f"{vllm_tok:,.0f}" if vllm_tok else "n/a", f"{t / vllm_tok:.2f}x" if vllm_tok else "n/a"])
             if len(ours) > 1:
                 summary[f"total_tok_s_{key}_{v}"] = t
                 summary[f"pct_optimal_{key}_{v}"] = 100 * t / optimal
@@ -121,6 +150,11 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict]) -> tuple[dict, list
         if len(ours) > 1:
             summary[f"best_variant_{key}"] = best
             summary[f"best_vs_{next(iter(tok))}_{key}"] = tok[best] / next(iter(tok.values()))
+        if vllm_tok:
+            summary[f"vllm_total_tok_s_{key}"] = vllm_tok
+            summary[f"vllm_output_tok_s_{key}"] = vllm_results[w]["output_tok_s"]
+            summary[f"vllm_pct_optimal_{key}"] = 100 * vllm_tok / optimal
+            summary[f"nfjax_vs_vllm_{key}"] = tok[best] / vllm_tok
         if peer_tok:
             summary[f"hf_total_tok_s_{key}"] = peer_tok
             summary[f"hf_pct_optimal_{key}"] = 100 * peer_tok / optimal
@@ -134,6 +168,15 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict]) -> tuple[dict, list
     ratios = [k for k in summary if k.startswith("vs_hf_transformers_ratio_") and not k.endswith("_bound")]
     if ratios:          # the headline: the 1024/512 workload where it ran, else the first with a peer
         summary["vs_hf_transformers_ratio"] = summary.get("vs_hf_transformers_ratio_1024_512", summary[ratios[0]])
+    ratios = [k for k in summary if k.startswith("nfjax_vs_vllm_")]
+    if ratios:
+        summary["nfjax_vs_vllm"] = summary.get("nfjax_vs_vllm_1024_512", summary[ratios[0]])
+    sent = {w: d["digest"] for w, d in (vdoc.get("workloads") or {}).items()}
+    if sent:            # vLLM got the very requests the baseline variant ran (ids and lengths)
+        summary["vllm_same_requests"] = sent == {w: first.get("workloads", {}).get(w, {}).get("digest")
+                                                 for w in sent}
+    if vllm.get("error"):
+        summary["vllm_error"] = vllm["error"][:300]
     return summary, rows, optimal
 
 
@@ -142,8 +185,11 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--workloads", default="1024x512,sharegpt")
     ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--peer-requests", type=int, default=32, help="0 = skip the HF peer")
-    ap.add_argument("--peer-timeout", type=int, default=240)
+    ap.add_argument("--peer", default="hf", help="peers after the engine variants: hf, vllm, hf,vllm or none")
+    ap.add_argument("--peer-requests", type=int, default=32, help="HF peer's requests; 0 = skip the HF peer")
+    ap.add_argument("--peer-timeout", type=int, default=None, help="seconds for each peer process (default: "
+                    "240 for each HF run, 480 for the vLLM run, which includes its start-up)")
+    ap.add_argument("--vllm-args", default="", help="extra flags for bench/peers/vllm.py, e.g. '--max-num-seqs 256'")
     ap.add_argument("--engine-timeout", type=int, default=600, help="seconds for each variant's process")
     ap.add_argument("--variants", default="", help="engine variants compared in this call: 'NAME=FLAGS;...', "
                     "FLAGS being this script's engine flags (they override the ones given outside); the first "
@@ -166,42 +212,55 @@ def main() -> None:
                     help="use the --strategies only for batches with at least this many decode tokens")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
+    ap.add_argument("--workload-dir", default=None, help=argparse.SUPPRESS)  # child mode: write the requests here
     args = ap.parse_args()
     workloads = args.workloads.split(",")
+    peer_kinds = set(filter(None, args.peer.split(","))) - {"none"}
+    if peer_kinds - {"hf", "vllm"}:
+        raise SystemExit(f"--peer: expected hf, vllm, hf,vllm or none, got {args.peer!r}")
     if args.engine_json:
         with open(args.engine_json, "w") as f:
             json.dump(engine_run(args, workloads), f)
         return
     variants = parse_variants(args.variants)
-    # The engine variants first, each in its own child process, then the peer: each has the GPU to itself.
+    # The engine variants first, each in its own child process, then the peers: each has the GPU to itself.
     ours: dict[str, dict] = {}
+    vllm = None
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in variants:
             path = os.path.join(tmp, f"{name}.json")
             print(f"== variant {name}: {' '.join(flags) or '(the flags given)'}", flush=True)
             try:
-                subprocess.run([sys.executable, *sys.argv, *flags, "--engine-json", path],
+                subprocess.run([sys.executable, *sys.argv, *flags, "--engine-json", path,
+                                "--workload-dir", os.path.join(tmp, f"work-{name}")],
                                timeout=args.engine_timeout, check=True)
                 ours[name] = json.load(open(path))
             except (subprocess.SubprocessError, OSError) as e:
                 print(f"variant {name} failed: {e}", flush=True)
-    if not ours:
-        print("no engine variant finished", flush=True)
-        sys.exit(1)
+        if not ours:
+            print("no engine variant finished", flush=True)
+            sys.exit(1)
+        if "vllm" in peer_kinds:
+            first = next(iter(ours))
+            vllm = run_vllm(args, ours[first], os.path.join(tmp, f"work-{first}"))
     peers = {}
-    for w in workloads if args.peer_requests else ():
+    for w in workloads if args.peer_requests and "hf" in peer_kinds else ():
         peers[w] = run_peer(args, w, args.peer_requests)
         print(f"[peer {w}] {json.dumps(peers[w])[:400]}", flush=True)
     from bench.common import print_table, write_results
-    summary, rows, optimal = summarize(ours, peers)
-    print_table(["workload", "variant", "requests", "tok/s", "% optimal", "HF tok/s", "nfjax/HF"], rows)
+    summary, rows, optimal = summarize(ours, peers, vllm)
+    print_table(["workload", "variant", "requests", "tok/s", "% optimal", "HF tok/s", "nfjax/HF", "vLLM tok/s",
+                 "nfjax/vLLM"], rows)
+    if vllm is not None:
+        print(f"vLLM: {vllm.get('vllm')} engine {vllm.get('engine')} init {vllm.get('init_s')} s"
+              + (f"  ERROR {vllm['error'][:300]}" if vllm.get("error") else ""), flush=True)
     for name, o in ours.items():
         print(f"{name}: device {o['device']}  gemm {o['gemm_tflops']:.0f} TFLOP/s  compile {o['compile_s']:.1f}s "
               f"({len(o['buckets'])} buckets)  kv pages {o['num_pages']}  {o['engine_args']}")
     print(f"optimal {optimal:,.0f} tok/s (mean GEMM rate of the variants' processes)")
     failed = [n for n, _ in variants if n not in ours]
     write_results(args.name, summary, {"args": vars(args), "variants": dict(variants), "failed_variants": failed,
-                                       "engines": ours, "peers": peers})
+                                       "engines": ours, "peers": peers, "vllm": vllm})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,204 @@
+"""Light-load latency: TPOT and TTFT at a few batch sizes (default 1 and 64) and the spread of inter-token
+latency of one streamed request, on a random-weight model shape; `--peer vllm` measures vLLM the same way in a
+process of its own (bench/peers/vllm.py latency mode), before JAX touches the GPU.
+
+Each batch gets fresh random prompts (--prompt-len tokens, --output-len tokens out, greedy, ignore_eos) after a
+warm-up. Per request: TTFT from RequestOutput.metrics (arrival to first token on the host) and TPOT = (e2e -
+TTFT) / (tokens - 1); the batch's figures are the means over its requests. Inter-token latency (ITL): the gaps
+between the tokens `Engine.stream` yields for one request alone, p50 and p99. The engine is built as
+bench/offline.py builds it (same flags and defaults).
+
+Ratios: nfjax_vs_vllm_tpot_bs<B> = vLLM TPOT / nfjax TPOT, so > 1 means nfjax is faster (as nfjax_vs_vllm_*
+of bench/offline.py: > 1 means nfjax ahead).
+
+usage: python bench/latency.py --shape llama3-8b --batch-sizes 1,64 [--peer vllm]
+CPU:   python bench/latency.py --shape smoke --batch-sizes 1,4 --prompt-len 16 --output-len 8 --buckets 32,64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")   # as bench/offline.py (GPU only)
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation."""
+    import numpy as np
+    return float(np.percentile(xs, 100 * q))
+
+
+def build_engine(args, cfg, works):
+    """The engine as bench/offline.py's engine_run builds it; KV pages capped at what `works` can use."""
+    from bench.engine_bench import cache_for, kv_pages, pages_needed
+    from nfjax.config import BatcherConfig, EngineConfig, ExecutionConfig, StrategyConfig
+    from nfjax.engine import Engine
+    from nfjax.models.random_init import random_model
+    from nfjax.tokenizer.silent import SilentTokenizer
+    need = pages_needed(works, args.page_size, args.max_seqs)
+    num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction, need=need)
+    strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
+                       for sp in filter(None, args.strategies.split(",")))
+    config = EngineConfig(cfg, cache_for(works, args.page_size, num_pages),
+                          BatcherConfig(token_buckets=tuple(ints(args.buckets)), max_seqs=args.max_seqs),
+                          execution=ExecutionConfig(strategies))
+    return Engine(random_model(cfg), SilentTokenizer(cfg.vocab_size), config), num_pages
+
+
+def batch_latency(engine, work) -> dict:
+    """One `generate` of the batch: mean (and p50) TTFT and TPOT over its requests, in ms."""
+    from nfjax.engine import SamplingParams
+    t = time.perf_counter()
+    outs = engine.generate([p for p, _ in work], [SamplingParams.greedy(max_tokens=n, ignore_eos=True)
+                                                  for _, n in work])
+    dt = time.perf_counter() - t
+    ttft = [o.metrics["ttft_s"] * 1e3 for o in outs]
+    tpot = [(o.metrics["e2e_s"] - o.metrics["ttft_s"]) / (len(o.token_ids) - 1) * 1e3 for o in outs]
+    return {"batch": len(work), "prompt_len": len(work[0][0]), "output_tokens": sum(len(o.token_ids) for o in outs),
+            "seconds": dt, "ttft_ms": statistics.mean(ttft), "ttft_ms_p50": statistics.median(ttft),
+            "tpot_ms": statistics.mean(tpot), "tpot_ms_p50": statistics.median(tpot),
+            "e2e_ms": statistics.mean(o.metrics["e2e_s"] * 1e3 for o in outs)}
+
+
+def stream_latency(engine, ids: list[int], n: int) -> dict:
+    """One request alone through `Engine.stream`: the host time of each token as it is yielded."""
+    from nfjax.engine import SamplingParams
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    for out in engine.stream(ids, SamplingParams.greedy(max_tokens=n, ignore_eos=True)):
+        if out.new_token_ids:
+            times.append(time.perf_counter())
+            tokens += len(out.new_token_ids)
+    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    return {"tokens": tokens, "yields": len(times), "ttft_ms": (times[0] - t0) * 1e3,
+            "itl_ms_mean": statistics.mean(gaps), "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p99": pct(gaps, 0.99),
+            "itl_ms_max": max(gaps), "itl_ms": gaps}
+
+
+def nfjax_latency(args, cfg) -> dict:
+    from bench.common import device_name
+    from bench.workloads import fixed
+    v = cfg.vocab_size
+    # A new seed for every measurement: fresh prompts, as the peer gets (its prefix cache would serve repeats).
+    works = {bs: fixed(bs, args.prompt_len, args.output_len, v, seed=1000 + bs) for bs in args.batch_sizes}
+    solo = fixed(1, args.prompt_len, args.output_len, v, seed=2000)[0]
+    warm = fixed(max(args.batch_sizes), args.prompt_len, 4, v, seed=7)
+    t = time.perf_counter()
+    engine, num_pages = build_engine(args, cfg, [*works.values(), warm, [solo]])
+    out = {"device": device_name(), "compile_s": time.perf_counter() - t, "num_pages": num_pages,
+           "config": cfg.to_json(), "results": {}}
+    batch_latency(engine, warm)
+    for bs, work in works.items():
+        r = out["results"][str(bs)] = batch_latency(engine, work)
+        print(f"[nfjax bs={bs}] TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms", flush=True)
+    out["stream"] = stream_latency(engine, solo[0], solo[1])
+    s = out["stream"]
+    print(f"[nfjax stream] ITL p50 {s['itl_ms_p50']:.2f} ms, p99 {s['itl_ms_p99']:.2f} ms", flush=True)
+    return out
+
+
+def run_vllm(args, cfg, tmp: str) -> dict:
+    from bench.peers import VLLM_SCRIPT, run_json_child
+    model = os.path.join(tmp, "model.json")
+    with open(model, "w") as f:
+        json.dump(cfg.to_json(), f)
+    cmd = [sys.executable, VLLM_SCRIPT, "--mode", "latency", "--model-config", model, "--shape", args.shape,
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
+           "--output-len", str(args.output_len), *shlex.split(args.vllm_args)]
+    print("== vLLM:", " ".join(cmd), flush=True)
+    return run_json_child(cmd, args.peer_timeout, label="vllm")
+
+
+def summarize(ours: dict, vllm: dict | None) -> tuple[dict, list[list]]:
+    """Flat summary and table rows from the nfjax result and bench/peers/vllm.py's latency JSON (or None)."""
+    summary, rows = {"compile_s": ours["compile_s"]}, []
+    peer = (vllm or {}).get("results") or {}
+    for bs, r in ours["results"].items():
+        summary[f"tpot_ms_bs{bs}"] = r["tpot_ms"]
+        summary[f"ttft_ms_bs{bs}"] = r["ttft_ms"]
+        p = peer.get(bs) or {}
+        if p.get("tpot_ms"):
+            summary[f"vllm_tpot_ms_bs{bs}"] = p["tpot_ms"]
+            summary[f"nfjax_vs_vllm_tpot_bs{bs}"] = p["tpot_ms"] / r["tpot_ms"]
+        if p.get("ttft_ms"):
+            summary[f"vllm_ttft_ms_bs{bs}"] = p["ttft_ms"]
+        rows.append([bs, r["tpot_ms"], r["ttft_ms"], p.get("tpot_ms"), p.get("ttft_ms"),
+                     f"{p['tpot_ms'] / r['tpot_ms']:.2f}x" if p.get("tpot_ms") else "n/a"])
+    s = ours["stream"]
+    summary.update(itl_p50_ms_bs1=s["itl_ms_p50"], itl_p99_ms_bs1=s["itl_ms_p99"],
+                   itl_p99_over_p50_bs1=s["itl_ms_p99"] / s["itl_ms_p50"], ttft_ms_stream_bs1=s["ttft_ms"])
+    if vllm and vllm.get("error"):
+        summary["vllm_error"] = vllm["error"][:300]
+    return summary, rows
+
+
+def plot(path: str, ours: dict, vllm: dict | None) -> None:
+    from bench.common import save_plot
+    bss = [int(b) for b in ours["results"]]
+    peer = (vllm or {}).get("results") or {}
+    panels = []
+    for key, title in (("tpot_ms", "TPOT (ms)"), ("ttft_ms", "TTFT (ms)")):
+        series = {"nfjax": (bss, [ours["results"][str(b)][key] for b in bss])}
+        got = [b for b in bss if (peer.get(str(b)) or {}).get(key)]
+        if got:
+            series["vLLM"] = (got, [peer[str(b)][key] for b in got])
+        panels.append({"title": title, "xlabel": "batch size", "ylabel": "ms", "series": series, "logx": True})
+    gaps = ours["stream"]["itl_ms"]
+    panels.append({"title": "inter-token latency, batch 1", "xlabel": "token", "ylabel": "ms",
+                   "series": {"nfjax": (list(range(2, len(gaps) + 2)), gaps)}})
+    save_plot(path, panels)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    ap.add_argument("--batch-sizes", type=ints, default=[1, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--peer", choices=["none", "vllm"], default="none")
+    ap.add_argument("--peer-timeout", type=int, default=420, help="seconds for the vLLM process, start-up included")
+    ap.add_argument("--vllm-args", default="", help="extra flags for bench/peers/vllm.py")
+    ap.add_argument("--buckets", default="128,256,512,1024,2048")
+    ap.add_argument("--max-seqs", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what the batches use)")
+    ap.add_argument("--strategies", default="", help="step variants tried before Sequential (as bench/offline.py)")
+    ap.add_argument("--strategy-min-decode", type=int, default=0)
+    ap.add_argument("--name", default="latency")
+    args = ap.parse_args()
+    if args.output_len < 2 or not args.batch_sizes:
+        raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens) and --batch-sizes non-empty")
+    from nfjax.models.random_init import SHAPES          # imports JAX without starting a backend
+    cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    vllm = None
+    if args.peer == "vllm":          # first: JAX has not touched the GPU yet, and the peer's process is gone after
+        with tempfile.TemporaryDirectory() as tmp:
+            vllm = run_vllm(args, cfg, tmp)
+    ours = nfjax_latency(args, cfg)
+    from bench.common import print_table, write_results
+    summary, rows = summarize(ours, vllm)
+    print_table(["batch", "TPOT ms", "TTFT ms", "vLLM TPOT ms", "vLLM TTFT ms", "vLLM/nfjax TPOT"], rows,
+                title=f"{args.shape}, {args.prompt_len} prompt / {args.output_len} output tokens")
+    print(f"ITL at batch 1: p50 {summary['itl_p50_ms_bs1']:.2f} ms, p99 {summary['itl_p99_ms_bs1']:.2f} ms "
+          f"(p99/p50 {summary['itl_p99_over_p50_bs1']:.2f})", flush=True)
+    path = write_results(args.name, summary, {"args": vars(args), "nfjax": ours, "vllm": vllm})
+    plot(path[:-len(".json")] + ".png", ours, vllm)
+
+
+if __name__ == "__main__":
+    main()
