@@ -52,7 +52,7 @@ def build_engine(args, cfg, works):
                        for sp in filter(None, args.strategies.split(",")))
     config = EngineConfig(cfg, cache_for(works, args.page_size, num_pages),
                           BatcherConfig(token_buckets=tuple(ints(args.buckets)), max_seqs=args.max_seqs),
-                          execution=ExecutionConfig(strategies))
+                          execution=ExecutionConfig(strategies=strategies))
     return Engine(random_model(cfg), SilentTokenizer(cfg.vocab_size), config), num_pages
 
 
