@@ -24,9 +24,9 @@ def strategies(args):
         out.append(StrategyConfig("comm_overlap", split=(1, 1), align=args.align))
     for p in filter(None, args.plan.split(",")):
         out.append(StrategyConfig("nanoflow", plan=p))
-        if args.streams:        # the same plan as an op order only: what the streams themselves add
-            out.append(StrategyConfig("nanoflow", plan=p, streams=False,
-                                      name=f"nanoflow-nostreams:{os.path.splitext(os.path.basename(p))[0]}"))
+        if args.streams:        # the same plan in stream regions (experimental): what the streams themselves add
+            out.append(StrategyConfig("nanoflow", plan=p,
+                                      name=f"nanoflow-streams:{os.path.splitext(os.path.basename(p))[0]}"))
     return tuple(out)
 
 
@@ -48,7 +48,10 @@ def step_ablation(args, cfg, out: dict) -> None:
     model = random_model(cfg)
     shard_model(model, mesh)
     runner = Runner(model, CacheConfig(ps, pages, per_seq), BatcherConfig(buckets, max_seqs=args.max_seqs), mesh,
-                    ExecutionConfig(strategies=strategies(args), streams=args.streams))
+                    ExecutionConfig(strategies=strategies(args)))
+    if args.streams:
+        from nfjax.experimental.streams import use_streams
+        use_streams(runner, [s.label for s in strategies(args) if s.label.startswith("nanoflow-streams:")])
     runner.compile_all()
     out["compile_s"] = runner.compile_seconds
     out["skipped"] = {f"{b}:{lb}": why for (b, lb), why in runner.variants.skipped.items()}
@@ -64,7 +67,7 @@ def step_ablation(args, cfg, out: dict) -> None:
             print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms  (dispatch {res[label]['dispatch_ms']:.2f} ms)",
                   flush=True)
         seq = res["sequential"]["step_ms"]
-        best = min((lb for lb in res if lb != "sequential" and not lb.startswith(("nanobatch", "nanoflow-nostreams"))),
+        best = min((lb for lb in res if lb != "sequential" and not lb.startswith("nanobatch")),
                    key=lambda lb: res[lb]["step_ms"], default=None)
         out["buckets"][str(b)] = {"strategies": res, "decode": args.decode * b // max(buckets), "ctx": args.ctx,
                                   "best_overlapped": best,
@@ -74,7 +77,7 @@ def step_ablation(args, cfg, out: dict) -> None:
             rows.append([b, lb, r["step_ms"], r["per_layer_ms"], seq / r["step_ms"]])
         if args.trace and best:
             plans = [lb for lb in res if lb.startswith("nanoflow:")]
-            for lb in dict.fromkeys(("sequential", best, *plans[:1])):     # and the first plan on streams
+            for lb in dict.fromkeys(("sequential", best, *plans[:1])):     # and the first plan
                 pd = trace(lambda: run_step(runner, b, lb, inp), "/tmp/nfjax_prof", f"nanoflow_{b}_{lb}", calls=1)
                 out["buckets"][str(b)].setdefault("kernels", {})[lb] = kernel_table(pd, calls=1, top=25)
                 if b == max(buckets):
@@ -114,7 +117,8 @@ def rp_table(args, out: dict) -> None:
     import jax
     from bench.common import time_fn
     from bench.step_bench import gemm_beside_attention
-    from nfjax.compat import num_sms, on_stream
+    from nfjax.compat import num_sms
+    from nfjax.experimental.streams import on_stream
     from pallas_kernels.persistent_gemm import persistent_gemm
 
     sms = num_sms()
@@ -200,8 +204,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size (positions)")
     ap.add_argument("--plan", default="llama3-8b_h100_tp1", help="comma-separated plan names/paths")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
-    ap.add_argument("--no-streams", dest="streams", action="store_false",
-                    help="overlapping strategies as op orders only (no compute_on stream regions)")
+    ap.add_argument("--streams", action="store_true",
+                    help="also each plan with its stream k >= 1 steps in compute_on stream regions (experimental, "
+                         "nfjax/experimental/streams.py)")
     ap.add_argument("--only-plans", action="store_true", help="Sequential and the plans only (no split baselines)")
     ap.add_argument("--rp", action="store_true", help="also the R -> P table (GPU: needs the persistent GEMM)")
     ap.add_argument("--no-ablation", dest="ablation", action="store_false", help="only the R -> P table")

@@ -102,13 +102,13 @@ def engine_run(args, workloads: list[str]) -> dict:
     t = time.perf_counter()
     strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
                        for sp in filter(None, args.strategies.split(",")))
-    schedule = ExecutionConfig(strategies, streams=args.streams, command_buffers=not args.no_command_buffers,
+    schedule = ExecutionConfig(strategies, command_buffers=not args.no_command_buffers,
                               layers_per_program=args.layers_per_program, stable_inputs=not args.fresh_inputs)
     engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, execution=schedule))
     compile_s = time.perf_counter() - t
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
-           "engine_args": {k: getattr(args, k) for k in ("page_size", "max_seqs", "strategies", "streams",
+           "engine_args": {k: getattr(args, k) for k in ("page_size", "max_seqs", "strategies",
                                                         "strategy_min_decode", "layers_per_program",
                                                         "no_command_buffers", "fresh_inputs")},
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
@@ -207,7 +207,6 @@ def main() -> None:
                     "(ExecutionConfig.stable_inputs off; for comparison)")
     ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
                     "nanoflow:llama3-8b_h100_tp1_beside_mact,dual_batch:1-1 (default: Sequential only)")
-    ap.add_argument("--streams", action="store_true", help="run the strategies' GPU stream regions")
     ap.add_argument("--strategy-min-decode", type=int, default=0,
                     help="use the --strategies only for batches with at least this many decode tokens")
     ap.add_argument("--name", default="offline")

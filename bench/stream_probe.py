@@ -65,7 +65,7 @@ def build(args):
 def probe(fa, fb, a, b, options, streams: bool, iters: int):
     import jax
     from bench.common import time_fn
-    from nfjax.compat import on_stream
+    from nfjax.experimental.streams import on_stream
     if streams:
         f = lambda a, b: (on_stream(fa, 1)(a), on_stream(fb, 2)(b))   # noqa: E731
     else:

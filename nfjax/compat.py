@@ -16,60 +16,20 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def on_stream(fn, stream: int):
-    """`fn` placed on the extra GPU stream `stream` (>= 1) inside the enclosing jitted program: XLA wraps its
-    ops in an async call carrying `_xla_stream_annotation`. Other backends compile the annotation away.
-
-    The region holds primitives only (`inline_calls`): XLA 0.11.2 turns a nested call inside the region (the
-    `jit(_pad)` of `jnp.pad`, any non-inlined jit) into a second annotated async call that its stream
-    assignment cannot reach, and rejects the program ("No ExecutionStreamId found for call-start ...";
-    measured with bench/stream_probe.py). 0.11 names the function form `compute_on(f, compute_type=...,
-    out_memory_spaces=...)`; in 0.10 `compute_on` is a context manager and the function form is `compute_on2`.
-    """
+def compute_on_fn(compute_type: str, out_memory_spaces):
+    """The function form of `jax.experimental.compute_on` (nfjax/experimental/streams.py): 0.11 names it
+    `compute_on(f, compute_type=..., out_memory_spaces=...)`; in 0.10 `compute_on` is a context manager and
+    the function form is `compute_on2`."""
     from jax.experimental import compute_on as _co
     deco = _co.compute_on if JAX_VERSION >= (0, 11) else _co.compute_on2
-    return deco(compute_type=f"gpu_stream:{int(stream)}", out_memory_spaces=jax.memory.Space.Device)(
-        inline_calls(fn))
+    return deco(compute_type=compute_type, out_memory_spaces=out_memory_spaces)
 
 
-# Call-like primitives whose body `inline_calls` splices into the caller, and the param holding that body.
-_CALL_BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "checkpoint": "jaxpr",
-                "remat": "jaxpr"}
-
-
-def inline_calls(fn):
-    """`fn` traced as primitives only: every nested call (jit, custom_jvp/vjp, checkpoint) has its body
-    spliced in. Kernels (`pallas_call`) and control flow stay as they are. Positional array arguments."""
-    def run(*args):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = _eval_inlined(closed.jaxpr, closed.consts, jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-    return run
-
-
-def _eval_inlined(jaxpr, consts, args) -> list:
-    env = {}
-
-    def read(v):
-        return v.val if type(v).__name__ == "Literal" else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        body = eqn.params.get(_CALL_BODIES.get(eqn.primitive.name, ""))
-        if body is not None:
-            outs = _eval_inlined(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)
-            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)   # 0.10.2: params only
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, x in zip(eqn.outvars, outs):
-            if type(v).__name__ != "DropVar":
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+def bind_params(primitive, params: dict) -> tuple:
+    """(subfuns, params) to re-bind a jaxpr equation's primitive: `get_bind_params` returns both in 0.11, the
+    params only in 0.10.2."""
+    bound = primitive.get_bind_params(params)
+    return bound if isinstance(bound, tuple) else ((), bound)
 
 
 # XLA's dot merger fuses the GEMMs of sibling nano-batches back into one (undoing a split); split schedules

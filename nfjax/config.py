@@ -225,6 +225,8 @@ class ParallelConfig:
     skip_collectives: bool = False
 
 
+# The names of nfjax.schedule.strategies.STRATEGIES (kind -> class), kept here so the config imports no JAX code;
+# tests/schedule/test_api.py checks that the two agree.
 STRATEGY_KINDS = ("sequential", "nanobatch", "comm_overlap", "dual_batch", "fused_reduce_norm", "nanoflow")
 
 
@@ -234,30 +236,29 @@ class StrategyConfig:
     kind: str = "sequential"
     split: tuple[float, ...] = (1, 1)   # relative nano-batch sizes (not for nanoflow: its plan sets them)
     align: int = 8                      # nano-batch boundaries on multiples of this many tokens
-    plan: str | None = None             # nanoflow: a plan file, or its name under plans/
+    plan: str | None = None             # nanoflow: a plan file, or the name of a plan shipped in nfjax/plans/
     min_bucket: int = 0                 # compiled only for token buckets >= this
     min_tokens: int = 0                 # chosen only for batches with at least this many real tokens
     min_decode: int = 0                 # ... and at least this many decode tokens
     name: str | None = None             # label in stats and `Runner.pin_strategy` (default: derived)
-    streams: bool | None = None         # put ops on the streams the schedule names (None: ExecutionConfig.streams)
 
     def __post_init__(self):
         if self.kind not in STRATEGY_KINDS:
-            raise ConfigError(f"schedule.strategies: kind must be one of {', '.join(STRATEGY_KINDS)}, "
+            raise ConfigError(f"execution.strategies: kind must be one of {', '.join(STRATEGY_KINDS)}, "
                               f"got {self.kind!r}")
         if (self.plan is None) == (self.kind == "nanoflow"):
-            raise ConfigError(f"schedule.strategies[{self.label}]: plan is required for kind nanoflow and only "
+            raise ConfigError(f"execution.strategies[{self.label}]: plan is required for kind nanoflow and only "
                               "for it")
         if not self.split or any(w <= 0 for w in self.split):
-            raise ConfigError(f"schedule.strategies[{self.label}]: split weights must be positive, got {self.split}")
+            raise ConfigError(f"execution.strategies[{self.label}]: split weights must be positive, got {self.split}")
         if self.kind == "dual_batch" and len(self.split) != 2:
-            raise ConfigError(f"schedule.strategies[{self.label}]: dual_batch needs a split of 2, got {self.split}")
+            raise ConfigError(f"execution.strategies[{self.label}]: dual_batch needs a split of 2, got {self.split}")
         for f in ("align",):
             if getattr(self, f) < 1:
-                raise ConfigError(f"schedule.strategies[{self.label}]: {f} must be >= 1")
+                raise ConfigError(f"execution.strategies[{self.label}]: {f} must be >= 1")
         for f in ("min_bucket", "min_tokens", "min_decode"):
             if getattr(self, f) < 0:
-                raise ConfigError(f"schedule.strategies[{self.label}]: {f} must be >= 0")
+                raise ConfigError(f"execution.strategies[{self.label}]: {f} must be >= 0")
 
     @classmethod
     def from_spec(cls, spec: str, **kw) -> "StrategyConfig":
@@ -290,12 +291,8 @@ class ExecutionConfig:
     """How a step's layers run: variants compiled per bucket, chosen per batch (first eligible in order;
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
-    # Put ops on the GPU streams a schedule names (compute_on regions; a strategy may override). Off by default
-    # until a measured plan gains from them (bench/nanoflow.py, bench/NOTES.md section 6).
-    streams: bool = False
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
-    command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches); variants
-                                        # that run stream regions always compile without them (bench/NOTES.md s6)
+    command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches)
     # Copy each step's inputs into the same device buffers before the step's programs read them: a command
     # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, bench/NOTES.md s8)
     stable_inputs: bool = True
@@ -304,7 +301,7 @@ class ExecutionConfig:
         labels = [s.label for s in self.strategies]
         dup = next((x for x in labels if labels.count(x) > 1), None)
         if dup:
-            raise ConfigError(f"schedule.strategies: two variants are labelled {dup!r}; set name= on one")
+            raise ConfigError(f"execution.strategies: two variants are labelled {dup!r}; set name= on one")
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class Runner:
         self.stable_inputs = sc.stable_inputs
         # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
         self._steps: dict[tuple, object] = {}
-        self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (program, merges: inspection)
+        self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (layer_schedule, merges)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
         self._swap_out = None
@@ -201,7 +201,7 @@ class Runner:
                     self._head[(b, any_sampled)] = jax.jit(partial(_head, self.rest_gd, any_sampled, self.max_seqs),
                                                            out_shardings=rep).lower(self.rest_state, x, inp).compile(
                         compiler_options=self.xla_options or None)
-            self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn(self.variants.streams)
+            self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
             layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
                                      self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
             groups = self._groups[v.label]
@@ -209,7 +209,7 @@ class Runner:
                 key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
                 self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
                                                 self._layer_ids[0]).compile(
-                    compiler_options={**self.xla_options, **v.compiler_options(self.variants.streams)} or None)
+                    compiler_options={**self.xla_options, **v.compiler_options()} or None)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 from nfjax.errors import UserError
 from nfjax.models.ops import GLOBAL_VALUES, Resource
-from nfjax.schedule.graph import OpGraph, OpNode
+from nfjax.schedule.graph import MAIN_STREAM_ONLY, OpGraph, OpNode
 
 
 class ScheduleError(UserError):
@@ -132,8 +132,10 @@ class _Trace:
 
 
 class Strategy:
-    """Base class of every strategy. Subclasses set `name` and implement `schedule(ctx)`."""
-    name = "scheduler"
+    """Base class of every strategy. Subclasses set `kind` (their `StrategyConfig.kind`) and `name` (a default
+    label), implement `schedule(ctx)` and, to be built from a config, `from_config(sc)`."""
+    kind = ""
+    name = "strategy"
     splits = False        # does it cut the batch (then XLA's dot merger is turned off for it ...)
     dot_merger = False    # ... unless this is set
 
@@ -144,7 +146,12 @@ class Strategy:
     def schedule(self, ctx: ScheduleContext) -> None:
         raise NotImplementedError
 
-    # ---- planning -------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, sc) -> "Strategy":
+        """The strategy a `nfjax.config.StrategyConfig` describes, labelled `sc.label`."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a StrategyConfig")
+
+    # ---- recording ------------------------------------------------------------------------------------
     def record(self, ctx: ScheduleContext) -> LayerSchedule:
         why = self.eligible(ctx)
         if why:
@@ -266,10 +273,9 @@ class Strategy:
         if stream not in (None, 0):
             if not isinstance(stream, int) or stream < 0:
                 raise ScheduleError(f"{where}: stream must be an int >= 0, got {stream!r}")
-            bad = [n.name for n in nodes if n.writes_global or n.resource is Resource.NETWORK]
+            bad = [n.name for n in nodes if n.main_stream_only]
             if bad:
-                raise ScheduleError(f"{where}: {bad[0]} must stay on the main stream (it writes the KV cache in "
-                                    "place, or is a collective, which XLA already runs asynchronously)")
+                raise ScheduleError(f"{where}: {bad[0]} must stay on the main stream ({MAIN_STREAM_ONLY})")
         if share is not None and not 0 < share <= 1:
             raise ScheduleError(f"{where}: share must be in (0, 1], got {share}")
         b = self.nano_batches

@@ -38,6 +38,17 @@ class OpNode:
     def writes_global(self) -> bool:
         return any(v in GLOBAL_VALUES for v in self.spec.outs)
 
+    @property
+    def main_stream_only(self) -> bool:
+        """Cache writers and collectives stay on stream 0 (`MAIN_STREAM_ONLY` says why): the one home of the rule,
+        read by `Strategy.execute`, plan validation and the strategies that pick streams."""
+        return self.writes_global or self.resource is Resource.NETWORK
+
+
+# Why cache writers and collectives stay on stream 0: in-place cache writes must stay ordered on one stream, and
+# XLA already runs collectives asynchronously.
+MAIN_STREAM_ONLY = "it writes the KV cache in place, or is a collective, which XLA already runs asynchronously"
+
 
 class OpGraph:
     """Ops of one layer with their data dependencies (see the module docstring)."""

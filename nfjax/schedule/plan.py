@@ -74,12 +74,10 @@ class Plan:
             raise PlanError(f"{w}: {name!r} is neither a group nor an op")
         if k >= len(g.nano_batches):
             raise PlanError(f"{w}: group {g.name!r} has {len(g.nano_batches)} nano-batches, no {k}")
-        from nfjax.models.ops import Resource
+        from nfjax.schedule.graph import MAIN_STREAM_ONLY
         for op in ops:
-            node = graph[op]
-            if stream and (node.writes_global or node.resource is Resource.NETWORK):
-                raise PlanError(f"{w}: {op!r} must be on stream 0 (it writes the KV cache in place or "
-                                "is a collective, which XLA already runs asynchronously)")
+            if stream and graph[op].main_stream_only:
+                raise PlanError(f"{w}: {op!r} must be on stream 0 ({MAIN_STREAM_ONLY})")
             if (op, k) in placed:
                 raise PlanError(f"{w}: {op}:{k} is already ordered at {placed[(op, k)]}")
             placed[(op, k)] = w

@@ -38,7 +38,15 @@ def split_sizes(weights, num_tokens: int, align: int) -> list[int] | None:
 
 
 class Sequential(Strategy):
-    name = "sequential"
+    kind = name = "sequential"
+
+    def __init__(self, name: str | None = None):
+        if name:
+            self.name = name
+
+    @classmethod
+    def from_config(cls, sc) -> "Sequential":
+        return cls(name=sc.label)
 
     def schedule(self, ctx: ScheduleContext) -> None:
         self.split([ctx.num_tokens])
@@ -59,6 +67,10 @@ class _Split(Strategy):
         self.align = align
         if name:
             self.name = name
+
+    @classmethod
+    def from_config(cls, sc) -> "_Split":
+        return cls(sc.split, sc.align, name=sc.label)
 
     def sizes(self, ctx: ScheduleContext) -> list[int] | None:
         return split_sizes(self.weights, ctx.num_tokens, self.align)
@@ -94,14 +106,14 @@ class _Split(Strategy):
 
 
 class NanoBatchOnly(_Split):
-    name = "nanobatch"
+    kind = name = "nanobatch"
 
     def schedule(self, ctx: ScheduleContext) -> None:
         self._op_major(ctx, eager_network=False)
 
 
 class CommOverlap(_Split):
-    name = "comm_overlap"
+    kind = name = "comm_overlap"
 
     def schedule(self, ctx: ScheduleContext) -> None:
         self._op_major(ctx, eager_network=True)
@@ -132,7 +144,7 @@ REDUCE_NORM = Kernel("reduce_norm", replaces=("attn_reduce", "ffn_norm"), ins=("
 
 
 class FusedReduceNorm(_Split):
-    name = "fused_reduce_norm"
+    kind = name = "fused_reduce_norm"
 
     def __init__(self, split=(1,), align: int = 8, name: str | None = None):
         super().__init__(split, align, name)
@@ -146,7 +158,7 @@ class FusedReduceNorm(_Split):
 
 
 class DualBatchOverlap(_Split):
-    name = "dual_batch"
+    kind = name = "dual_batch"
 
     def __init__(self, split=(1, 1), align: int = 8, name: str | None = None):
         super().__init__(split, align, name)
@@ -171,8 +183,7 @@ class DualBatchOverlap(_Split):
                 if i == 1 and not lead_done(stage_of[nop.name]):
                     continue                     # nano-batch 1 runs one stage behind nano-batch 0
                 if self.is_ready(nop):
-                    own = not nop.node.writes_global and nop.node.resource is not Resource.NETWORK
-                    self.execute(nop, stream=i if own else None)     # nano-batch 0 on the main stream
+                    self.execute(nop, stream=None if nop.node.main_stream_only else i)   # nano-batch 0: stream 0
                     heads[i] += 1
                     progressed = True
             if not progressed:
@@ -183,6 +194,7 @@ class NanoFlow(Strategy):
     """Runs a `Plan`: the finest common refinement of the groups' nano-batches is the split; a group's
     nano-batch is a merge of the fine ones it spans. Each stream's order is kept; streams are interleaved one
     op per stream per round, an op waiting until its dependencies (possibly on another stream) ran."""
+    kind = "nanoflow"
     splits = True
 
     def __init__(self, plan, name: str | None = None):
@@ -191,6 +203,11 @@ class NanoFlow(Strategy):
         self.dot_merger = plan.xla_dot_merger
         self.name = name or f"nanoflow:{plan.name}"
         plan.validate(layer_graph())
+
+    @classmethod
+    def from_config(cls, sc) -> "NanoFlow":
+        from nfjax.schedule.plan import load_plan
+        return cls(load_plan(sc.plan), name=sc.label)
 
     def _bounds(self, ctx: ScheduleContext):
         per_group = {}
@@ -259,3 +276,9 @@ class NanoFlow(Strategy):
                            for s, (h, q) in enumerate(zip(heads, queues)) if h < len(q)]
                 raise ScheduleError(f"{self.name}: the stream orders deadlock; every stream waits: "
                                     + "; ".join(waiting))
+
+
+# The strategy kinds: `StrategyConfig.kind` -> class (nfjax.config.STRATEGY_KINDS holds the same names, without
+# importing the classes; tests/schedule/test_api.py checks that they agree).
+STRATEGIES: dict[str, type[Strategy]] = {cls.kind: cls for cls in (Sequential, NanoBatchOnly, CommOverlap,
+                                                                    DualBatchOverlap, FusedReduceNorm, NanoFlow)}

@@ -3,62 +3,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nfjax.compat import NO_COMMAND_BUFFERS, NO_DOT_MERGER
+from nfjax.compat import NO_DOT_MERGER
 from nfjax.config import ExecutionConfig, StrategyConfig
 from nfjax.schedule.api import LayerSchedule, ScheduleContext, Strategy
 from nfjax.schedule.executor import schedule_layer_fn
 from nfjax.schedule.graph import layer_graph
-from nfjax.schedule.strategies import (CommOverlap, DualBatchOverlap, FusedReduceNorm, NanoBatchOnly, NanoFlow,
-                                       Sequential)
+from nfjax.schedule.strategies import STRATEGIES
 
 SEQUENTIAL = "sequential"
 
 
 def build_strategy(sc: StrategyConfig) -> Strategy:
-    if sc.kind == "sequential":
-        s = Sequential()
-        s.name = sc.label
-        return s
-    if sc.kind == "nanoflow":
-        from nfjax.schedule.plan import load_plan
-        return NanoFlow(load_plan(sc.plan), name=sc.label)
-    cls = {"nanobatch": NanoBatchOnly, "comm_overlap": CommOverlap, "dual_batch": DualBatchOverlap,
-           "fused_reduce_norm": FusedReduceNorm}[sc.kind]
-    return cls(sc.split, sc.align, name=sc.label)
+    return STRATEGIES[sc.kind].from_config(sc)
 
 
 @dataclass(frozen=True)
 class Variant:
     label: str
     config: StrategyConfig
-    program: LayerSchedule
+    layer_schedule: LayerSchedule
     splits: bool
     dot_merger: bool = False
 
-    def streams(self, default: bool) -> bool:
-        """Whether this variant runs stream regions: the strategy's own setting, else the schedule's `default`,
-        and only if its program names a stream."""
-        on = default if self.config.streams is None else self.config.streams
-        return bool(on) and any(st.stream for st in self.program.steps)
+    def layer_fn(self):
+        return schedule_layer_fn(self.layer_schedule)
 
-    def layer_fn(self, streams: bool):
-        return schedule_layer_fn(self.program, self.streams(streams))
-
-    def compiler_options(self, streams: bool = False) -> dict:
-        """The dot merger off for split variants (unless their plan keeps it); command buffers off for stream
-        variants (a CUDA graph ran every region's kernels on one stream, bench/NOTES.md section 6)."""
-        opts = dict(NO_DOT_MERGER) if self.splits and not self.dot_merger else {}
-        if self.streams(streams):
-            opts.update(NO_COMMAND_BUFFERS)
-        return opts
+    def compiler_options(self) -> dict:
+        """The dot merger off for split variants (unless their plan keeps it)."""
+        return dict(NO_DOT_MERGER) if self.splits and not self.dot_merger else {}
 
 
 class Variants:
-    """The variants of every bucket (planned now; compiled by the runner) and the per-batch choice."""
+    """The variants of every bucket (recorded now; compiled by the runner) and the per-batch choice."""
 
     def __init__(self, cfg: ExecutionConfig, buckets, tp: int):
         self.cfg = cfg
-        self.streams = bool(cfg.streams)
         graph = layer_graph()
         confs = list(cfg.strategies)
         if SEQUENTIAL not in [c.label for c in confs]:

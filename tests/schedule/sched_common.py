@@ -39,12 +39,12 @@ PARAMS = [SamplingParams.greedy(max_tokens=m, ignore_eos=True)
 _ENGINES: dict = {}
 
 
-def engine(tp: int, streams: bool | None = None) -> Engine:
-    key = (tp, streams)
+def engine(tp: int) -> Engine:
+    key = tp
     if key not in _ENGINES:
         model = random_model(CFG, seed=1, std=0.2)   # wide logit margins: token equality tests the schedule
         _ENGINES[key] = Engine(model, ByteTokenizer(), EngineConfig(
-            CFG, CACHE, SCHED, parallel=ParallelConfig(tp), execution=ExecutionConfig(ALL, streams=streams)))
+            CFG, CACHE, SCHED, parallel=ParallelConfig(tp), execution=ExecutionConfig(ALL)))
     return _ENGINES[key]
 
 

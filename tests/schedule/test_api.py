@@ -1,4 +1,4 @@
-"""Op graph, scheduler API, strategy orders, nano-batch metadata and the per-batch choice: planning only (no
+"""Op graph, scheduler API, strategy orders, nano-batch metadata and the per-batch choice: recording only (no
 compiles)."""
 import numpy as np
 import pytest
@@ -60,11 +60,11 @@ def test_ready_ops_follow_dependencies():
                 if not s.is_done(node.name, i):
                     s.execute(s.nano_op(node.name, i))
 
-    prog = Probe(body).record(ctx())
+    sched = Probe(body).record(ctx())
     assert seen["start"] == ["attn_norm"]
     assert seen["after_nb0_rope"] == []
     assert seen["after_all_rope"] == ["attn_decode"]
-    assert len(prog.steps) == 2 * len(G) and prog.carry_ranges == ((0, 16), (16, 64))
+    assert len(sched.steps) == 2 * len(G) and sched.carry_ranges == ((0, 16), (16, 64))
 
 
 @pytest.mark.parametrize("body,msg", [
@@ -98,13 +98,13 @@ def test_merged_and_fused_execution():
             for i in range(3):
                 s.execute(s.nano_op(name, i))
 
-    prog = Probe(body).record(ctx())
-    assert prog.order[:2] == ["attn_norm@0,1[0:32]", "attn_norm@2[32:64]"]
-    fused = [s for s in prog.steps if s.kernel]
+    sched = Probe(body).record(ctx())
+    assert sched.order[:2] == ["attn_norm@0,1[0:32]", "attn_norm@2[32:64]"]
+    fused = [s for s in sched.steps if s.kernel]
     assert len(fused) == 1 and fused[0].ops == ("attn_reduce", "ffn_norm") and fused[0].ins == ("o_partial", "x")
     # kqv reads attn_norm's two pieces as one; the fused kernel reads the residual carried in three pieces
-    assert prog.buffered == {"h", "x"}
-    assert prog.carry_ranges == ((0, 16), (16, 32), (32, 64))
+    assert sched.buffered == {"h", "x"}
+    assert sched.carry_ranges == ((0, 16), (16, 32), (32, 64))
 
 
 def test_comm_overlap_issues_each_all_reduce_before_the_next_gemm():
@@ -118,18 +118,18 @@ def test_comm_overlap_issues_each_all_reduce_before_the_next_gemm():
 
 
 def test_fused_reduce_norm_replaces_two_ops():
-    prog = FusedReduceNorm((1, 1), align=8).record(ctx())
-    names = [s.kernel or s.ops[0] for s in prog.steps]
+    sched = FusedReduceNorm((1, 1), align=8).record(ctx())
+    names = [s.kernel or s.ops[0] for s in sched.steps]
     assert names.count("reduce_norm") == 2 and "attn_reduce" not in names and "ffn_norm" not in names
     assert not FusedReduceNorm().splits and FusedReduceNorm((1, 1)).splits
 
 
 def test_dual_batch_overlaps_attention_of_one_with_mlp_of_the_other():
-    prog = DualBatchOverlap().record(ctx())
-    order = [s.split("[")[0].split(" ")[0] for s in prog.order]
+    sched = DualBatchOverlap().record(ctx())
+    order = [s.split("[")[0].split(" ")[0] for s in sched.order]
     first_mlp0, last_attn1 = order.index("ffn_norm@0"), order.index("attn_prefill@1")
-    assert order.index("attn_decode@1") < first_mlp0 < last_attn1        # interleaved in program order
-    by = {repr(s).split("[")[0]: s.stream for s in prog.steps}
+    assert order.index("attn_decode@1") < first_mlp0 < last_attn1        # interleaved in recorded order
+    by = {repr(s).split("[")[0]: s.stream for s in sched.steps}
     assert by["kqv@0"] is None and by["kqv@1"] == 1 and by["rope_append@1"] is None and by["attn_reduce@1"] is None
 
 
@@ -201,6 +201,19 @@ def test_strategy_config_errors(kw, msg):
         ExecutionConfig((StrategyConfig("nanobatch"), StrategyConfig("nanobatch")))
 
 
+def test_config_kinds_are_the_strategy_registry():
+    """nfjax.config names the kinds without importing JAX code; the registry maps the same names to classes, and
+    every class builds from a config with its label."""
+    from nfjax.config import STRATEGY_KINDS
+    from nfjax.schedule.strategies import STRATEGIES
+    from nfjax.schedule.variants import build_strategy
+    assert tuple(STRATEGIES) == STRATEGY_KINDS
+    for kind, cls in STRATEGIES.items():
+        sc = StrategyConfig(kind, plan="llama3-8b_h100_tp1_beside_mact" if kind == "nanoflow" else None, name="x")
+        s = build_strategy(sc)
+        assert type(s) is cls and s.kind == kind and s.name == "x"
+
+
 @pytest.mark.parametrize("spec", ["sequential", "nanobatch:1-1", "dual_batch:1-3", "comm_overlap:1-1-2",
                                   "nanoflow:llama3-8b_h100_tp1"])
 def test_strategy_spec_round_trips_through_its_label(spec):
@@ -216,9 +229,9 @@ def test_bad_strategy_spec_names_the_problem(spec, msg):
 
 
 def test_sequential_is_the_plain_forward():
-    prog = Sequential().record(ctx())
-    assert [s.ops[0] for s in prog.steps] == list(G.names) and prog.carry_ranges == ((0, 64),)
-    assert not prog.buffered and all(s.stream is None for s in prog.steps)
+    sched = Sequential().record(ctx())
+    assert [s.ops[0] for s in sched.steps] == list(G.names) and sched.carry_ranges == ((0, 64),)
+    assert not sched.buffered and all(s.stream is None for s in sched.steps)
 
 
 def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
@@ -243,12 +256,12 @@ def test_horizontal_kernel_runs_ops_of_different_nano_batches_side_by_side():
                 while ready := self.get_ready_ops(i):
                     self.execute(ready[0])
 
-    prog = Beside([("attn_decode", 0), ("up_gate", 1)]).record(ctx())
-    step = next(s for s in prog.steps if s.parts)
+    sched = Beside([("attn_decode", 0), ("up_gate", 1)]).record(ctx())
+    step = next(s for s in sched.steps if s.parts)
     assert repr(step) == "decode_beside_up_gate(attn_decode@0[0:8] share=0.25 + up_gate@1[8:64])"
     assert [(p.ops, p.start, p.stop, p.ins, p.outs) for p in step.parts] == [
         (("attn_decode",), 0, 8, ("q_rot", "kv"), ("attn_d",)), (("up_gate",), 8, 64, ("h2",), ("gate", "up"))]
-    ops = sorted((op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs)
+    ops = sorted((op, i) for s in sched.steps for p in s.pieces for op in p.ops for i in p.nbs)
     assert ops == sorted((op, i) for op in G.names for i in (0, 1))
     with pytest.raises(ScheduleError, match="runs \\['attn_decode', 'up_gate'\\] side by side"):
         Beside([("attn_decode", 0), ("down", 1)]).record(ctx())

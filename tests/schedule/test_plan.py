@@ -21,10 +21,10 @@ def test_shipped_plans_exist():
 def test_shipped_plan_plans_at_its_bucket_and_scales(name):
     plan = load_plan(name)
     nf = NanoFlow(plan)
-    prog = nf.record(ScheduleContext(plan.bucket, G, plan.tp))
-    ops = [(op, i) for s in prog.steps for p in s.pieces for op in p.ops for i in p.nbs]
-    assert sorted(ops) == sorted((op, i) for op in G.names for i in range(len(prog.nano_batches)))
-    assert any(s.stream or s.parts for s in prog.steps)       # it overlaps: a second stream or a horizontal kernel
+    sched = nf.record(ScheduleContext(plan.bucket, G, plan.tp))
+    ops = [(op, i) for s in sched.steps for p in s.pieces for op in p.ops for i in p.nbs]
+    assert sorted(ops) == sorted((op, i) for op in G.names for i in range(len(sched.nano_batches)))
+    assert any(s.stream or s.parts for s in sched.steps)       # it overlaps: a second stream or a horizontal kernel
     assert nf.eligible(ScheduleContext(plan.min_bucket, G, plan.tp)) is None
     assert nf.eligible(ScheduleContext(plan.min_bucket // 2, G, plan.tp)) is not None
 
@@ -92,12 +92,12 @@ def test_missing_file_and_bad_json(tmp_path):
 
 def test_deadlocking_stream_orders_are_reported():
     d = json.loads(open(TINY_PLAN).read())
-    # any order that respects dependencies plans: stream 1 may run nano-batch 1's attention first
+    # any order that respects dependencies records: stream 1 may run nano-batch 1's attention first
     d["streams"][1]["order"] = ["attn:1", "attn:0"]
     plan = Plan.from_json(copy.deepcopy(d)).validate(G)
-    prog = NanoFlow(plan).record(ScheduleContext(64, G, 1))
-    assert prog.order.index(next(s for s in prog.order if s.startswith("attn_decode@3"))) < \
-        prog.order.index(next(s for s in prog.order if s.startswith("attn_decode@0")))
+    sched = NanoFlow(plan).record(ScheduleContext(64, G, 1))
+    assert sched.order.index(next(s for s in sched.order if s.startswith("attn_decode@3"))) < \
+        sched.order.index(next(s for s in sched.order if s.startswith("attn_decode@0")))
     # stream 0 wants o:1 (needs attention of tokens 32..63) before qkv:2, which every attention waits for
     d["streams"][0]["order"] = ["qkv:0", "qkv:1", "o:1", "qkv:2", "o:0", "mlp:0", "mlp:1"]
     plan = Plan.from_json(d).validate(G)
@@ -110,9 +110,9 @@ def test_per_nano_batch_share_wins_over_the_op_share():
     d["share"] = {"down": 0.5, "down:1": 0.75}
     plan = Plan.from_json(d).validate(G)
     assert (plan.share_of("down", 0), plan.share_of("down", 1), plan.share_of("kqv", 0)) == (0.5, 0.75, None)
-    prog = NanoFlow(plan).record(ScheduleContext(64, G, 1))
+    sched = NanoFlow(plan).record(ScheduleContext(64, G, 1))
     # mlp's nano-batches are tokens [0:16] and [16:64]
-    assert [s for s in prog.order if s.startswith("down@")] == ["down@0,1[0:16] share=0.5",
+    assert [s for s in sched.order if s.startswith("down@")] == ["down@0,1[0:16] share=0.5",
                                                                  "down@2,3[16:64] share=0.75"]
 
 

@@ -1,14 +1,23 @@
-"""compat.on_stream / inline_calls: stream regions hold primitives only (XLA 0.11.2 rejects a nested call inside
-one) and compute what the plain function computes."""
+"""EXPERIMENTAL stream regions (nfjax/experimental/streams.py), kept for the benchmarks that measure them:
+regions hold primitives only (XLA 0.11.2 rejects a nested call inside one) and compute what the plain function
+computes; an engine whose stream-naming variants run in regions gives the tokens of `sequential`, and the
+annotations reach the HLO."""
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from nfjax.compat import inline_calls, on_stream
+from nfjax.config import EngineConfig, ExecutionConfig, ParallelConfig, StrategyConfig
+from nfjax.engine import Engine
+from nfjax.engine.runner import Runner
+from nfjax.experimental.streams import inline_calls, on_stream, use_streams
+from nfjax.models.random_init import random_model
+from nfjax.tokenizer.byte import ByteTokenizer
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.persistent_gemm import persistent_gemm
+from sched_common import CACHE, CFG, SCHED, TINY_PLAN, run
 
 CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat"}
 
@@ -62,3 +71,42 @@ def test_kernels_on_two_streams_lower_for_cuda_without_nested_calls():
     annotated = re.findall(r'(?<!custom_)call @(\S+)\(.*_xla_stream_annotation = "(\d)"', text)
     assert sorted(s for _, s in annotated) == ["1", "2"], annotated
     assert text.count("@mosaic_gpu_v2(") == 2
+
+
+STREAMED = (StrategyConfig("dual_batch"), StrategyConfig("nanoflow", plan=TINY_PLAN))    # both name stream 1
+
+
+@pytest.fixture(scope="module")
+def stream_engine():
+    """TP=2 (regions inside the shard_map), the stream-naming variants compiled with regions."""
+    compile_all = Runner.compile_all
+
+    def with_streams(self, *a, **kw):
+        assert use_streams(self) == sorted(s.label for s in STREAMED)
+        return compile_all(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Runner, "compile_all", with_streams)
+        return Engine(random_model(CFG, seed=1, std=0.2), ByteTokenizer(),
+                      EngineConfig(CFG, CACHE, SCHED, parallel=ParallelConfig(2), execution=ExecutionConfig(STREAMED)))
+
+
+def test_stream_regions_give_the_tokens_of_sequential(stream_engine):
+    ref, _, _ = run(stream_engine, "sequential")
+    for sc in STREAMED:
+        got, steps, counts = run(stream_engine, sc.label)
+        assert counts == {sc.label: len(steps)}
+        assert got == ref, f"{sc.label} on streams differs from sequential"
+
+
+def test_stream_regions_reach_the_hlo_without_command_buffers(stream_engine):
+    """Ops recorded on stream k >= 1 carry XLA's stream annotation k; those variants compile without command
+    buffers; cache writers and collectives (never recorded on a stream) and the plain variant stay unannotated."""
+    r = stream_engine.runner
+    hlo = r._steps[(64, "dual_batch:1-1")].as_text()
+    assert re.search(r'_xla_stream_annotation="1"', hlo) and not re.search(r'_xla_stream_annotation="2"', hlo)
+    assert "_xla_stream_annotation" not in r._steps[(64, "sequential")].as_text()
+    v = r.variants.by_bucket[64]
+    assert v["dual_batch:1-1"].compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0,
+                                                     "xla_gpu_enable_command_buffer": ""}
+    assert v["sequential"].compiler_options() == {}
