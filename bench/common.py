@@ -20,6 +20,12 @@ from collections.abc import Callable, Sequence
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -m <module> <args>` with this interpreter: a bench's child process (itself again, a peer). It
+    inherits the working directory, the repository root that the parent was run from."""
+    return [sys.executable, "-m", module, *args]
+
+
 def device_name() -> str:
     import jax
     d = jax.devices()[0]

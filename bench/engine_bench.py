@@ -1,6 +1,7 @@
-"""Engine bench building blocks shared by bench/offline.py and bench/tp.py: the GEMM ceiling, KV sizing, one
-offline workload through `Engine.generate` with per-step-kind timing, and fixed synthetic batches timed on the
-runner's compiled steps directly (no scheduler, so the same batch can be timed under any engine variant).
+"""Engine bench building blocks shared by bench/offline.py and bench/tp.py: the GEMM ceiling, the context and KV
+pages a workload needs, one offline workload through `Engine.generate` with per-step-kind timing, and fixed
+synthetic batches timed on the runner's compiled steps directly (no batcher, so the same batch can be timed
+under any engine variant). Engines themselves come from bench/setup.py.
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 import numpy as np
 
 from bench.step_bench import make_step_input, run_step
-from nfjax.config import CacheConfig, ModelConfig
 
 Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
 
@@ -21,29 +21,14 @@ def gemm_tflops() -> float:
     return measure_gemm_tflops(8192 if jax.default_backend() == "gpu" else 256)
 
 
-def kv_pages(cfg: ModelConfig, page_size: int, fraction: float, tp: int = 1, need: int | None = None) -> int:
-    """KV pages that fit one device's free memory under `tp`-way KV-head sharding, capped at `need` (the
-    pages the workload can use: more only slow start-up). Without memory statistics (CPU): `need`."""
-    from nfjax.kv.cache import pages_that_fit
-    local = cfg.replace(num_kv_heads=max(cfg.num_kv_heads, tp) // tp)   # KV heads each device holds
-    try:
-        fit = pages_that_fit(local, page_size, fraction)
-    except RuntimeError:
-        if need is None:
-            raise
-        return need
-    return fit if need is None else min(fit, need)
+def longest(works: list[Work]) -> int:
+    """Tokens of the longest request (prompt + output): the context the engine must hold."""
+    return max(len(p) + o for w in works for p, o in w)
 
 
-def cache_for(works: list[Work], page_size: int, num_pages: int, min_context: int = 0) -> CacheConfig:
-    """Page-table width for the longest request (prompt + output) or `min_context` tokens."""
-    longest = max([len(p) + o for w in works for p, o in w] + [min_context])
-    return CacheConfig(page_size=page_size, num_pages=num_pages, max_pages_per_seq=-(-longest // page_size))
-
-
-def pages_needed(works: list[Work], page_size: int, max_seqs: int) -> int:
-    """Pages for the `max_seqs` longest requests at once (+ scratch page 0): no preemption, no admission
-    limit from memory, so every engine variant runs the same schedule."""
+def pages_needed(works: list[Work], page_size: int, max_seqs: int | None = None) -> int:
+    """Pages for the `max_seqs` (None: all) longest requests at once (+ scratch page 0): no preemption, no
+    admission limit from memory, so every engine variant runs the same schedule."""
     lens = sorted((-(-(len(p) + o) // page_size) for w in works for p, o in w), reverse=True)
     return sum(lens[:max_seqs]) + 1
 

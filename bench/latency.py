@@ -6,13 +6,13 @@ Each batch gets fresh random prompts (--prompt-len tokens, --output-len tokens o
 warm-up. Per request: TTFT from RequestOutput.metrics (arrival to first token on the host) and TPOT = (e2e -
 TTFT) / (tokens - 1); the batch's figures are the means over its requests. Inter-token latency (ITL): the gaps
 between the tokens `Engine.stream` yields for one request alone, p50 and p99. The engine is built as
-bench/offline.py builds it (same flags and defaults).
+bench/offline.py builds it (bench/setup.py: the product's engine flags and defaults).
 
 Ratios: nfjax_vs_vllm_tpot_bs<B> = vLLM TPOT / nfjax TPOT, so > 1 means nfjax is faster (as nfjax_vs_vllm_*
 of bench/offline.py: > 1 means nfjax ahead).
 
-usage: python bench/latency.py --shape llama3-8b --batch-sizes 1,64 [--peer vllm]
-CPU:   python bench/latency.py --shape smoke --batch-sizes 1,4 --prompt-len 16 --output-len 8 --buckets 32,64
+usage: python -m bench.latency --shape llama3-8b --batch-sizes 1,64 [--peer vllm]
+CPU:   python -m bench.latency --shape smoke --batch-sizes 1,4 --prompt-len 16 --output-len 8
 """
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")   # as bench/offline.py (GPU only)
+from bench.common import module_command
+from bench.setup import add_bench_args
 
 
 def ints(s: str) -> list[int]:
@@ -37,23 +36,6 @@ def pct(xs: list[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation."""
     import numpy as np
     return float(np.percentile(xs, 100 * q))
-
-
-def build_engine(args, cfg, works):
-    """The engine as bench/offline.py's engine_run builds it; KV pages capped at what `works` can use."""
-    from bench.engine_bench import cache_for, kv_pages, pages_needed
-    from nfjax.config import BatcherConfig, EngineConfig, ExecutionConfig, StrategyConfig
-    from nfjax.engine import Engine
-    from nfjax.models.random_init import random_model
-    from nfjax.tokenizer.silent import SilentTokenizer
-    need = pages_needed(works, args.page_size, args.max_seqs)
-    num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction, need=need)
-    strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
-                       for sp in filter(None, args.strategies.split(",")))
-    config = EngineConfig(cfg, cache_for(works, args.page_size, num_pages),
-                          BatcherConfig(token_buckets=tuple(ints(args.buckets)), max_seqs=args.max_seqs),
-                          execution=ExecutionConfig(strategies=strategies))
-    return Engine(random_model(cfg), SilentTokenizer(cfg.vocab_size), config), num_pages
 
 
 def batch_latency(engine, work) -> dict:
@@ -88,6 +70,8 @@ def stream_latency(engine, ids: list[int], n: int) -> dict:
 
 def nfjax_latency(args, cfg) -> dict:
     from bench.common import device_name
+    from bench.engine_bench import longest
+    from bench.setup import bench_engine
     from bench.workloads import fixed
     v = cfg.vocab_size
     # A new seed for every measurement: fresh prompts, as the peer gets (its prefix cache would serve repeats).
@@ -95,8 +79,8 @@ def nfjax_latency(args, cfg) -> dict:
     solo = fixed(1, args.prompt_len, args.output_len, v, seed=2000)[0]
     warm = fixed(max(args.batch_sizes), args.prompt_len, 4, v, seed=7)
     t = time.perf_counter()
-    engine, num_pages = build_engine(args, cfg, [*works.values(), warm, [solo]])
-    out = {"device": device_name(), "compile_s": time.perf_counter() - t, "num_pages": num_pages,
+    engine = bench_engine(args, context=longest([*works.values(), warm, [solo]]))
+    out = {"device": device_name(), "compile_s": time.perf_counter() - t, "num_pages": engine.config.cache.num_pages,
            "config": cfg.to_json(), "results": {}}
     batch_latency(engine, warm)
     for bs, work in works.items():
@@ -109,11 +93,11 @@ def nfjax_latency(args, cfg) -> dict:
 
 
 def run_vllm(args, cfg, tmp: str) -> dict:
-    from bench.peers import VLLM_SCRIPT, run_json_child
+    from bench.peers import VLLM_MODULE, run_json_child
     model = os.path.join(tmp, "model.json")
     with open(model, "w") as f:
         json.dump(cfg.to_json(), f)
-    cmd = [sys.executable, VLLM_SCRIPT, "--mode", "latency", "--model-config", model, "--shape", args.shape,
+    cmd = [*module_command(VLLM_MODULE), "--mode", "latency", "--model-config", model, "--shape", args.shape,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
            "--output-len", str(args.output_len), *shlex.split(args.vllm_args)]
     print("== vLLM:", " ".join(cmd), flush=True)
@@ -162,29 +146,19 @@ def plot(path: str, ours: dict, vllm: dict | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    add_bench_args(ap)
     ap.add_argument("--batch-sizes", type=ints, default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
     ap.add_argument("--peer-timeout", type=int, default=420, help="seconds for the vLLM process, start-up included")
     ap.add_argument("--vllm-args", default="", help="extra flags for bench/peers/vllm.py")
-    ap.add_argument("--buckets", default="128,256,512,1024,2048")
-    ap.add_argument("--max-seqs", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what the batches use)")
-    ap.add_argument("--strategies", default="", help="step variants tried before Sequential (as bench/offline.py)")
-    ap.add_argument("--strategy-min-decode", type=int, default=0)
     ap.add_argument("--name", default="latency")
     args = ap.parse_args()
     if args.output_len < 2 or not args.batch_sizes:
         raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens) and --batch-sizes non-empty")
-    from nfjax.models.random_init import SHAPES          # imports JAX without starting a backend
-    cfg = SHAPES[args.shape]
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
+    from bench.setup import model_config               # imports JAX without starting a backend
+    cfg = model_config(args)
     vllm = None
     if args.peer == "vllm":          # first: JAX has not touched the GPU yet, and the peer's process is gone after
         with tempfile.TemporaryDirectory() as tmp:

@@ -4,9 +4,13 @@ variants (e.g. Sequential and a NanoFlow plan) and peers side by side in the sam
 HF transformers continuous-batching peer, `--peer vllm` vLLM on the exact requests the engine ran
 (bench/peers/vllm.py; README "Benchmarks" says how it reaches the GPU machine), `--peer hf,vllm` both, `none`.
 
-usage: python bench/offline.py --shape llama3-8b --workloads 1024x512,sharegpt --num-requests 512 \
+The engine flags are the product's (bench/setup.py), with its defaults; the page table is as wide as the
+longest request unless they size it.
+
+usage: python -m bench.offline --shape llama3-8b --workloads 1024x512,sharegpt --num-requests 512 \
            --peer hf,vllm --peer-requests 16 \
-           --variants "sequential=;mact=--strategies nanoflow:llama3-8b_h100_tp1_beside_mact --page-size 64"
+           --variants "sequential=;mact=--plan llama3-8b_h100_tp1_beside_mact --page-size 64"
+CPU:   python -m bench.offline --shape smoke --workloads 64x16 --num-requests 6 --peer none
 """
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+from bench.common import module_command
+from bench.setup import add_bench_args
 
 WORKLOAD_KEYS = {"1024x512": "1024_512", "sharegpt": "sharegpt"}
 
@@ -46,8 +50,8 @@ def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
 def run_peer(args, workload: str, n: int) -> dict:
     """The peer runs in its own process, so torch and JAX never hold the GPU at once."""
     timeout = args.peer_timeout or 240
-    cmd = [sys.executable, "bench/hf_peer.py", "--shape", args.shape, "--workload", workload,
-           "--num-requests", str(n), "--time-limit", str(max(30, timeout - 20))]
+    cmd = module_command("bench.peers.hf", "--shape", args.shape, "--workload", workload,
+                         "--num-requests", str(n), "--time-limit", str(max(30, timeout - 20)))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -59,11 +63,11 @@ def run_peer(args, workload: str, n: int) -> dict:
 def run_vllm(args, engine: dict, work_dir: str) -> dict:
     """vLLM on the workloads the first finished variant wrote to `work_dir` (its exact ids and lengths), a
     model of the shape that variant ran (its config), in a process of its own after every variant's."""
-    from bench.peers import VLLM_SCRIPT, run_json_child
+    from bench.peers import VLLM_MODULE, run_json_child
     model = os.path.join(work_dir, "model.json")
     with open(model, "w") as f:
         json.dump(engine["config"], f)
-    cmd = [sys.executable, VLLM_SCRIPT, "--mode", "offline", "--model-config", model, "--shape", args.shape,
+    cmd = [*module_command(VLLM_MODULE), "--mode", "offline", "--model-config", model, "--shape", args.shape,
            *(a for w in engine["workloads"] for a in ("--workload", f"{w}={os.path.join(work_dir, w + '.json')}")),
            *shlex.split(args.vllm_args)]
     print("== vLLM:", " ".join(cmd), flush=True)
@@ -73,44 +77,31 @@ def run_vllm(args, engine: dict, work_dir: str) -> dict:
 def engine_run(args, workloads: list[str]) -> dict:
     """Our engine on every workload (a child process per variant, so the GPU is free again afterwards)."""
     from bench.common import device_name
-    from bench.engine_bench import cache_for, gemm_tflops, kv_pages, run_workload
+    from bench.engine_bench import gemm_tflops, longest, run_workload
     from bench.peers.workload_io import stats as workload_stats
+    from bench.setup import bench_engine, config_record, engine_flags, model_config
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, ExecutionConfig, BatcherConfig, StrategyConfig
-    from nfjax.engine import Engine
-    from nfjax.models.random_init import SHAPES, random_model
-    from nfjax.tokenizer.silent import SilentTokenizer
 
-    cfg = SHAPES[args.shape]
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
+    cfg = model_config(args)
     gemm = gemm_tflops()
     params = cfg.num_params()
     optimal = gemm * 1e12 / (2 * params)
-    model = random_model(cfg)
-    buckets = tuple(int(b) for b in args.buckets.split(","))
     works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
     if args.workload_dir:           # the exact requests, for a peer (bench/peers/workload_io.py)
         from bench.peers.workload_io import write_workload
         os.makedirs(args.workload_dir, exist_ok=True)
         for w, work in works.items():
             write_workload(os.path.join(args.workload_dir, f"{w}.json"), work)
-    num_pages = args.num_pages or kv_pages(cfg, args.page_size, args.kv_fraction)
-    cache = cache_for(list(works.values()), args.page_size, num_pages)
-    sched = BatcherConfig(token_buckets=buckets, max_seqs=args.max_seqs)
-    print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; {num_pages} KV pages; compiling...", flush=True)
+    print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; compiling...", flush=True)
     t = time.perf_counter()
-    strategies = tuple(StrategyConfig.from_spec(sp, align=64, min_decode=args.strategy_min_decode)
-                       for sp in filter(None, args.strategies.split(",")))
-    schedule = ExecutionConfig(strategies, command_buffers=not args.no_command_buffers,
-                              layers_per_program=args.layers_per_program, stable_inputs=not args.fresh_inputs)
-    engine = Engine(model, SilentTokenizer(cfg.vocab_size), EngineConfig(cfg, cache, sched, execution=schedule))
+    engine = bench_engine(args, context=longest(list(works.values())))
     compile_s = time.perf_counter() - t
+    ec = engine.config
+    print(f"compiled in {compile_s:.1f}s; {ec.cache.num_pages} KV pages, buckets {ec.batcher.token_buckets}, "
+          f"{ec.batcher.max_seqs} sequences a step", flush=True)
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
-           "compile_s": compile_s, "buckets": buckets, "num_pages": num_pages, "config": cfg.to_json(),
-           "engine_args": {k: getattr(args, k) for k in ("page_size", "max_seqs", "strategies",
-                                                        "strategy_min_decode", "layers_per_program",
-                                                        "no_command_buffers", "fresh_inputs")},
+           "compile_s": compile_s, "buckets": ec.batcher.token_buckets, "num_pages": ec.cache.num_pages,
+           "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
         out["results"][w] = run_workload(engine, work, w, optimal)
@@ -182,7 +173,7 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
+    add_bench_args(ap)
     ap.add_argument("--workloads", default="1024x512,sharegpt")
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--peer", default="hf", help="peers after the engine variants: hf, vllm, hf,vllm or none")
@@ -192,23 +183,8 @@ def main() -> None:
     ap.add_argument("--vllm-args", default="", help="extra flags for bench/peers/vllm.py, e.g. '--max-num-seqs 256'")
     ap.add_argument("--engine-timeout", type=int, default=600, help="seconds for each variant's process")
     ap.add_argument("--variants", default="", help="engine variants compared in this call: 'NAME=FLAGS;...', "
-                    "FLAGS being this script's engine flags (they override the ones given outside); the first "
+                    "FLAGS being engine flags (they override the ones given outside); the first "
                     "is the baseline. Default: one variant from the flags given")
-    ap.add_argument("--buckets", default="128,256,512,1024,2048")
-    ap.add_argument("--max-seqs", type=int, default=512, help="sequences per step (ShareGPT-shaped: 512 gave "
-                    "1.06x the tok/s of 256, bench/results/offline-sharegpt-20261123.json)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what fits, GPU only)")
-    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
-    ap.add_argument("--layers-per-program", type=int, default=4, help="decoder layers per compiled program")
-    ap.add_argument("--no-command-buffers", action="store_true", help="XLA CUDA-graph command buffers off")
-    ap.add_argument("--fresh-inputs", action="store_true", help="hand each step its inputs in new device buffers "
-                    "(ExecutionConfig.stable_inputs off; for comparison)")
-    ap.add_argument("--strategies", default="", help="step variants tried before Sequential, in order, e.g. "
-                    "nanoflow:llama3-8b_h100_tp1_beside_mact,dual_batch:1-1 (default: Sequential only)")
-    ap.add_argument("--strategy-min-decode", type=int, default=0,
-                    help="use the --strategies only for batches with at least this many decode tokens")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     ap.add_argument("--workload-dir", default=None, help=argparse.SUPPRESS)  # child mode: write the requests here
@@ -230,8 +206,8 @@ def main() -> None:
             path = os.path.join(tmp, f"{name}.json")
             print(f"== variant {name}: {' '.join(flags) or '(the flags given)'}", flush=True)
             try:
-                subprocess.run([sys.executable, *sys.argv, *flags, "--engine-json", path,
-                                "--workload-dir", os.path.join(tmp, f"work-{name}")],
+                subprocess.run(module_command("bench.offline", *sys.argv[1:], *flags, "--engine-json", path,
+                                              "--workload-dir", os.path.join(tmp, f"work-{name}")),
                                timeout=args.engine_timeout, check=True)
                 ours[name] = json.load(open(path))
             except (subprocess.SubprocessError, OSError) as e:

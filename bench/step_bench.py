@@ -25,8 +25,9 @@ def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
         nxt += npg
     if nxt > cc.num_pages:
         raise ValueError(f"synthetic batch needs {nxt} pages; the cache has {cc.num_pages}")
-    meta = build_metadata(specs, bucket, runner.max_seqs, cc.max_pages_per_seq, cc.page_size, num_decode=num_decode)
-    z = np.zeros(runner.max_seqs, np.int32)
+    rows = runner.sched.seqs_for(bucket)                  # the sequence rows the bucket's step was compiled for
+    meta = build_metadata(specs, bucket, rows, cc.max_pages_per_seq, cc.page_size, num_decode=num_decode)
+    z = np.zeros(rows, np.int32)
     toks = rng.integers(0, runner.cfg.vocab_size, bucket).astype(np.int32)
     return runner._to_device(StepInput(toks, np.full(bucket, -1, np.int32), meta, z.astype(np.float32), z,
                                        z.astype(np.float32) + 1, z.astype(np.uint32), z))

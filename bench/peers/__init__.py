@@ -9,7 +9,7 @@ import subprocess
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_SCRIPT = os.path.join(ROOT, "bench", "peers", "vllm.py")
+VLLM_MODULE = "bench.peers.vllm"          # run from ROOT: python -m bench.peers.vllm
 
 
 def last_json_line(text: str) -> dict | None:

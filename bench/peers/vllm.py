@@ -13,8 +13,8 @@ latency: light load at each batch size, on fresh random prompts each call (prefi
 vLLM is imported only here, after VLLM_USE_FLASHINFER_SAMPLER=0 (FlashInfer is not carried) and with --vsite
 (where bench/peers/prepare_vllm.sh's parts install it; README "Benchmarks") on the path.
 
-usage: python bench/peers/vllm.py --mode offline --model-config M.json --workload 1024x512=W.json
-       python bench/peers/vllm.py --mode latency --model-config M.json --batch-sizes 1,64
+usage: python -m bench.peers.vllm --mode offline --model-config M.json --workload 1024x512=W.json
+       python -m bench.peers.vllm --mode latency --model-config M.json --batch-sizes 1,64
 """
 from __future__ import annotations
 
@@ -25,29 +25,25 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-# Run as a script, this file's folder is sys.path[0], where this file would shadow the vllm package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-sys.path.insert(0, ROOT)
 for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
     os.environ.setdefault(k, v)
 
-from bench.peers.workload_io import hf_config, read_workload, requests_work, stats, vllm_requests  # noqa: E402
+from bench.peers.workload_io import hf_config, read_workload, requests_work, stats, vllm_requests
 
 T_START = time.perf_counter()
 
 
 def use_vsite(path: str) -> None:
-    """Put the vLLM install on this process's path and, for the processes vLLM starts, on PYTHONPATH."""
+    """Put the vLLM install ahead of the installed packages for this process and the processes vLLM starts:
+    first on PYTHONPATH, this process started again with it there (before vLLM is imported)."""
     if not os.path.isdir(path):
         return
-    if path not in sys.path:
-        sys.path.insert(1, path)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if path not in parts:
         os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "bench.peers.vllm", *sys.argv[1:]])
 
 
 def write_model_dir(path: str, model: dict) -> None:

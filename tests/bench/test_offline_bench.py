@@ -1,4 +1,4 @@
-"""bench/offline.py: variant parsing, the summary over several engine variants and the HF peer, and one real
+"""bench.offline: variant parsing, the summary over several engine variants and the HF peer, and one real
 CPU run of the whole script (two engine variants in child processes, the HF transformers peer, the JSON)."""
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def test_summarize_best_variant_peer_and_one_ceiling():
 
 def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "bench/offline.py", "--shape", "smoke", "--workloads", "64x16", "--num-requests", "6",
-           "--peer-requests", "2", "--peer-timeout", "200", "--buckets", "32,64", "--max-seqs", "8",
-           "--num-pages", "64", "--name", "offline-test",
+    # the product's defaults for what is not given (on a CPU: buckets 64,256, KV pages 512)
+    cmd = [sys.executable, "-m", "bench.offline", "--shape", "smoke", "--workloads", "64x16", "--num-requests", "6",
+           "--peer-requests", "2", "--peer-timeout", "200", "--name", "offline-test",
            "--variants", "seq=;nbo=--strategies nanobatch:1-1 --max-seqs 6"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -61,6 +61,10 @@ def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     assert set(data["engines"]) == {"seq", "nbo"} and data["failed_variants"] == []
     assert data["engines"]["nbo"]["engine_args"]["max_seqs"] == 6          # the variant's flags won
     assert data["engines"]["nbo"]["engine_args"]["strategies"] == "nanobatch:1-1"
+    seq = data["engines"]["seq"]["engine_config"]
+    assert seq["batcher"]["token_buckets"] == [64, 256] and seq["cache"]["num_pages"] == 512     # the builder's
+    assert seq["cache"]["max_pages_per_seq"] == 5                  # 64 + 16 tokens, the longest request
+    assert data["engines"]["nbo"]["engine_config"]["batcher"]["max_seqs"] == 6
     for eng in data["engines"].values():
         res = eng["results"]["64x16"]
         assert res["generated_tokens"] == 6 * 16 and res["prompt_tokens"] == 6 * 64

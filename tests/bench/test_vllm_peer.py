@@ -145,8 +145,8 @@ def _run(cmd, tmp_path):
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM installed: the peer would run for real")
 def test_offline_script_hands_vllm_the_requests_the_engine_ran(tmp_path):
-    doc = _run([sys.executable, "bench/offline.py", "--shape", "smoke", "--workloads", "64x16,sharegpt",
-                "--num-requests", "5", "--peer", "vllm", "--peer-timeout", "120", "--buckets", "32,64",
+    doc = _run([sys.executable, "-m", "bench.offline", "--shape", "smoke", "--workloads", "64x16,sharegpt",
+                "--num-requests", "5", "--peer", "vllm", "--peer-timeout", "120", "--token-buckets", "32,64",
                 "--max-seqs", "8", "--num-pages", "256", "--name", "offline-vllm-test"], tmp_path)
     s, data = doc["summary"], doc["data"]
     sent = data["vllm"]["workloads"]               # what the vLLM process read and would send
@@ -158,8 +158,8 @@ def test_offline_script_hands_vllm_the_requests_the_engine_ran(tmp_path):
 
 def test_latency_script_on_cpu(tmp_path):
     peer = [] if HAVE_VLLM else ["--peer", "vllm", "--peer-timeout", "120"]
-    doc = _run([sys.executable, "bench/latency.py", "--shape", "smoke", "--batch-sizes", "1,3", "--prompt-len", "16",
-                "--output-len", "6", "--buckets", "32,64", "--max-seqs", "8", "--name", "latency-test", *peer],
+    doc = _run([sys.executable, "-m", "bench.latency", "--shape", "smoke", "--batch-sizes", "1,3", "--prompt-len", "16",
+                "--output-len", "6", "--token-buckets", "32,64", "--max-seqs", "8", "--name", "latency-test", *peer],
                tmp_path)
     s, ours = doc["summary"], doc["data"]["nfjax"]
     for bs in (1, 3):

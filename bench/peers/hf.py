@@ -11,19 +11,16 @@ Why a ShareGPT-shaped run takes long: the longest of 16 requests (seed 1) wants 
 least 1445 decode steps, and HF's steps at 8B cost tens of ms each. --time-limit (seconds since start) stops the
 manager there (a hard stop fails open requests, which return the tokens they have) and reports `partial` numbers.
 
-usage: python bench/hf_peer.py --shape llama3-8b --workload sharegpt --num-requests 16 --time-limit 200
-CPU:   python bench/hf_peer.py --shape smoke --workload sharegpt --num-requests 8
+usage: python -m bench.peers.hf --shape llama3-8b --workload sharegpt --num-requests 16 --time-limit 200
+CPU:   python -m bench.peers.hf --shape smoke --workload sharegpt --num-requests 8
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T_START = time.perf_counter()
 
 
