@@ -202,7 +202,8 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=272)
     ap.add_argument("--align", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size (positions)")
-    ap.add_argument("--plan", default="llama3-8b_h100_tp1", help="comma-separated plan names/paths")
+    ap.add_argument("--plan", default="llama3-8b_h100_tp1_beside_mact",
+                    help="comma-separated plan names/paths (plans that lost: bench/probes/plans/)")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--streams", action="store_true",
                     help="also each plan with its stream k >= 1 steps in compute_on stream regions (experimental, "

@@ -5,7 +5,7 @@ Compiles one layer of the Llama-3-8B shape under a NanoFlow plan with streams on
 which of them are kernels or other region starts. A region whose done follows its start directly overlaps
 nothing.
 
-    python3 bench/stream_schedule.py --plan llama3-8b_h100_tp1_fullsm --bucket 2048
+    python3 bench/stream_schedule.py --plan bench/probes/plans/llama3-8b_h100_tp1_fullsm.json --bucket 2048
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--bucket", type=int, default=2048)
-    ap.add_argument("--plan", default="llama3-8b_h100_tp1_fullsm")
+    ap.add_argument("--plan", default="bench/probes/plans/llama3-8b_h100_tp1_fullsm.json",
+                    help="a plan with stream orders (path; run from the repository root)")
     ap.add_argument("--dump", default=None, help="folder for the optimized HLO text of each step program")
     args = ap.parse_args()
     from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig, StrategyConfig

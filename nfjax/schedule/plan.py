@@ -1,9 +1,10 @@
-"""NanoFlow plans: JSON files under `plans/` (one per model x GPU x TP x workload); fields in plans/README.md.
+"""NanoFlow plans: JSON files (one per model x GPU x TP x workload); fields in nfjax/plans/README.md.
 
 A plan fixes, for a reference token bucket, the nano-batch sizes of each op group, the op order of each
 stream and the resource share of each op. It applies to any bucket >= `min_bucket` by scaling the sizes in
-proportion (boundaries on multiples of `align`). The MILP auto-search writes these files; hand-tuned ones
-ship now. Every error names the offending field.
+proportion (boundaries on multiples of `align`). The MILP auto-search will write these files; the hand-tuned
+winners ship in nfjax/plans/ (package data: they load by name from any install). Every error names the offending
+field.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from nfjax.errors import UserError
 
 FORMAT = 1
-PLANS_DIR = Path(__file__).resolve().parents[2] / "plans"
+PLANS_DIR = Path(__file__).resolve().parents[1] / "plans"      # nfjax/plans, shipped in the wheel
 
 
 class PlanError(UserError):
@@ -30,7 +31,7 @@ class OpGroup:
 
 @dataclass(frozen=True)
 class StreamOrder:
-    stream: int                        # 0: the program's main stream; k >= 1: extra GPU stream k
+    stream: int                        # 0, 1, ...: the orders are interleaved (NanoFlow's streams)
     order: tuple[str, ...]             # "GROUP:K" (all the group's ops) or "OP:K"; K = the group's nano-batch
 
     def entries(self) -> list[list[tuple[str, int]]]:
@@ -247,7 +248,7 @@ def _int(v, where: str, lo: int) -> int:
 
 
 def plan_path(name_or_path: str | Path) -> Path:
-    """A plan file: a path, or a name under plans/ (with or without .json)."""
+    """A plan file: a path, or the name of a shipped plan (nfjax/plans/, with or without .json)."""
     p = Path(name_or_path)
     if p.is_file():
         return p

@@ -215,7 +215,7 @@ def test_config_kinds_are_the_strategy_registry():
 
 
 @pytest.mark.parametrize("spec", ["sequential", "nanobatch:1-1", "dual_batch:1-3", "comm_overlap:1-1-2",
-                                  "nanoflow:llama3-8b_h100_tp1"])
+                                  "nanoflow:llama3-8b_h100_tp1_beside_mact"])
 def test_strategy_spec_round_trips_through_its_label(spec):
     sc = StrategyConfig.from_spec(spec, align=64)
     assert sc.label == spec and sc.align == 64
