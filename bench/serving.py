@@ -7,7 +7,7 @@ achieved request and token rates. Headline figures: the highest tested rate up t
 the mean normalized latency at or under 200 ms (`max_rate_under_200ms_normalized_latency`, 0 if the lowest rate
 misses; see meets_slo) and the mean TPOT at the lightest rate (`tpot_ms_light_load`).
 
-The server: `--server-process` (default with --shape) runs bench/serve_random.py in a process of its own (the
+The server: `--server-process` (default with --shape) runs bench/server.py in a process of its own (the
 client never shares the engine loop's GIL) and stops it with SIGTERM at the end; `--in-process` serves from a
 thread of this process (default otherwise: quick CPU runs); `--url` drives a server that is already running.
 
@@ -18,9 +18,9 @@ fails the rate. (One 2048-token ShareGPT-shaped output takes a minute at 30 ms a
 from start) shortens or skips later rates. A run stopped early (SIGTERM, Ctrl-C, an error) still stops the server
 and writes what it measured, marked `partial`.
 
-usage (GPU):  python bench/serving.py --shape llama3-8b --workload sharegpt --rates 2,4,8,12,16 \
+usage (GPU):  python -m bench.serving --shape llama3-8b --workload sharegpt --rates 2,4,8,12,16 \
                   --duration-per-rate 20 --rate-timeout 55 --time-budget 390 --out DIR
-CPU smoke:    python bench/serving.py --shape smoke --rates 1,4 --num-requests 8 --workload 32x16 \
+CPU smoke:    python -m bench.serving --shape smoke --rates 1,4 --num-requests 8 --workload 32x16 \
                   --token-buckets 32,128 --max-seqs 8 --name serving-smoke --out /tmp/serv
 """
 from __future__ import annotations
@@ -37,9 +37,8 @@ import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.serve_random import ServerProcess, add_engine_args, build_engine, engine_info  # noqa: E402
+from bench.server import ServerProcess, engine_info, served_engine
+from bench.setup import add_bench_args
 
 SLO_S = 0.200     # normalized-latency bound of the headline figure
 
@@ -215,7 +214,7 @@ def _raise_on_sigterm(signum, frame):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(ap)
+    add_bench_args(ap, shape=None)
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--url", default=None, help="drive an already running server instead of starting one")
     where.add_argument("--server-process", dest="server_process", action="store_true", default=None,
@@ -279,7 +278,7 @@ class Run:
         else:
             from nfjax.config import ServerConfig
             from nfjax.server import ServerThread
-            engine, self.model = build_engine(a)
+            engine, self.model = served_engine(a)
             self.vocab, self.max_len = engine.model_config.vocab_size, engine.max_model_len
             self.info = {"server_process": False, **engine_info(engine)}
             cfg = ServerConfig(port=0, max_queue=1 << 20, log_level="warning")

@@ -1,11 +1,11 @@
-"""bench/serving.py's bookkeeping (no server, no JAX): flags to the server process, per-rate statistics,
+"""bench.serving's bookkeeping (no server, no JAX): flags to the server process, per-rate statistics,
 extrapolation of requests cut off by a rate's deadline, the headline bound."""
 from __future__ import annotations
 
 import pytest
 
-from bench.serve_random import add_engine_args, engine_argv
 from bench.serving import SLO_S, make_workload, meets_slo, parse_args, summarize
+from bench.setup import add_bench_args, engine_argv, engine_flags
 
 
 def _done(t_arrival, ttft, e2e, n):
@@ -16,13 +16,15 @@ def _done(t_arrival, ttft, e2e, n):
 
 def test_engine_flags_round_trip():
     import argparse
-    args = parse_args(["--shape", "smoke", "--token-buckets", "32,128", "--max-seqs", "8", "--num-pages", "64"])
+    args = parse_args(["--shape", "smoke", "--token-buckets", "32,128", "--max-seqs", "8", "--num-pages", "64",
+                       "--no-command-buffers", "--plan", "p.json", "--layers", "2"])
     assert args.server_process is True                       # the default with --shape
     ap = argparse.ArgumentParser()
-    add_engine_args(ap)
+    add_bench_args(ap, shape=None)
     again = ap.parse_args(engine_argv(args))
-    for k in ("shape", "token_buckets", "max_seqs", "num_pages", "model", "tp", "dtype"):
-        assert getattr(again, k) == getattr(args, k), k
+    assert engine_flags(again) == engine_flags(args) == {
+        "shape": "smoke", "layers": 2, "token_buckets": (32, 128), "max_seqs": 8, "num_pages": 64,
+        "command_buffers": False, "plan": "p.json"}
     assert parse_args([]).server_process is False              # a checkpoint: in-process by default
     assert parse_args(["--shape", "smoke", "--in-process"]).server_process is False
     assert parse_args(["--out", "/tmp/x"]).out_dir == "/tmp/x"
