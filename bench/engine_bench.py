@@ -79,11 +79,6 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     return res
 
 
-def synthetic_pages(batches: dict) -> int:
-    """Pages the largest synthetic batch touches (+ scratch page 0)."""
-    return max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values()) + 1
-
-
 def step_fn(runner, bucket: int, inp, label: str = "sequential"):
     """A no-argument call of one step of `label` for `bucket` on `inp` (the KV cache threaded through)."""
     return lambda: run_step(runner, bucket, label, inp)

@@ -3,55 +3,63 @@ NanoBatchOnly, NanoFlow(plan) and DualBatchOverlap; the overlap ratio Sequential
 R -> P table (NanoFlow Table 3: a persistent GEMM capped to a share R of the SMs on one stream beside decode
 attention on another, in one program); and a per-stream timeline of one measured layer (PNG) from a real trace.
 
-usage: python bench/nanoflow.py --shape llama3-8b --buckets 2048,1024 --out $OUT
-CPU smoke: python bench/nanoflow.py --shape smoke --buckets 64 --ctx 40 --decode 8 --plan tests/schedule/tiny_plan.json
+One dense batch per token bucket (--token-buckets, here 1024,2048 unless given). The strategies compared: the
+split baselines (unless --only-plans), then the flags' (--plan / --strategies; default the shipped plan
+DEFAULT_PLAN). Other engine flags as in the product (bench/setup.py).
+
+usage: python -m bench.nanoflow --shape llama3-8b --token-buckets 2048,1024 --out $OUT
+       python -m bench.nanoflow --token-buckets 2048 --page-size 64 --plan llama3-8b_h100_tp1_beside_mact --only-plans
+CPU smoke: python -m bench.nanoflow --shape smoke --token-buckets 64 --ctx 40 --decode 8 \
+               --plan tests/schedule/tiny_plan.json --no-trace
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+from bench.setup import add_bench_args
+
+BUCKETS = (1024, 2048)                          # the batches timed when --token-buckets is not given
+DEFAULT_PLAN = "llama3-8b_h100_tp1_beside_mact"  # when neither --plan nor --strategies is given
 
 
-def strategies(args):
+def strategies(args) -> tuple:
+    """The split baselines (unless --only-plans), then the flags' strategies, each NanoFlow plan again in stream
+    regions with --streams."""
+    from bench.setup import bench_overrides
     from nfjax.config import StrategyConfig
+    given = bench_overrides(args).get("execution", {}).get("strategies") or (
+        StrategyConfig("nanoflow", plan=DEFAULT_PLAN),)
     out = [] if args.only_plans else [StrategyConfig("nanobatch", split=(1, 1), align=args.align),
                                       StrategyConfig("dual_batch", split=(1, 1), align=args.align)]
-    if args.tp > 1:                 # each nano-batch's all-reduce under the other's GEMMs (async collectives)
+    if (args.tp or 1) > 1:          # each nano-batch's all-reduce under the other's GEMMs (async collectives)
         out.append(StrategyConfig("comm_overlap", split=(1, 1), align=args.align))
-    for p in filter(None, args.plan.split(",")):
-        out.append(StrategyConfig("nanoflow", plan=p))
-        if args.streams:        # the same plan in stream regions (experimental): what the streams themselves add
-            out.append(StrategyConfig("nanoflow", plan=p,
-                                      name=f"nanoflow-streams:{os.path.splitext(os.path.basename(p))[0]}"))
+    for s in given:
+        out.append(s)
+        if args.streams and s.kind == "nanoflow":   # the plan in stream regions (experimental): what they add
+            out.append(dataclasses.replace(s, name=f"nanoflow-streams:{os.path.splitext(os.path.basename(s.plan))[0]}"))
     return tuple(out)
 
 
 def step_ablation(args, cfg, out: dict) -> None:
     import numpy as np
     from bench.common import time_fn
-    from bench.step_bench import kernel_table, make_step_input, mixed_batch, run_step, stream_timeline, trace
-    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
-    from nfjax.engine.runner import Runner
-    from nfjax.models.random_init import random_model
-    from nfjax.parallel import make_mesh, shard_model
+    from bench.setup import bench_runner, config_record, setting
+    from bench.step_bench import (kernel_table, make_step_input, mixed_batch, run_step, stream_timeline,
+                                  synthetic_context, synthetic_pages, trace)
 
-    ps = args.page_size
-    buckets = tuple(int(b) for b in args.buckets.split(","))
+    ps = setting(args, "cache", "page_size")
+    buckets = args.token_buckets
     batches = {b: mixed_batch(b, args.ctx, ps, num_decode=args.decode * b // max(buckets))[1] for b in buckets}
-    pages = max(sum(p for p, _, _ in s) for s in batches.values()) + 8
-    per_seq = max(p for s in batches.values() for p, _, _ in s)
-    mesh = make_mesh(args.tp)
-    model = random_model(cfg)
-    shard_model(model, mesh)
-    runner = Runner(model, CacheConfig(ps, pages, per_seq), BatcherConfig(buckets, max_seqs=args.max_seqs), mesh,
-                    ExecutionConfig(strategies=strategies(args)))
+    strats = strategies(args)
+    runner = bench_runner(args, context=synthetic_context(batches.values(), ps), compile=False,
+                          defaults={"cache": {"num_pages": synthetic_pages(batches.values())}},   # all they use
+                          extra={"execution": {"strategies": strats}})
+    out["engine_config"] = config_record(runner.config)
     if args.streams:
         from nfjax.experimental.streams import use_streams
-        use_streams(runner, [s.label for s in strategies(args) if s.label.startswith("nanoflow-streams:")])
+        use_streams(runner, [s.label for s in strats if s.label.startswith("nanoflow-streams:")])
     runner.compile_all()
     out["compile_s"] = runner.compile_seconds
     out["skipped"] = {f"{b}:{lb}": why for (b, lb), why in runner.variants.skipped.items()}
@@ -193,17 +201,10 @@ def plot_timeline(path: str, timelines: dict) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (adds CommOverlap when > 1)")
-    ap.add_argument("--buckets", default="2048,1024")
+    add_bench_args(ap)
     ap.add_argument("--decode", type=int, default=256, help="decode sequences in the largest bucket (scaled)")
     ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
-    ap.add_argument("--max-seqs", type=int, default=272)
-    ap.add_argument("--align", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size (positions)")
-    ap.add_argument("--plan", default="llama3-8b_h100_tp1_beside_mact",
-                    help="comma-separated plan names/paths (plans that lost: bench/probes/plans/)")
+    ap.add_argument("--align", type=int, default=64, help="nano-batch boundaries of the split baselines")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--streams", action="store_true",
                     help="also each plan with its stream k >= 1 steps in compute_on stream regions (experimental, "
@@ -218,13 +219,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="nanoflow")
     args = ap.parse_args()
+    args.token_buckets = tuple(sorted(args.token_buckets or BUCKETS))
     args.rp_gemm = tuple(int(v) for v in args.rp_gemm.split(","))
     args.rp_shares = [float(v) for v in args.rp_shares.split(",")]
     from bench.common import device_info, print_table
-    from nfjax.models.random_init import SHAPES
-    cfg = SHAPES[args.shape]
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
+    from bench.setup import model_config
+    cfg = model_config(args)
     out = {"device": device_info(), "config": cfg.to_json(), "buckets": {}}
     if args.ablation:
         step_ablation(args, cfg, out)
@@ -242,9 +242,9 @@ def main() -> None:
 def save(args, out: dict) -> None:
     from bench.common import write_results
     summary = {}
-    big = out["buckets"].get(args.buckets.split(",")[0], {})
+    big = out["buckets"].get(str(max(args.token_buckets)), {})
     if big.get("overlap_ratio"):
-        summary["overlap_ratio_1gpu" if args.tp == 1 else f"overlap_ratio_tp{args.tp}"] = big["overlap_ratio"]
+        summary["overlap_ratio_1gpu" if (args.tp or 1) == 1 else f"overlap_ratio_tp{args.tp}"] = big["overlap_ratio"]
         summary["overlap_strategy"] = big["best_overlapped"]
     for b, r in out["buckets"].items():
         summary[f"sequential_step_ms_{b}"] = r["strategies"]["sequential"]["step_ms"]

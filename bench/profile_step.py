@@ -1,8 +1,10 @@
 """Where does one engine step spend its time? Times the compiled step programs on synthetic batches (decode-only,
 mixed decode + prefill, prefill-only) and breaks a profiled run down by GPU kernel (jax.profiler trace parsed on
-the device with `jax.profiler.ProfileData`). Each variant (XLA flags, layer-loop form) runs in its own process.
+the device with `jax.profiler.ProfileData`). Each variant (XLA flags) runs in its own process. Engine flags as in
+the product (bench/setup.py); the buckets are the synthetic batches'.
 
-usage: python bench/profile_step.py --shape llama3-8b --variants base,nodm --out $OUT
+usage: python -m bench.profile_step --shape llama3-8b --variants base,nodm --out $OUT
+CPU:   python -m bench.profile_step --shape smoke --ctx 40 --out /tmp/prof
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+from bench.common import module_command
+from bench.setup import add_bench_args
 
 # variant -> extra XLA flags
 VARIANTS = {
@@ -36,30 +38,20 @@ def synthetic_batches(ctx: int, page_size: int):
 def child(args) -> dict:
     import numpy as np
     from bench.common import device_info, time_fn
-    from bench.step_bench import kernel_table, make_step_input, run_step, trace
-    from nfjax.config import CacheConfig, BatcherConfig
-    from nfjax.engine.runner import Runner
-    from nfjax.models.random_init import SHAPES, random_model
-    from nfjax.parallel import make_mesh, shard_model
+    from bench.setup import bench_runner, config_record, setting
+    from bench.step_bench import kernel_table, make_step_input, run_step, synthetic_context, synthetic_pages, trace
 
-    cfg = SHAPES[args.shape]
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
-    ps = 16
+    ps = setting(args, "cache", "page_size")
     batches = synthetic_batches(args.ctx, ps)
-    max_seqs = 256
-    pages_per = max(p for _, seqs, _ in batches.values() for p, _, _ in seqs)
-    need = max(sum(p for p, _, _ in seqs) for _, seqs, _ in batches.values())
-    cache = CacheConfig(page_size=ps, num_pages=need + 8, max_pages_per_seq=pages_per)
-    sched = BatcherConfig(token_buckets=tuple(sorted({b for b, _, _ in batches.values()})), max_seqs=max_seqs)
-    mesh = make_mesh(1)
-    model = random_model(cfg)
-    shard_model(model, mesh)
-    runner = Runner(model, cache, sched, mesh, take_weights=True)
+    seqs = [s for _, s, _ in batches.values()]
+    runner = bench_runner(args, context=synthetic_context(seqs, ps), compile=False,
+                          defaults={"cache": {"num_pages": synthetic_pages(seqs)}},   # all the batches use
+                          extra={"batcher": {"token_buckets": tuple(sorted({b for b, _, _ in batches.values()}))}})
     t = time.perf_counter()
     runner.compile_all()
     out = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_s":
-           time.perf_counter() - t, "device": device_info(), "ctx": args.ctx, "layers": cfg.num_layers, "batches": {}}
+           time.perf_counter() - t, "device": device_info(), "ctx": args.ctx, "layers": runner.cfg.num_layers,
+           "engine_config": config_record(runner.config), "batches": {}}
     rng = np.random.default_rng(0)
     for name, (bucket, seqs, nd) in batches.items():
         inp = make_step_input(runner, seqs, bucket, nd, rng)
@@ -80,8 +72,7 @@ def child(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--layers", type=int, default=None)
+    add_bench_args(ap)
     ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
     ap.add_argument("--variants", default="base")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
@@ -99,7 +90,7 @@ def main() -> None:
     for v in args.variants.split(","):
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip()
-        cmd = [sys.executable, *sys.argv, "--variant", v]
+        cmd = module_command("bench.profile_step", *sys.argv[1:], "--variant", v)
         try:
             subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
         except subprocess.TimeoutExpired:

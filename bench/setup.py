@@ -99,6 +99,14 @@ def bench_overrides(args, *, context: int | None = None, defaults: dict | None =
     return _merge(_merge(ov, defaults, only_unset=True), extra)
 
 
+def setting(args, section: str, name: str):
+    """One engine setting as the flags (or their --engine-config file) give it, else the built-in default
+    (None for what the builder sizes), e.g. the page size a bench lays its synthetic batches out in."""
+    from nfjax.engine.builder import SECTIONS
+    v = (overrides_from_args(_args(args)).get(section) or {}).get(name)
+    return getattr(SECTIONS[section](), name) if v is None else v
+
+
 def _place(cfg, tp: int, mesh):
     """A random-weight model of `cfg` created in its TP shards and placed for a Runner on `mesh` (as `Engine`
     places a model)."""
@@ -152,17 +160,14 @@ def bench_engine(args, *, context: int | None = None, max_pages: int | None = No
 
 
 def bench_runner(args, *, context: int | None = None, defaults: dict | None = None, extra: dict | None = None,
-                 strategies: tuple = (), take_weights: bool = True, compile: bool = True):
+                 take_weights: bool = True, compile: bool = True):
     """A `Runner` (no batcher, no engine loop) on a random-weight model of `--shape`, for the benches that time
-    compiled steps on synthetic batches; its resolved settings are `runner.config`. `strategies`
-    (`StrategyConfig`s) are compiled before the flags' own. `compile=False`: the caller compiles."""
+    compiled steps on synthetic batches; its resolved settings are `runner.config`. `context`, `defaults`,
+    `extra`: see `bench_overrides`. `compile=False`: the caller compiles (`runner.compile_all()`)."""
     from nfjax.engine.runner import Runner
     from nfjax.parallel import make_mesh
     a = _args(args)
     overrides = bench_overrides(a, context=context, defaults=defaults, extra=extra)
-    if strategies:
-        ex = overrides.setdefault("execution", {})
-        ex["strategies"] = (*strategies, *ex.get("strategies", ()))
     cfg = model_config(a)
     tp = int((overrides.get("parallel") or {}).get("tp", 1))
     mesh = make_mesh(tp)

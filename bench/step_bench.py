@@ -48,6 +48,16 @@ def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = 
     return bucket, dec + [(-(-per // page_size), 0, per)] * chunks, nd
 
 
+def synthetic_context(seq_lists, page_size: int) -> int:
+    """Positions of the longest synthetic sequence's pages: the context a runner's page table must hold."""
+    return page_size * max(p for seqs in seq_lists for p, _, _ in seqs)
+
+
+def synthetic_pages(seq_lists) -> int:
+    """KV pages the largest synthetic batch touches (+ scratch page 0): all a runner timing them uses."""
+    return max(sum(p for p, _, _ in seqs) for seqs in seq_lists) + 1
+
+
 def run_step(runner, bucket: int, label: str, inp):
     """One step of variant `label` on the runner's own KV (donated and replaced); returns the samples.
     Synthetic inputs are greedy (`make_step_input`)."""

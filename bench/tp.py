@@ -10,9 +10,13 @@ the share of TP=2 time spent in the row-parallel all-reduces, measured two ways:
 Weights are created straight into their shards (`random_model(sharding_fn=...)`). Each TP degree runs in its
 own process, one after the other, so each finds the GPUs' memory free.
 
-usage (2 GPUs): python bench/tp.py --shape llama3-8b --num-requests 256 --out $OUT
-       70B shape, fewer layers: python bench/tp.py --shape llama3-70b --layers 20 --num-requests 128 --out $OUT
-       CPU smoke:  XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/tp.py --shape smoke \\
+Engine flags as in the product (bench/setup.py); the synthetic batches' buckets are compiled beside the
+flags' (or the device's default) ones, and the KV pages are capped at what the run can use, so every TP degree
+runs the same schedule.
+
+usage (2 GPUs): python -m bench.tp --shape llama3-8b --num-requests 256 --out $OUT
+       70B shape, fewer layers: python -m bench.tp --shape llama3-70b --layers 20 --num-requests 128 --out $OUT
+       CPU smoke:  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m bench.tp --shape smoke \\
                        --num-requests 8 --workload 64x16 --out /tmp/tp_smoke
 """
 from __future__ import annotations
@@ -26,12 +30,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+from bench.common import module_command
+from bench.setup import add_bench_args, model_config
 
-# Engine and synthetic-batch sizes: the GPU run, and a CPU smoke run of the tiny shape.
-DEFAULTS = {"gpu": dict(buckets="128,256,512,1024,2048", max_seqs=256, decode=256, mixed=2048, ctx=1280),
-            "smoke": dict(buckets="32,128", max_seqs=16, decode=16, mixed=128, ctx=48)}
+# Synthetic-batch sizes: the GPU run, and a CPU smoke run of the tiny shape.
+DEFAULTS = {"gpu": dict(decode=256, mixed=2048, ctx=1280), "smoke": dict(decode=16, mixed=128, ctx=48)}
 # Kernel names of collectives (lower case, '-' and '_' dropped): NCCL's (ncclDevKernel_AllReduce_Sum_bf16_...)
 # and XLA's own collective kernels.
 COLLECTIVE = ("nccl", "allreduce", "allgather", "reducescatter")
@@ -44,17 +47,16 @@ def child(args) -> dict:
     import jax
     from flax import nnx
     from bench.common import device_info
-    from bench.step_bench import decode_batch, mixed_batch
-    from bench.engine_bench import (cache_for, gemm_tflops, kv_pages, pages_needed,
-                                    run_workload, synthetic_pages, time_batches)
+    from bench.engine_bench import gemm_tflops, longest, pages_needed, run_workload, time_batches
+    from bench.setup import bench_engine, config_record, setting
+    from bench.step_bench import decode_batch, mixed_batch, synthetic_context, synthetic_pages
     from bench.workloads import parse
-    from nfjax.config import EngineConfig, ParallelConfig, BatcherConfig
-    from nfjax.engine import Engine
+    from nfjax.compat import on_gpu
+    from nfjax.engine.builder import CPU_BUCKETS, GPU_BUCKETS
     from nfjax.models.random_init import random_model
     from nfjax.parallel import make_mesh, sharding_fn, tp_config
-    from nfjax.tokenizer.silent import SilentTokenizer
 
-    tp, ps = args.child_tp, args.page_size
+    tp, ps = args.child_tp, setting(args, "cache", "page_size")
     cfg = model_config(args)
     tp_config(cfg, tp)
     mesh = make_mesh(tp)
@@ -67,22 +69,25 @@ def child(args) -> dict:
     work = parse(args.workload, args.num_requests, cfg.vocab_size, seed=1)
     batches = {f"decode{args.decode}": decode_batch(args.decode, args.ctx, ps),
                f"mixed{args.mixed}": mixed_batch(args.mixed, args.ctx, ps)}
-    need = max(pages_needed([work], ps, args.max_seqs), synthetic_pages(batches))
-    num_pages = args.num_pages or kv_pages(cfg, ps, args.kv_fraction, tp, need)
-    cache = cache_for([work], ps, num_pages, min_context=args.ctx + 1)
-    buckets = tuple(sorted({int(b) for b in args.buckets.split(",")} | {args.decode, args.mixed}))
-    sched = BatcherConfig(token_buckets=buckets, max_seqs=args.max_seqs)
-    print(f"[tp={tp}] init {init_s:.1f}s; gemm {gemm:.1f} TFLOP/s/device; {num_pages} KV pages", flush=True)
+    seqs = [s for _, s, _ in batches.values()]
+    need = max(pages_needed([work], ps, args.max_seqs), synthetic_pages(seqs))
+    buckets = tuple(sorted({*(args.token_buckets or (GPU_BUCKETS if on_gpu() else CPU_BUCKETS)),
+                            args.decode, args.mixed}))
+    print(f"[tp={tp}] init {init_s:.1f}s; gemm {gemm:.1f} TFLOP/s/device", flush=True)
     out = {"tp": tp, "device": device_info(), "gemm_tflops": gemm, "optimal_tok_s": optimal, "init_s": init_s,
-           "num_pages": num_pages, "buckets": buckets, "config": cfg.to_json(), "variants": {}}
+           "buckets": buckets, "config": cfg.to_json(), "variants": {}}
     variants = [False, True] if tp > 1 and not args.no_skip else [False]
     for skip in variants:
         label = f"tp{tp}" + ("-nocoll" if skip else "")
         t = time.perf_counter()
-        engine = Engine(model, SilentTokenizer(cfg.vocab_size),
-                        EngineConfig(cfg, cache, sched, parallel=ParallelConfig(tp, skip_collectives=skip)), mesh=mesh,
-                        take_weights=skip is variants[-1])        # the last engine may free the model's arrays
+        engine = bench_engine(args, context=max(longest([work]), synthetic_context(seqs, ps)), max_pages=need,
+                              model=model, mesh=mesh, take_weights=skip is variants[-1],  # the last may free it
+                              extra={"parallel": {"tp": tp, "skip_collectives": skip},
+                                     "batcher": {"token_buckets": buckets}})
         res = {"compile_s": time.perf_counter() - t}
+        out["num_pages"] = engine.config.cache.num_pages
+        out["engine_config"] = config_record(engine.config)
+        print(f"    [{label}] {out['num_pages']} KV pages", flush=True)
         res.update(run_workload(engine, work, label, optimal))
         res["steps"] = time_batches(engine.runner, batches)
         for name, st in res["steps"].items():
@@ -113,12 +118,6 @@ def profile_batches(runner, batches: dict, steps: dict, root: str, label: str) -
                   f"(all collectives {100 * tr['share']:.1f}%)", flush=True)
         else:
             print(f"    [{label}] {name}: trace: {tr.get('error')}", flush=True)
-
-
-def model_config(args):
-    from nfjax.models.random_init import SHAPES
-    cfg = SHAPES[args.shape]
-    return cfg.replace(num_layers=args.layers) if args.layers else cfg
 
 
 def trace_collectives(fn, trace_dir: str, calls: int = 3) -> dict:
@@ -219,19 +218,13 @@ def plot(runs: dict[int, dict], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b", help="llama3-8b | llama3-70b | smoke")
-    ap.add_argument("--layers", type=int, default=None, help="override the layer count (70B on 2 GPUs)")
+    add_bench_args(ap)
     ap.add_argument("--tps", default="1,2", help="TP degrees, each in its own process")
     ap.add_argument("--workload", default="1024x512", help="INxOUT or sharegpt")
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--buckets", default=None)
-    ap.add_argument("--max-seqs", type=int, default=None)
     ap.add_argument("--decode", type=int, default=None, help="decode tokens of the synthetic decode batch")
     ap.add_argument("--mixed", type=int, default=None, help="bucket of the synthetic mixed batch")
     ap.add_argument("--ctx", type=int, default=None, help="context of the synthetic decodes")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-fraction", type=float, default=0.9, help="of device memory left after weights")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: what the run needs)")
     ap.add_argument("--no-skip", action="store_true", help="no without-collectives variant")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="no profiler trace")
     ap.add_argument("--child-timeout", type=int, default=360)
@@ -251,7 +244,7 @@ def main() -> None:
         for tp in (int(x) for x in args.tps.split(",")):
             path = os.path.join(tmp, f"tp{tp}.json")
             try:
-                subprocess.run([sys.executable, *sys.argv, "--child-tp", str(tp), "--child-json", path],
+                subprocess.run(module_command("bench.tp", *sys.argv[1:], "--child-tp", str(tp), "--child-json", path),
                                timeout=args.child_timeout, check=True)
             except subprocess.SubprocessError as e:
                 print(f"tp={tp} failed: {e}", flush=True)
