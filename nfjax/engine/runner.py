@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
-from nfjax.config import EngineConfig
+from nfjax.config import ConfigError, EngineConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
@@ -61,6 +61,30 @@ def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, i
     specs = (layer_specs,) * len(layer_states)
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
+
+
+def _scan_layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, stacked, kv: KVCache,
+                 x: Float[Array, "T D"], meta: AttentionMetadata):
+    """Every layer as one `lax.scan` over the stacked [L, ...] weights (`ExecutionConfig.scan_layers`): one
+    program per step, compiled once for a layer; each iteration reads its layer's slice of the weights."""
+    tp = mesh.shape[TP_AXIS]
+
+    def body(stacked, kv, x, meta):
+        def one(carry, xs):
+            st, i = xs
+            y, kv = layer_forward(nnx.merge(layer_gd, st), i, carry[0], carry[1], meta, inv_freq, layer_fn,
+                                  TP_AXIS if tp > 1 else None, opts)
+            return (y, kv), None
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        (x, kv), _ = jax.lax.scan(one, (x, kv), (stacked, jnp.arange(n, dtype=jnp.int32)))
+        return x, kv
+
+    if tp == 1:
+        return body(stacked, kv, x, meta)
+    kvs = KVCache(kv_spec(), kv_spec())
+    specs = jax.tree.map(lambda sp: P(None, *sp), layer_specs)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs),
+                         check_vma=not opts.skip_collectives)(stacked, kv, x, meta)
 
 
 def _head(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
@@ -120,7 +144,11 @@ class Runner:
         tp = mesh.shape[TP_AXIS]
         self.rest_gd, self.rest_state, self.layer_gd, stacked = split_layers(model)
         self.layer_specs = jax.tree.map(lambda sp: P(*sp[1:]), state_specs(stacked, tp))
-        self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
+        self.scan = sc.scan_layers
+        # Layer-group programs read per-layer weight arrays; a scanned step reads the stacked ones in place.
+        self.stacked = stacked if self.scan else None
+        self.layer_states = None if self.scan else unstack_layers(stacked, self.layer_specs, mesh,
+                                                                   release=take_weights)
         del stacked
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
@@ -135,6 +163,12 @@ class Runner:
         # in-place cache writes for one nano-batch could be ordered before an earlier layer's cache reads for
         # another, and XLA copies the whole cache to keep them apart (seen in the HLO; an optimization
         # barrier does not prevent it). A program boundary orders them for free.
+        split = sorted({lb for vs in self.variants.by_bucket.values() for lb, v in vs.items() if v.splits})
+        if self.scan and split:
+            raise ConfigError(f"execution.scan_layers: strategy {split[0]!r} splits the batch, which needs a "
+                              "program per layer; scan_layers runs Sequential-shaped strategies only")
+        if self.scan:
+            g = model.cfg.num_layers
         self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
@@ -202,14 +236,20 @@ class Runner:
                                                            out_shardings=rep).lower(self.rest_state, x, inp).compile(
                         compiler_options=self.xla_options or None)
             self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
+            opts = {**self.xla_options, **v.compiler_options()} or None
+            if self.scan:
+                self._steps[(b, v.label)] = jax.jit(
+                    partial(_scan_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
+                            self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding)).lower(
+                    self.stacked, self.kv, x, inp.meta).compile(compiler_options=opts)
+                continue
             layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
                                      self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
             groups = self._groups[v.label]
             for n in sorted({n for _, n in groups}, reverse=True):
                 key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
                 self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
-                                                self._layer_ids[0]).compile(
-                    compiler_options={**self.xla_options, **v.compiler_options()} or None)
+                                                self._layer_ids[0]).compile(compiler_options=opts)
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
@@ -217,7 +257,7 @@ class Runner:
         shape = (self.kv.k.shape[0], pages.shape[0], *self.kv.k.shape[2:])     # one sequence's pages, padded
         blk = jax.ShapeDtypeStruct(shape, self.kv.k.dtype, sharding=blk_sh)
         self._swap_in = jax.jit(
-            lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k), kv.v.at[:, pg].set(v)),
+            lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k, mode="drop"), kv.v.at[:, pg].set(v, mode="drop")),
             donate_argnums=0, out_shardings=self.kv_sharding).lower(self.kv, pages, blk, blk).compile()
         self.compile_seconds = time.perf_counter() - t0
 
@@ -236,7 +276,8 @@ class Runner:
 
     # ---- swapping ---------------------------------------------------------------------------------
     def _padded_pages(self, pages: list[int]) -> jax.Array:
-        out = np.zeros(self.cache_cfg.max_pages_per_seq, np.int32)   # padding hits scratch page 0
+        # padding: a page past the cache, dropped by the swap-in's write (one shared page serialises XLA's scatter)
+        out = np.full(self.cache_cfg.max_pages_per_seq, self.cache_cfg.num_pages, np.int32)
         out[:len(pages)] = pages
         return jax.device_put(out, self.replicated)
 
@@ -293,7 +334,9 @@ class Runner:
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         x = self._embed[bucket](self.rest_state, self._prev, inp)
-        for i0, n, prog in self.layer_programs(bucket, label):
+        if self.scan:
+            x, self.kv = self._steps[(bucket, label)](self.stacked, self.kv, x, inp.meta)
+        for i0, n, prog in () if self.scan else self.layer_programs(bucket, label):
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
         self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
         return self._prev
@@ -321,7 +364,8 @@ class Runner:
     def model(self) -> LlamaModel:
         """The model with its layers stacked again (a copy of the weights: tests and inspection only)."""
         model = nnx.merge(self.rest_gd, self.rest_state)
-        model.layers = nnx.merge(self.layer_gd, jax.tree.map(lambda *a: jnp.stack(a), *self.layer_states))
+        stacked = self.stacked if self.scan else jax.tree.map(lambda *a: jnp.stack(a), *self.layer_states)
+        model.layers = nnx.merge(self.layer_gd, stacked)
         return model
 
     @staticmethod

@@ -29,10 +29,12 @@ class KVCache:
 
     def write(self, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
               v: Float[Array, "T KH D"]) -> "KVCache":
+        """Slots past the cache (padding tokens, see `build_metadata`) are dropped; all slots are distinct."""
         ps = self.page_size
         page, off = slots // ps, slots % ps
-        return KVCache(self.k.at[layer, page, off].set(k.astype(self.k.dtype)),
-                       self.v.at[layer, page, off].set(v.astype(self.v.dtype)))
+        put = dict(mode="drop", unique_indices=True)
+        return KVCache(self.k.at[layer, page, off].set(k.astype(self.k.dtype), **put),
+                       self.v.at[layer, page, off].set(v.astype(self.v.dtype), **put))
 
 
 def bytes_per_token(model: ModelConfig, dtype=None) -> int:

@@ -36,12 +36,14 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 @dataclass(frozen=True)
 class ForwardOptions:
     """Static choices of how a forward runs (each value is a different compiled program)."""
-    # Most prefill chunks one step holds (the scheduler's cap); bounds the prefill kernel's static tile
+    # Most prefill chunks one step holds (the batcher's cap); bounds the prefill kernel's static tile
     # count. None: as many as sequences (the tile gather then costs ~5 ms per 8B decode step on an H100).
     max_prefill_seqs: int | None = None
     # BENCHMARK ONLY: drop the row-parallel all-reduces, so each device keeps its partial sums (wrong outputs).
     # Step time with vs without them is what the TP collectives cost (bench/tp.py).
     skip_collectives: bool = False
+    # Every row of the step is a decode (the host knows): the prefill attention kernel is left out.
+    decode_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class DecoderLayer(nnx.Module):
     @op(Resource.COMPUTE, ins=("q_rot", "kv", "attn_d"), outs=("attn",))
     def attn_prefill(self, ctx, q, kv, attn_d):
         """Prefill rows (compute-bound), merged with the decode rows of `attn_d`."""
+        if ctx.opts.decode_only:
+            return attn_d
         out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5,
                                 max_prefill_seqs=ctx.opts.max_prefill_seqs).reshape(q.shape[0], -1)
         return jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
