@@ -23,6 +23,7 @@ import numpy as np
 
 from bench.common import device_info, measure_copy_bandwidth, measure_gemm, print_table, save_plot, time_fn, \
     write_results
+from pallas_kernels import MASK_VALUE
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -163,7 +164,7 @@ def xla_decode(q, kc, vc, layer, pt, lens, scale):
     v = vc[layer][pt].reshape(b, p * ps, kvh, d)
     qg = q.reshape(b, kvh, h // kvh, d)
     s = jnp.einsum("bkgd,blkd->bkgl", qg, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where((jnp.arange(p * ps) < lens[:, None])[:, None, None, :], s, -1e30)
+    s = jnp.where((jnp.arange(p * ps) < lens[:, None])[:, None, None, :], s, MASK_VALUE)
     w = jax.nn.softmax(s, -1).astype(q.dtype)
     return jnp.einsum("bkgl,blkd->bkgd", w, v, preferred_element_type=jnp.float32).reshape(b, h, d).astype(q.dtype)
 

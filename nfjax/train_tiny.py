@@ -38,9 +38,9 @@ from nfjax.models.llama import LAYER_OPS, LayerContext, LlamaModel
 from nfjax.models.rope import inv_frequencies
 from nfjax.tokenizer import ByteTokenizer, Tokenizer, save_byte_tokenizer
 from nfjax.tokenizer.byte import BOS_ID, EOS_ID
+from pallas_kernels import MASK_VALUE
 
 DEFAULT_OUT = Path(__file__).parent / "assets" / "tiny"
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 _ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
 _ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")

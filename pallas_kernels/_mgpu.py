@@ -26,7 +26,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-MASK_VALUE = -1e30          # finite: exp2(MASK - m) underflows to 0, and never makes inf - inf = NaN
+from pallas_kernels import MASK_VALUE
 LOG2E = math.log2(math.e)
 ROWS = 64                   # wgmma M: query rows per tile (one warpgroup)
 

@@ -5,7 +5,7 @@ giving each a share of the SMs. With two kernels on two streams that depends on 
 together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
 CTAs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
 of its work items, CTAs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
-tiles. A and G are the plan's resource shares as CTA counts. With `spread=True` (the default) the attention
+tiles. A and G are the resource shares (a NanoFlow plan's) as CTA counts. With `spread=True` (the default) the attention
 CTAs are instead every (A + G) / A-th grid index rather than a block of consecutive CTAs: 3-11% faster in
 all six pairs of bench/results/decode_share-spread-fused-20261123.json. Each branch allocates its own SMEM and
 barriers (`run_scoped`, shared by the CTA's warpgroups), so the CTA needs the larger of the two, not the sum.

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import MASK_VALUE
 from pallas_kernels._compat import mosaic_gpu_interpret_params
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
@@ -49,8 +50,7 @@ def paged_decode_attention_ref(q: Float[Array, "B H D"], k_cache: Float[Array, "
     qg = q.reshape(b, kh, h // kh, d).astype(jnp.float32)
     s = jnp.einsum("bkgd,blkd->bkgl", qg, k) * scale
     ok = jnp.arange(p * ps)[None, :] < seq_lens[:, None]
-    s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
-    w = jnp.where(ok[:, None, None, :], jax.nn.softmax(jnp.where(ok[:, None, None, :], s, -1e30), -1), 0.0)
+    w = jnp.where(ok[:, None, None, :], jax.nn.softmax(jnp.where(ok[:, None, None, :], s, MASK_VALUE), -1), 0.0)
     return jnp.einsum("bkgl,blkd->bkgd", w, v).reshape(b, h, d).astype(q.dtype)
 
 

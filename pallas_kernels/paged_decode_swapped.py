@@ -30,8 +30,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
-from pallas_kernels._mgpu import LOG2E, MASK_VALUE, Ops, cdiv, compiler_params, \
-    block_pages, copy_kv_pages, kv_scratch, smem_tile_transforms
+from pallas_kernels import MASK_VALUE
+from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
+    smem_tile_transforms
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")

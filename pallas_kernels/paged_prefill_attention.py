@@ -7,7 +7,7 @@ every earlier position of its own sequence plus itself.
 Tiling: a query tile holds TPT = 64 * W // G consecutive tokens of one sequence times the G query heads of
 one kv head (row r = token r // G, head r % G), so one K/V stream serves the whole GQA group. W = 2
 warpgroups (default) each own 64 rows and share the K/V stages; by default they run "ping-pong"
-(pallas_kernels/_mgpu.py): one warpgroup's softmax overlaps the other's matmuls. The wrapper plans tiles with
+(pallas_kernels/_mgpu.py): one warpgroup's softmax overlaps the other's matmuls. The wrapper lays out tiles with
 jnp on device (no host sync): tile -> (sequence, first token, first position), gathers the query tiles into
 [tiles * KH, W, 64, D], runs one CTA per (tile, kv head) — the hardware block scheduler balances the
 ragged causal work — and gathers the output back to token order. Blocks wholly below a tile's first position
@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import MASK_VALUE
 from pallas_kernels._compat import mosaic_gpu_interpret_params
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
@@ -54,7 +55,7 @@ def paged_prefill_attention_ref(q: Float[Array, "T H D"], k_cache: Float[Array, 
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
     sc = jnp.einsum("tkgd,tlkd->tkgl", qg, k) * scale
     ok = jnp.arange(p * ps)[None, :] <= pos[:, None]
-    w = jax.nn.softmax(jnp.where(ok[:, None, None, :], sc, -1e30), -1)
+    w = jax.nn.softmax(jnp.where(ok[:, None, None, :], sc, MASK_VALUE), -1)
     out = jnp.einsum("tkgl,tlkd->tkgd", w, v).reshape(t, h, d)
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
@@ -65,8 +66,8 @@ def _bucket(edges, x):
     return jnp.searchsorted(edges, x, side="right", method="compare_all")
 
 
-def plan_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_tile: int):
-    """Static-shape tile plan. Returns (num_tiles, info [3, NT] int32 = (seq, first position, kv_hi),
+def layout_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_tile: int):
+    """Static-shape tile layout. Returns (num_tiles, info [3, NT] int32 = (seq, first position, kv_hi),
     tile_tok0 [NT], tile_start [S] (first tile of each sequence), live_len [S] (q tokens of live seqs)).
     Tiles past the last live one get kv_hi = 0 and cost one early exit."""
     s = seq_lens.shape[0]
@@ -155,7 +156,7 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
         raise ValueError(f"query group of {g} heads exceeds the {rows}-row tile")
     tpt = rows // g
     seq_lens, query_start = seq_lens.astype(jnp.int32), query_start.astype(jnp.int32)
-    nt, info, tok0, start, live_len = plan_tiles(seq_lens, query_start, first_seq, t, tpt)
+    nt, info, tok0, start, live_len = layout_tiles(seq_lens, query_start, first_seq, t, tpt)
 
     # Query tiles [NT * KH, 64, D]: row r = token r // G, head r % G of kv head kh.
     idx = jnp.clip(tok0[:, None] + jnp.arange(tpt)[None, :], 0, t - 1)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked padding rows stay NaN-free
+from pallas_kernels import MASK_VALUE
 
 
 def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],

@@ -12,7 +12,7 @@ SCRATCH_PAGE = 0
 
 
 class OutOfPages(RuntimeError):
-    """Raised by `PageAllocator.allocate` when fewer pages are free than asked for; the scheduler catches
+    """Raised by `PageAllocator.allocate` when fewer pages are free than asked for; the batcher catches
     it (or checks `num_free` first) to defer or preempt a request. Nothing is allocated when it is raised."""
 
     def __init__(self, requested: int, free: int):

@@ -5,12 +5,12 @@ padding) and its AttentionMetadata:
   * `decode_attention`: the decode rows only. The decode kernel runs over the first min(S, T) rows as if each
     were a decode query; rows at or past num_decode (a traced value) get sequence length 0, so their work
     items exit at once without reading K/V. Returns min(S, T) rows.
-  * `prefill_attention`: the prefill rows only. The prefill kernel plans its query tiles on device over the
+  * `prefill_attention`: the prefill rows only. The prefill kernel lays out its query tiles on device over the
     sequences >= num_decode; its tile bound is static (T / tokens_per_tile + max_prefill_seqs) and tiles past
     the live ones exit at once. Rows that are not prefill tokens come back 0 (kernels) or don't-care (ref).
   * `paged_attention`: both, row t taken from the decode output if t < num_decode, else from the prefill one.
 What padding costs on GPU: one early-exit CTA per empty work item, plus the prefill query-tile gather, which
-is proportional to the static tile bound; `max_prefill_seqs` (the scheduler's cap on prefill chunks per step)
+is proportional to the static tile bound; `max_prefill_seqs` (the batcher's cap on prefill chunks per step)
 shrinks it. The kernels read the stacked cache with the layer index inside the kernel: no per-layer copy.
 `use_kernels=None` picks the kernels on GPU when shapes/dtypes suit them; `interpret=True` runs them through
 the Mosaic GPU interpreter (CPU tests only).

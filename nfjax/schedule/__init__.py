@@ -1,7 +1,7 @@
-"""Nano-batch schedules: the layer's op graph, the scheduler API, strategies, NanoFlow plans, the executor.
+"""Nano-batch schedules: the layer's op graph, the scheduling API, strategies, NanoFlow plans, the executor.
 
-A strategy (`Strategy` subclass) is planned per token bucket into a `LayerSchedule` (pure Python, validated), which
-the executor traces into the step function: every nano-op of a step lives in one jitted program.
+A strategy (`Strategy` subclass) is recorded per token bucket into a `LayerSchedule` (pure Python, validated), which
+the executor traces into the layer-group programs: every nano-op of a layer group lives in one compiled program.
 """
 from nfjax.schedule.api import (Kernel, NanoBatch, NanoOp, LayerSchedule, ScheduleContext, ScheduleError, Strategy,
                                 Step)

@@ -1,4 +1,4 @@
-"""The scheduler API (DynaFlow style): a schedule is a Python program over nano-ops, recorded into a `LayerSchedule`.
+"""The scheduling API (DynaFlow style): a schedule is Python code over nano-ops, recorded into a `LayerSchedule`.
 
 A strategy subclasses `Strategy` and implements `schedule(ctx)`, which calls
   * `split(sizes)`         once, to cut the step's T tokens into contiguous nano-batches (token order);
@@ -9,12 +9,14 @@ A strategy subclasses `Strategy` and implements `schedule(ctx)`, which calls
         - several ops by a fused kernel:      execute([a@i, b@i], kernel=k)
         - ops of different nano-batches side by side in one kernel (horizontal fusion, `k.horizontal`):
                                               execute([a@i, b@j], kernel=k)
-      `stream` k >= 1 puts the op on extra GPU stream k (0 / None: the program's main stream); `share` is the
-      fraction of the GPU the op's kernel may take (its program count), read by kernels that support it.
+      `stream` k >= 1 records the op on NanoFlow stream k (0 / None: stream 0), an order interleaved with the
+      others; the engine issues everything on one GPU stream (GPU streams: nfjax/experimental/streams.py).
+      `share` is the fraction of the GPU the op's kernel may take (its CTA count), read by kernels that
+      support it.
 
 Nothing runs while `schedule` runs: `record(ctx)` records the calls into a `LayerSchedule` (validated: every op on
-every token exactly once, in dependency order), and the executor traces that program into the step function.
-Planning is pure Python on static sizes, so it is cheap and testable without compiling anything.
+every token exactly once, in dependency order), and the executor traces that layer schedule into the layer
+programs. Recording is pure Python on static sizes, so it is cheap and testable without compiling anything.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class ScheduleError(UserError):
 
 @dataclass(frozen=True)
 class ScheduleContext:
-    """What a schedule may look at: static facts of the step program being built."""
+    """What a schedule may look at: static facts of the layer programs being built."""
     num_tokens: int               # the token bucket T
     graph: OpGraph
     tp: int = 1                   # tensor-parallel degree (network ops are identities at 1)

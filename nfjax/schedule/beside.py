@@ -1,4 +1,4 @@
-"""Horizontal kernels for the scheduler API: ops of different nano-batches side by side in one launch.
+"""Horizontal kernels for the scheduling API: ops of different nano-batches side by side in one launch.
 
 `DECODE_BESIDE_UP_GATE` runs one nano-batch's decode attention (`attn_decode`) and another's MLP gate/up
 projections (`up_gate`) as one Pallas kernel whose CTAs are split between them

@@ -1,4 +1,4 @@
-"""Op graph, scheduler API, strategy orders, nano-batch metadata and the per-batch choice: recording only (no
+"""Op graph, scheduling API, strategy orders, nano-batch metadata and the per-batch choice: recording only (no
 compiles)."""
 import numpy as np
 import pytest
