@@ -1,4 +1,4 @@
-"""Does enqueueing a jitted program wait for the GPU? (GPU only; bench/NOTES.md section 3.)
+"""Does enqueueing a jitted program wait for the GPU? (GPU only; bench/NOTES.md section 3; docs/design.md.)
 
 A chain of N programs, each ~1 ms of GEMM work on the output of the one before, is enqueued from Python. The
 host time to enqueue the chain is compared with the time until its result is ready. If enqueueing does not
@@ -6,17 +6,13 @@ wait, the first is a small fraction of the second. Variants: no donation; donati
 (not yet computed when its consumer is enqueued); donating a large state buffer that each program updates in
 place (the KV cache's pattern); and the same chain with our Mosaic GPU GEMM (a custom call) in place of XLA's.
 
-    python3 bench/dispatch_probe.py [--out DIR]
+    python -m bench.probes.dispatch_probe [--engine-layers 8] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def chain_times(fn, state, x, w, n: int, reps: int = 5) -> dict:
@@ -42,21 +38,13 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5,
     command buffers on, a program whose buffers moved must update its CUDA graphs before launching them."""
     import jax
     import numpy as np
-    from bench.step_bench import make_step_input, mixed_batch
-    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig
-    from nfjax.engine.runner import Runner
-    from nfjax.models.random_init import SHAPES, random_model
-    from nfjax.parallel import make_mesh, shard_model
+    from bench.setup import bench_runner
+    from bench.step_bench import make_step_input, mixed_batch, synthetic_context, synthetic_pages
 
-    cfg = SHAPES["llama3-8b"].replace(num_layers=layers)
     _, seqs, nd = mixed_batch(bucket, ctx, 16, num_decode=decode)
-    mesh = make_mesh(1)
-    model = random_model(cfg)
-    shard_model(model, mesh)
-    pages = sum(p for p, _, _ in seqs) + 8
-    r = Runner(model, CacheConfig(16, pages, max(p for p, _, _ in seqs)), BatcherConfig((bucket,), max_seqs=272),
-               mesh, ExecutionConfig(command_buffers=command_buffers))
-    r.compile_all()
+    r = bench_runner({"shape": "llama3-8b", "layers": layers, "command_buffers": command_buffers},
+                     context=synthetic_context([seqs], 16),
+                     extra={"cache": {"num_pages": synthetic_pages([seqs])}, "batcher": {"token_buckets": (bucket,)}})
     inp = make_step_input(r, seqs, bucket, nd, np.random.default_rng(0))
     calls: dict[str, list[float]] = {}
     for rep in range(reps + 1):

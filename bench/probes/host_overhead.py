@@ -3,31 +3,34 @@ with the KV capacity of an H100 (26,674 pages of 16 positions), so that admissio
 the run as it is on the device. Each step's sampled tokens land at once (the engine learns them one step late;
 that changes no scheduling decision here). Pure Python: the numbers are this machine's CPU.
 
-usage: python bench/host_overhead.py [--workload 1024x512] [--num-requests 512] [--max-seqs 512]
+Batcher settings are the engine flags (bench/setup.py), resolved as on a GPU; --num-pages defaults to the
+H100's pool.
+
+usage: python -m bench.probes.host_overhead [--workloads 1024x512] [--num-requests 512] [--max-seqs 512]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nfjax.engine.builder import add_engine_args
+
+H100_PAGES = 26_674           # KV pages of 16 positions an H100 holds beside the 8B shape's weights
 
 
-def drive(workload: str, n: int, max_seqs: int, num_pages: int, page_size: int, buckets: tuple[int, ...]) -> dict:
-    """Schedule every request of the workload to completion; per-step schedule() times and batch shapes."""
+def drive(workload: str, n: int, overrides: dict) -> dict:
+    """Schedule every request of the workload to completion with the batcher the engine settings `overrides`
+    ({section: {field: value}}) give the 8B shape on a GPU; per-step next_batch() times and batch shapes."""
     from bench.workloads import parse
-    from nfjax.config import CacheConfig, BatcherConfig
+    from nfjax.engine.batcher import Batcher
+    from nfjax.engine.builder import engine_config, resolve
     from nfjax.engine.request import Request
     from nfjax.engine.sampling_params import SamplingParams
-    from nfjax.engine.batcher import Batcher
+    from nfjax.models.random_init import SHAPES
 
     work = parse(workload, n, 128_256, seed=1)
-    longest = max(len(p) + o for p, o in work)
-    sched = Batcher(BatcherConfig(token_buckets=buckets, max_seqs=max_seqs),
-                      CacheConfig(page_size, num_pages, -(-longest // page_size)), max_model_len=1 << 20)
+    sched = Batcher(resolve(engine_config(SHAPES["llama3-8b"], overrides), None, on_gpu=True))
     for i, (p, o) in enumerate(work):
         sched.add(Request(f"r{i}", p, SamplingParams.greedy(max_tokens=o, ignore_eos=True), seed=i))
     times, decodes, tokens = [], [], []
@@ -52,20 +55,18 @@ def drive(workload: str, n: int, max_seqs: int, num_pages: int, page_size: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(ap)
     ap.add_argument("--workloads", default="1024x512,sharegpt")
     ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--max-seqs", type=int, default=512)
-    ap.add_argument("--num-pages", type=int, default=26_674, help="KV pages (default: an H100's for the 8B shape)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--buckets", default="128,256,512,1024,2048")
     ap.add_argument("--name", default="host_overhead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from bench.common import print_table, write_results
-    buckets = tuple(int(b) for b in args.buckets.split(","))
+    from bench.setup import bench_overrides
+    overrides = bench_overrides(args, defaults={"cache": {"num_pages": H100_PAGES}})
     res, rows, summary = {}, [], {}
     for w in args.workloads.split(","):
-        r = res[w] = drive(w, args.num_requests, args.max_seqs, args.num_pages, args.page_size, buckets)
+        r = res[w] = drive(w, args.num_requests, overrides)
         rows.append([w, r["steps"], r["mean_decodes"], r["schedule_ms_mean"], r["schedule_ms_median"],
                      r["schedule_ms_max"], r["schedule_s_total"]])
         summary[f"schedule_ms_mean_{w.replace('x', '_')}"] = r["schedule_ms_mean"]

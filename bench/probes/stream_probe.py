@@ -7,16 +7,12 @@ time next to the same two pieces run back to back in one program without streams
 our Mosaic GPU GEMM and decode attention (with their jnp wrappers), cuBLAS, a nested jit, and XLA command
 buffers on or off.
 
-    python3 bench/stream_probe.py [--out DIR]
+    python -m bench.probes.stream_probe [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def spin(x):

@@ -5,16 +5,18 @@ Compiles one layer of the Llama-3-8B shape under a NanoFlow plan with streams on
 which of them are kernels or other region starts. A region whose done follows its start directly overlaps
 nothing.
 
-    python3 bench/stream_schedule.py --plan bench/probes/plans/llama3-8b_h100_tp1_fullsm.json --bucket 2048
+    python -m bench.probes.stream_schedule --plan bench/probes/plans/llama3-8b_h100_tp1_fullsm.json \
+        --token-buckets 2048
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.setup import add_bench_args
+
+PROBE_PLAN = "bench/probes/plans/llama3-8b_h100_tp1_fullsm.json"    # a plan with stream orders (a path)
 
 
 def region_windows(hlo: str) -> list[dict]:
@@ -38,24 +40,16 @@ def region_windows(hlo: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--bucket", type=int, default=2048)
-    ap.add_argument("--plan", default="bench/probes/plans/llama3-8b_h100_tp1_fullsm.json",
-                    help="a plan with stream orders (path; run from the repository root)")
+    add_bench_args(ap)
     ap.add_argument("--dump", default=None, help="folder for the optimized HLO text of each step program")
     args = ap.parse_args()
-    from nfjax.config import CacheConfig, ExecutionConfig, BatcherConfig, StrategyConfig
-    from nfjax.engine.runner import Runner
+    from bench.setup import bench_runner
     from nfjax.experimental.streams import use_streams
-    from nfjax.models.random_init import SHAPES, random_model
-    from nfjax.parallel import make_mesh, shard_model
-
-    cfg = SHAPES[args.shape].replace(num_layers=1)
-    mesh = make_mesh(1)
-    model = random_model(cfg)
-    shard_model(model, mesh)
-    sc = ExecutionConfig(strategies=(StrategyConfig("nanoflow", plan=args.plan),))
-    r = Runner(model, CacheConfig(16, 512, 64), BatcherConfig((args.bucket,), max_seqs=64), mesh, sc)
+    args.layers = args.layers or 1                       # one layer shows the schedule
+    if not (args.plan or args.strategies):
+        args.plan = PROBE_PLAN
+    r = bench_runner(args, compile=False, defaults={"batcher": {"token_buckets": (2048,), "max_seqs": 64},
+                                                    "cache": {"num_pages": 512, "max_model_len": 1024}})
     use_streams(r)                          # experimental: nfjax/experimental/streams.py
     r.compile_all()
     for key, exe in r._steps.items():

@@ -1,5 +1,7 @@
-"""bench/stream_schedule.py's reading of a scheduled HLO entry computation (the text XLA prints in order)."""
-from bench.stream_schedule import region_windows
+"""The probes in bench/probes/: stream_schedule's reading of a scheduled HLO entry computation (the text XLA
+prints in order), and host_overhead driving the real batcher through whole workloads without a model."""
+from bench.probes.host_overhead import drive
+from bench.probes.stream_schedule import region_windows
 
 HLO = """HloModule m, is_scheduled=true
 
@@ -23,3 +25,15 @@ def test_region_windows_count_what_runs_before_each_done():
     assert w["call-start"]["kernels_or_regions"] == ["call-start.1", "fusion.3"]
     assert w["call-start.2"]["between"] == 0                     # a lone region: its done follows at once
     assert w["call-start.1"]["between"] == 4
+
+
+def _batcher(num_pages: int) -> dict:
+    return {"cache": {"num_pages": num_pages}, "batcher": {"max_seqs": 8, "token_buckets": (32, 64)}}
+
+
+def test_drive_runs_every_request_to_completion_under_memory_pressure():
+    roomy = drive("16x8", 24, _batcher(4096))
+    # 8 usable pages hold 4 sequences of 16 + 8 tokens at their predicted ends: admission waits for room
+    tight = drive("16x8", 24, _batcher(9))
+    assert tight["mean_decodes"] <= 4 < roomy["mean_decodes"]
+    assert tight["steps"] > roomy["steps"] >= 8          # every request's 8 tokens, fewer at a time when tight
