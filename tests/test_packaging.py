@@ -1,5 +1,5 @@
 """A normal (non-editable) install carries what nfjax loads by name: the shipped NanoFlow plans, the kernels, the
-tiny model; `pallas_kernels/` imports nothing from nfjax."""
+tiny model; `pallas_kernels/` imports nothing from nfjax, and nothing outside nfjax/experimental/ imports it."""
 import ast
 import os
 import shutil
@@ -22,6 +22,7 @@ def test_wheel_install_loads_a_shipped_plan_by_name(tmp_path):
         shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(src)], check=True, cwd=tmp_path)
+    assert (site / "nfjax" / "assets" / "tiny").is_dir() and (site / "nfjax" / "plans" / "README.md").is_file()
     elsewhere.mkdir()
     code = f"""
 import sys
@@ -39,9 +40,20 @@ import nfjax.kv.attention   # the kernels come with the wheel
     assert out.stdout.split() == ["llama3-8b_h100_tp1_beside_mact"]
 
 
+def _imports(f: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(f.read_text())):
+        out += ([a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+    return out
+
+
 def test_pallas_kernels_import_nothing_from_nfjax():
     for f in sorted((ROOT / "pallas_kernels").glob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not [n for n in names if n.split(".")[0] == "nfjax"], f"{f.name} imports {names}"
+        assert not [n for n in _imports(f) if n.split(".")[0] == "nfjax"], f.name
+
+
+def test_the_product_never_imports_the_experiments():
+    for f in sorted((ROOT / "nfjax").rglob("*.py")):
+        if "experimental" not in f.relative_to(ROOT / "nfjax").parts:
+            assert not [n for n in _imports(f) if n.startswith("nfjax.experimental")], f
