@@ -13,7 +13,10 @@ step's tokens only after the next step has been launched.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -180,6 +183,7 @@ class Runner:
         self.stable_inputs = sc.stable_inputs
         # (bucket, strategy label) -> compiled layer-group program; (bucket, label, n) for a shorter last group
         self._steps: dict[tuple, object] = {}
+        self._decode_steps: dict[tuple, object] = {}          # the same for decode-only batches (Sequential)
         self.layer_fns: dict[tuple[int, str], object] = {}    # ... -> its layer_fn (layer_schedule, merges)
         self.pinned: str | None = None
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
@@ -210,46 +214,69 @@ class Runner:
         return self._staged[bucket]
 
     def compile_all(self, progress: bool = False) -> None:
+        """Lower every program in turn, then compile them on a thread pool (XLA compiles outside the GIL)."""
+        from nfjax.schedule.variants import SEQUENTIAL
         t0 = time.perf_counter()
-        todo = [(b, v) for b in sorted(self.sched.token_buckets) for v in self.variants.by_bucket[b].values()]
-        it = todo
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(todo, desc="compiling buckets", unit="program")
+        jobs: list[tuple[dict, object, object, dict | None]] = []     # (table, key, lowered, compiler options)
         rep = self.replicated
         x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)
-        for b, v in it:
+        xo = self.xla_options or None
+        buckets = sorted(self.sched.token_buckets)
+        # the buckets a decode-only batch (at most max_seqs tokens) can land in
+        decode_buckets = {b for b in buckets if b < self.max_seqs} | {min([b for b in buckets if b >= self.max_seqs],
+                                                                         default=buckets[-1])}
+        for b in buckets:
             inp = self._example_input(b)
             x = x_sh.update(shape=(b, self.cfg.hidden_size))
-            if b not in self._embed:
-                if self.stable_inputs:
-                    self._stage[b] = jax.jit(stage, donate_argnums=0, out_shardings=rep).lower(inp, inp).compile()
-                    packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inp)),), jnp.int32,
-                                                  sharding=rep)
-                    self._unpack[b] = jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
-                        inp, packed).compile()
-                    self._staged[b] = inp           # lowering read only its shapes; the steps take it over
-                self._embed[b] = jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
-                    self.rest_state, self._prev, inp).compile(compiler_options=self.xla_options or None)
-                for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
-                    self._head[(b, any_sampled)] = jax.jit(partial(_head, self.rest_gd, any_sampled, self.max_seqs),
-                                                           out_shardings=rep).lower(self.rest_state, x, inp).compile(
-                        compiler_options=self.xla_options or None)
-            self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
-            opts = {**self.xla_options, **v.compiler_options()} or None
-            if self.scan:
-                self._steps[(b, v.label)] = jax.jit(
-                    partial(_scan_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
-                            self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding)).lower(
-                    self.stacked, self.kv, x, inp.meta).compile(compiler_options=opts)
-                continue
-            layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, self.opts,
-                                     self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding))
-            groups = self._groups[v.label]
-            for n in sorted({n for _, n in groups}, reverse=True):
-                key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
-                self._steps[key] = layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
-                                                self._layer_ids[0]).compile(compiler_options=opts)
+            if self.stable_inputs:
+                jobs.append((self._stage, b, jax.jit(stage, donate_argnums=0, out_shardings=rep).lower(inp, inp),
+                             None))
+                packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inp)),), jnp.int32, sharding=rep)
+                jobs.append((self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
+                    inp, packed), None))
+                self._staged[b] = inp           # lowering read only its shapes; the steps take it over
+            jobs.append((self._embed, b, jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
+                self.rest_state, self._prev, inp), xo))
+            for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
+                jobs.append((self._head, (b, any_sampled), jax.jit(
+                    partial(_head, self.rest_gd, any_sampled, self.max_seqs), out_shardings=rep).lower(
+                    self.rest_state, x, inp), xo))
+            for v in self.variants.by_bucket[b].values():
+                self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
+                opts = {**self.xla_options, **v.compiler_options()} or None
+                # Decode-only batches of the plain step also get programs without the prefill kernel.
+                decode = (False, True) if v.label == SEQUENTIAL and b in decode_buckets else (False,)
+                for dec in decode:
+                    fwd = dataclasses.replace(self.opts, decode_only=dec)
+                    table = self._decode_steps if dec else self._steps
+                    if self.scan:
+                        jobs.append((table, (b, v.label), jax.jit(
+                            partial(_scan_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
+                                    self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding)
+                        ).lower(self.stacked, self.kv, x, inp.meta), opts))
+                        continue
+                    layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
+                                             self.inv_freq), donate_argnums=(1, 2),
+                                     out_shardings=(rep, self.kv_sharding))
+                    groups = self._groups[v.label]
+                    for n in sorted({n for _, n in groups}, reverse=True):
+                        key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
+                        jobs.append((table, key, layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
+                                                              self._layer_ids[0]), opts))
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(jobs), desc="compiling", unit="program")
+
+        def compile_one(job):
+            table, key, lowered, opts = job
+            table[key] = lowered.compile(compiler_options=opts)
+            if bar is not None:
+                bar.update(1)
+        with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+            list(pool.map(compile_one, jobs))           # list(): re-raise the first compile error here
+        if bar is not None:
+            bar.close()
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
         self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
@@ -323,29 +350,34 @@ class Runner:
         t1 = time.perf_counter()
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
-        sampled = self.run_step(t, label, inp, any_sampled=bool((temp > 0).any()))
+        sampled = self.run_step(t, label, inp, any_sampled=bool((temp > 0).any()),
+                                decode_only=batch.num_decode == len(batch.seqs))
         t2 = time.perf_counter()
         return StepHandle(batch, sampled, t2, put_ms=(t1 - t0) * 1e3, dispatch_ms=(t2 - t1) * 1e3)
 
-    def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True) -> jax.Array:
+    def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True,
+                 decode_only: bool = False) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
-        0). Benchmarks call this with synthetic inputs."""
+        0); `decode_only=True` that every row is a decode (then the programs without the prefill kernel run,
+        where compiled). Benchmarks call this with synthetic inputs."""
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         x = self._embed[bucket](self.rest_state, self._prev, inp)
         if self.scan:
-            x, self.kv = self._steps[(bucket, label)](self.stacked, self.kv, x, inp.meta)
-        for i0, n, prog in () if self.scan else self.layer_programs(bucket, label):
+            table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
+            x, self.kv = table[(bucket, label)](self.stacked, self.kv, x, inp.meta)
+        for i0, n, prog in () if self.scan else self.layer_programs(bucket, label, decode_only):
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
         self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
         return self._prev
 
-    def layer_programs(self, bucket: int, label: str) -> list[tuple[int, int, object]]:
+    def layer_programs(self, bucket: int, label: str, decode_only: bool = False) -> list[tuple[int, int, object]]:
         """(first layer, layer count, compiled program) of each layer group of one step, in order."""
         groups = self._groups[label]
         full = groups[0][1]
-        return [(i0, n, self._steps[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
+        table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
+        return [(i0, n, table[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
 
     def logits(self, tokens: Int[Array, "T"], meta: AttentionMetadata) -> Float[Array, "S V"]:
         """Each sequence's last-token logits through the layer-program code (sequential schedule), compiled on

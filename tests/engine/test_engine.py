@@ -127,8 +127,14 @@ def test_layer_groups_with_a_remainder_match_the_naive_loop():
                       BatcherConfig(token_buckets=(32,), max_seqs=4), cfg=TINY.replace(num_layers=3),
                       execution=ExecutionConfig(layers_per_program=2))
     assert eng.runner.groups == [(0, 2), (2, 1)] and (32, "sequential", 1) in eng.runner._steps
+    # decode-only steps run their own programs (no prefill kernel); the tokens below cover them too
+    assert set(eng.runner._decode_steps) == {(32, "sequential"), (32, "sequential", 1)}
+    launched = []
+    run_step = eng.runner.run_step
+    eng.runner.run_step = lambda *a, **kw: launched.append(kw.get("decode_only")) or run_step(*a, **kw)
     prompts = ["layer groups", "x"]
     outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
+    assert True in launched and False in launched
     for p, o in zip(prompts, outs):
         assert o.token_ids == naive_greedy(eng, eng.tokenizer.encode(p), 8), p
 
@@ -157,8 +163,8 @@ def test_step_inputs_staged_in_the_same_buffers():
     seen: dict[int, set] = {}
     run_step = eng.runner.run_step
 
-    def spy(bucket, label, inp, any_sampled=True):
-        out = run_step(bucket, label, inp, any_sampled)
+    def spy(bucket, label, inp, any_sampled=True, decode_only=False):
+        out = run_step(bucket, label, inp, any_sampled, decode_only)
         staged = jax.tree.leaves(eng.runner._staged[bucket])
         assert [a.dtype for a in staged] == [a.dtype for a in jax.tree.leaves(inp)]
         seen.setdefault(bucket, set()).add(tuple(a.unsafe_buffer_pointer() for a in staged))
