@@ -2,7 +2,7 @@
 device copy, side by side with the XLA reference and cuDNN paged attention), the decode kernel's time as a
 function of its program count, and prefill TFLOP/s (vs the measured bf16 GEMM rate). One device call.
 
-usage: PYTHONPATH=. python3 bench/attention.py [--quick] [--out DIR]
+usage: python -m bench.kernels.attention [--quick] [--out DIR]
 Writes <out>/attention-<YYYYMMDD>.json (+ .png); summary keys decode_bw_fraction_of_copy_4k,
 prefill_tflops_fraction_of_gemm.
 """
@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 import time
 import traceback
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

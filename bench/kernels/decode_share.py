@@ -3,7 +3,7 @@ kernel (pallas_kernels/paged_decode_attention.py) and the positions-as-rows one 
 NanoFlow's overlap needs decode attention to reach HBM bandwidth on few SMs; this measures how few.
 Correctness of both kernels on the device against the jnp reference comes first. One device call.
 
-usage: PYTHONPATH=. python3 bench/decode_share.py [--out DIR] [--smoke]
+usage: python -m bench.kernels.decode_share [--out DIR] [--smoke]
 Writes <out>/decode_share-<YYYYMMDD>.json (+ .png); summary: per kernel, TB/s at 33 and 132 programs and
 the fewest programs reaching 90% of the measured copy bandwidth (8B heads, batch 256 x context 1280).
 """
@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 import time
 import traceback
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +23,7 @@ from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 
 KERNELS = {"heads": paged_decode_attention, "swapped": paged_decode_attention_swapped}
-# name -> (kernel, kwargs); the heads kernel's default is its measured best (bench/attention.py)
+# name -> (kernel, kwargs); the heads kernel's default is its measured best (bench/kernels/attention.py)
 CONFIGS = {"heads_bkv128_s2": ("heads", {}),
            "swapped_bkv128_s2": ("swapped", {"num_stages": 2}),
            "swapped_bkv128_s3": ("swapped", {"num_stages": 3}),

@@ -1,8 +1,8 @@
 """Persistent Pallas GEMM vs cuBLAS (jnp.dot) on the Llama-3-8B projection shapes, and its time as a function of
 its program count (NanoFlow's resource share). One device call, under 4 minutes on an H100.
 
-usage: PYTHONPATH=. python3 bench/gemm.py [--out DIR] [--budget-s 170] [--configs a,b] [--shapes qkv,down]
-                                          [--tokens 512,2048] [--programs 100,88] [--smoke]
+usage: python -m bench.kernels.gemm [--out DIR] [--budget-s 170] [--configs a,b] [--shapes qkv,down]
+                                    [--tokens 512,2048] [--programs 100,88] [--smoke]
 Writes <out>/gemm-<YYYYMMDD>.json; summary keys cublas_tflops, pgemm_tflops_full (4096x8192x8192),
 pgemm_vs_cublas_<shape>_<M>, pgemm_vs_cublas_geomean, pgemm_time_ratio_p<P>_geomean.
 
@@ -25,9 +25,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import print_table, write_results  # noqa: E402  (jax-free at import)
+from bench.common import module_command, print_table, write_results  # jax-free at import
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TOKENS = (512, 1024, 2048)
@@ -117,7 +115,7 @@ class Pool:
         self.hard_deadline = float("inf")      # time.monotonic() after which every job is cut short
 
     def start(self):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + (["--smoke"] if self.smoke else [])
+        cmd = module_command("bench.kernels.gemm", "--worker", *(["--smoke"] if self.smoke else []))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.buf = b""
 
