@@ -48,5 +48,5 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
 
 # XLA's CUDA-graph command buffers off: the empty list of command types. A DebugOptions field as well; the
-# candidate cause of the host waiting in dispatch for the GPU's step time (bench/NOTES.md section 3).
+# candidate cause of the host waiting in dispatch for the GPU's step time (docs/design.md sections 2-3).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}

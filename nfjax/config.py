@@ -297,7 +297,7 @@ class ExecutionConfig:
     scan_layers: bool = False
     command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches)
     # Copy each step's inputs into the same device buffers before the step's programs read them: a command
-    # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, bench/NOTES.md s8)
+    # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, docs/design.md s3)
     stable_inputs: bool = True
 
     def __post_init__(self):

@@ -2,7 +2,7 @@
 
 NanoFlow overlaps a memory-bound op (decode attention) with a compute-bound one (a GEMM of other tokens) by
 giving each a share of the SMs. With two kernels on two streams that depends on XLA's scheduler issuing them
-together, which it does not do for our step programs (bench/NOTES.md section 6). Here one launch holds both:
+together, which it does not do for our step programs (docs/design.md section 4). Here one launch holds both:
 CTAs [0, A) run the positions-as-rows decode attention (paged_decode_swapped.attention_kernel) over all
 of its work items, CTAs [A, A + G) run the persistent GEMM (persistent_gemm.gemm_kernel) over all of its
 tiles. A and G are the resource shares (a NanoFlow plan's) as CTA counts. With `spread=True` (the default) the attention

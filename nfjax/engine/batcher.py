@@ -84,7 +84,7 @@ class Batcher:
         est = p.max_tokens
         # A request that ignores EOS and has no stop condition runs to max_tokens: its length is known, and the
         # mean of other requests (a warm-up's 4-token outputs, say) must not stand in for it, or admission
-        # over-commits the cache and every later step preempts (bench/NOTES.md section 9).
+        # over-commits the cache and every later step preempts (docs/design.md section 8).
         exact = p.ignore_eos and not p.stop and not p.stop_token_ids
         if self._out_len_count and not exact:
             est = min(est, math.ceil(self._out_len_sum / self._out_len_count))

@@ -32,7 +32,7 @@ def sample(logits: Float[Array, "S V"], temperature: Float[Array, "S"], top_k: I
     """Rows with temperature 0 take the argmax. `any_sampled` (static, known on the host from the batch):
     False compiles the argmax alone, True also the sort for top-k/top-p. It is not a `lax.cond` on the
     temperatures: XLA:GPU reads a conditional's predicate back to the host, so enqueueing the program would
-    wait for the GPU to reach it, and the host could never run a step ahead (bench/dispatch_probe.py)."""
+    wait for the GPU to reach it, and the host could never run a step ahead (docs/design.md section 2)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not any_sampled:
         return greedy

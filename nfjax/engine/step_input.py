@@ -2,7 +2,7 @@
 
 The host packs every field's bits into one int32 vector (all fields are 4-byte types), so a step crosses to the
 device in one transfer instead of one per field (copying the 15 arrays took 1.4-1.9 ms a step on the H100 host,
-bench/NOTES.md section 8; on a CPU one copy took 0.09 ms against 0.30 for the tree; not yet timed on the
+docs/design.md section 3; on a CPU one copy took 0.09 ms against 0.30 for the tree; not yet timed on the
 device). A small program then writes the fields over the previous step's input buffers, which it takes donated,
 so the step programs read the same device addresses every step and XLA's command buffers (CUDA graphs) launch
 without being re-recorded (0.86 -> 0.55 ms to enqueue a 4-layer program on an H100).

@@ -4,7 +4,7 @@ A strategy may record a step on stream k (`Strategy.execute(..., stream=k)`, a N
 the engine runs every step on the program's one stream in recorded order. Here such a step instead runs in
 a `compute_on("gpu_stream:k")` region. Measured on H100 with jax 0.11.2, two-stream NanoFlow plans ran at
 0.77-0.95x Sequential: XLA's scheduler puts a region's done right after its start, so the streams do not
-overlap (bench/NOTES.md section 6; scheduling-group annotations around the region reached neither the region's
+overlap (docs/design.md section 4; scheduling-group annotations around the region reached neither the region's
 call-start/done nor the fusions). The overlap the engine uses is a horizontal kernel
 (nfjax/schedule/beside.py). Kept for bench/stream_probe.py, bench/stream_schedule.py and bench/nanoflow.py
 (`--streams`, the R -> P table).
@@ -14,7 +14,7 @@ so every step that reaches a region may run there.
 
 Use: `use_streams(runner)` after building a `Runner` and before `runner.compile_all()`; the variants whose
 layer schedule names a stream then compile with regions (and without command buffers: a CUDA graph ran every
-region's kernels on one stream, bench/NOTES.md section 6).
+region's kernels on one stream, docs/design.md section 4).
 """
 from __future__ import annotations
 

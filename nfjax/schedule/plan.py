@@ -56,7 +56,7 @@ class Plan:
     # Leave XLA's dot merger on for this plan (it is off for split variants, so that it does not fuse their
     # nano-batch GEMMs back together). Meant for plans whose split GEMMs cannot merge anyway (one runs before a
     # fused kernel, the other after it), so that q/k/v become one GEMM again; on `_mact` it measured no gain
-    # (bench/NOTES.md section 6, session 6).
+    # (docs/design.md section 5).
     xla_dot_merger: bool = False
 
     # ---- lookup -----------------------------------------------------------------------------------------

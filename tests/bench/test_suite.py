@@ -1,5 +1,5 @@
 """bench/ is a package run from the repository root as modules (`python -m bench.offline`): no file in it edits
-sys.path, and every script there answers --help."""
+sys.path, and every script there answers --help. Product code cites docs/design.md, never the measurement log."""
 from __future__ import annotations
 
 import os
@@ -28,6 +28,12 @@ def test_no_file_in_bench_edits_sys_path():
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in BENCH.rglob("*.py")
            for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
     assert bad == []
+
+
+def test_product_code_cites_the_design_doc_not_the_log():
+    files = [p for d in ("nfjax", "pallas_kernels") for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".json")]
+    assert files
+    assert [str(p.relative_to(ROOT)) for p in files if "NOTES.md" in p.read_text()] == []
 
 
 def test_the_suite_has_its_scripts():
