@@ -13,7 +13,7 @@ The CTA has max(2, GEMM warpgroups) warpgroups; warpgroups a branch does not use
 
 Both bodies are the kernels' own code, so correctness follows their tests. The CPU interpreter cannot run
 this kernel (its `run_scoped` branches close over the kernel's refs), so its test cross-lowers it for CUDA;
-`bench/decode_share.py --fused-only` compares its outputs with the two kernels run separately on the device.
+`bench/kernels/decode_share.py --fused-only` compares its outputs with the two kernels run separately on the device.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ a `compute_on("gpu_stream:k")` region. Measured on H100 with jax 0.11.2, two-str
 0.77-0.95x Sequential: XLA's scheduler puts a region's done right after its start, so the streams do not
 overlap (docs/design.md section 4; scheduling-group annotations around the region reached neither the region's
 call-start/done nor the fusions). The overlap the engine uses is a horizontal kernel
-(nfjax/schedule/beside.py). Kept for bench/stream_probe.py, bench/stream_schedule.py and bench/nanoflow.py
-(`--streams`, the R -> P table).
+(nfjax/schedule/beside.py). Kept for bench/probes/stream_probe.py, bench/probes/stream_schedule.py and
+bench/nanoflow.py (`--streams`, the R -> P table).
 
 Cache writers and collectives are never recorded on stream k >= 1 (`nfjax.schedule.graph.OpNode.main_stream_only`),
 so every step that reaches a region may run there.
@@ -35,7 +35,7 @@ def on_stream(fn, stream: int):
     The region holds primitives only (`inline_calls`): XLA 0.11.2 turns a nested call inside the region (the
     `jit(_pad)` of `jnp.pad`, any non-inlined jit) into a second annotated async call that its stream
     assignment cannot reach, and rejects the program ("No ExecutionStreamId found for call-start ...";
-    measured with bench/stream_probe.py).
+    measured with bench/probes/stream_probe.py).
     """
     return compute_on_fn(f"gpu_stream:{int(stream)}", jax.memory.Space.Device)(inline_calls(fn))
 

@@ -2,7 +2,7 @@
 
 The CPU Mosaic GPU interpreter of jax 0.10.2 cannot run the fused kernel (its `run_scoped` branches close
 over the kernel's refs, which the interpreter's lowering rejects), so here it is cross-lowered for CUDA; its
-outputs are compared with the two kernels run separately on the device by `bench/decode_share.py
+outputs are compared with the two kernels run separately on the device by `bench/kernels/decode_share.py
 --fused-only` (equal GEMM, attention within 1.7e-3, bench/results/decode_share-fused-20261123.json). The
 multi-weight GEMM path, the part the fused kernel adds to the GEMM, runs here in the interpreter (through the
 kernel body, `persistent_gemm.gemm_kernel`)."""
