@@ -9,10 +9,10 @@ Optimiser: AdamW (b1 0.9, b2 0.95, weight decay on matrices only) after global-n
 linear warmup then a cosine decay to `--min-lr-ratio`. The decay follows `progress = max(step / --steps,
 elapsed / --seconds)`, so a wall-clock cap still ends the schedule at its low learning rate.
 
-Training forward: the model's own decoder-layer ops (`LAYER_OPS`: norms, projections, RoPE, MLP, residuals)
-run over the whole batch; only the attention ops are swapped for one dense causal attention (no paged cache),
-and the `rope_append` op writes its K/V into a dense stand-in instead of cache pages. So training and paged
-inference share the same math (a test checks their logits agree).
+Training forward: the reference forward (`nfjax.models.reference.logits`): the model's own decoder-layer ops
+(`LAYER_OPS`: norms, projections, RoPE, MLP, residuals) over the whole batch, only attention swapped for one dense
+causal attention (no paged cache). So training and paged inference share the same math (a test checks their
+logits agree); `sample` decodes with the same forward.
 """
 from __future__ import annotations
 
@@ -30,21 +30,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nfjax.config import CacheConfig, ModelConfig
+from nfjax.config import ModelConfig
 from nfjax.errors import UserError
-from nfjax.kv.cache import KVCache
-from nfjax.kv.metadata import build_metadata
-from nfjax.models.llama import LAYER_OPS, LayerContext, LlamaModel
-from nfjax.models.rope import inv_frequencies
+from nfjax.models import reference
+from nfjax.models.llama import LlamaModel
 from nfjax.tokenizer import ByteTokenizer, Tokenizer, save_byte_tokenizer
 from nfjax.tokenizer.byte import BOS_ID, EOS_ID
-from pallas_kernels import MASK_VALUE
 
 DEFAULT_OUT = Path(__file__).parent / "assets" / "tiny"
-
-_ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
-_ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
-assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update train_tiny"
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -97,65 +90,9 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return ModelConfig(**kw)
 
 
-class _DenseKV:
-    """Stand-in for the paged cache inside `rope_append`: `write` just keeps this layer's (roped) K and V."""
-
-    def __init__(self, k=None, v=None):
-        self.k, self.v = k, v
-
-    def write(self, layer, slots, k, v) -> "_DenseKV":
-        return _DenseKV(k, v)
-
-
-def causal_attention(q, k, v, batch: int, scale: float):
-    """q [B*T, H, D], k/v [B*T, KH, D] -> [B*T, H*D]; each row attends to positions <= its own in its row."""
-    bt, h, d = q.shape
-    kh = k.shape[1]
-    t = bt // batch
-    qg = q.reshape(batch, t, kh, h // kh, d).astype(jnp.float32)
-    kf = k.reshape(batch, t, kh, d).astype(jnp.float32)
-    vf = v.reshape(batch, t, kh, d).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kf) * scale
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]           # [t (query), s (key)]
-    scores = jnp.where(causal, scores, MASK_VALUE)
-    w = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", w, vf)
-    return out.reshape(bt, h * d).astype(q.dtype)
-
-
-def dense_forward(model: LlamaModel, tokens) -> jax.Array:
-    """Logits [B, T, V] (f32) for a batch of full sequences [B, T] starting at position 0."""
-    cfg = model.cfg
-    b, t = tokens.shape
-    inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-    positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
-    slots = jnp.zeros((b * t,), jnp.int32)
-    x = model.embed(tokens.reshape(-1))
-    graphdef, stacked = nnx.split(model.layers)
-    scale = cfg.head_dim ** -0.5
-
-    def body(carry, layer_state):
-        x, i = carry
-        layer = nnx.merge(graphdef, layer_state)
-        ctx = LayerContext(layer=i, meta=None, inv_freq=inv_freq)
-        env = {"x": x, "kv": _DenseKV(), "positions": positions, "slots": slots}
-        for spec in LAYER_OPS:
-            if spec is _ATTN_DECODE:
-                continue            # dense training has no decode rows: _ATTN covers every token
-            if spec is _ATTN:
-                kv = env["kv"]
-                env["attn"] = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)
-            else:
-                env.update(spec(layer, ctx, env))
-        return (env["out"], i + 1), None
-
-    (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), stacked)
-    return model.logits(model.norm(x)).reshape(b, t, -1)
-
-
 def sequence_nll(model: LlamaModel, rows, mask=None) -> tuple[jax.Array, jax.Array]:
     """(sum of target NLL, number of targets) for rows [B, T + 1]."""
-    logits = dense_forward(model, rows[:, :-1])
+    logits = reference.logits(model, rows[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]
     if mask is None:
@@ -307,41 +244,10 @@ def save_tiny(model: LlamaModel, out_dir: str | Path, dtype: str = "bfloat16") -
 
 
 def sample(model: LlamaModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 300,
-           temperature: float = 0.0, seed: int = 0, page_size: int = 16) -> str:
-    """Generate with the model's paged-cache forward (prefill the prompt, then one token per step)."""
-    ids = tokenizer.encode(prompt)
-    n_pages = math.ceil((len(ids) + max_new_tokens) / page_size)
-    kv = KVCache.create(model.cfg, CacheConfig(page_size=page_size, num_pages=n_pages + 1,
-                                               max_pages_per_seq=n_pages))
-    pages = list(range(1, n_pages + 1))
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, tokens, kv, meta):
-        m = nnx.merge(graphdef, state)
-        h, kv = m(tokens, kv, meta)
-        return m.logits(h[meta.logits_index])[0], kv
-
-    def run(tokens, start, bucket):
-        meta = build_metadata([(pages, start, len(tokens))], bucket, 1, n_pages, page_size).to_device()
-        padded = np.zeros(bucket, np.int32)
-        padded[:len(tokens)] = tokens
-        return step(state, jnp.asarray(padded), kv, meta)
-
-    key = jax.random.key(seed)
-    logits, kv = run(ids, 0, max(16, math.ceil(len(ids) / 16) * 16))
-    out: list[int] = []
-    eos = set(tokenizer.eos_token_ids)
-    for _ in range(max_new_tokens):
-        if temperature <= 0:
-            nxt = int(jnp.argmax(logits[:tokenizer.vocab_size]))
-        else:
-            key, sub = jax.random.split(key)
-            nxt = int(jax.random.categorical(sub, logits[:tokenizer.vocab_size] / temperature))
-        if nxt in eos:
-            break
-        out.append(nxt)
-        logits, kv = run([nxt], len(ids) + len(out) - 1, 1)
+           temperature: float = 0.0, seed: int = 0) -> str:
+    """Generate with the reference forward (the one training used), stopping at EOS."""
+    out = reference.generate(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature, seed=seed,
+                             stop_ids=tokenizer.eos_token_ids)
     return tokenizer.decode(out)
 
 

@@ -1,39 +1,15 @@
 """Engine behaviour on a tiny random model: correctness vs a plain greedy loop, sampling options, streaming."""
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from nfjax.config import CacheConfig
 from nfjax.engine import SamplingParams
 from nfjax.errors import UserError
-from nfjax.kv.cache import KVCache
-from nfjax.kv.metadata import build_metadata
+from nfjax.models import reference
 
 
-def naive_greedy(engine, prompt_ids, n, width=128):
-    """Greedy decoding by re-running the whole sequence every token (no cache reuse, no batching).
-
-    The sequence is padded to a fixed width so the loop compiles once.
-    """
-    model = engine.runner.model()
-    ps = 8
-    npg = width // ps
-    cache = CacheConfig(page_size=ps, num_pages=npg + 1, max_pages_per_seq=npg)
-
-    @jax.jit
-    def last_logits(tokens, meta):
-        kv = KVCache.create(model.cfg, cache)
-        h, _ = model(tokens, kv, meta)
-        return model.logits(h[meta.logits_index])[0]
-
-    ids = list(prompt_ids)
-    for _ in range(n):
-        toks = np.zeros(width, np.int32)
-        toks[:len(ids)] = ids
-        meta = build_metadata([(list(range(1, npg + 1)), 0, len(ids))], width, 1, npg, ps)
-        ids.append(int(jnp.argmax(last_logits(jnp.asarray(toks), meta))))
-    return ids[len(prompt_ids):]
+def naive_greedy(engine, prompt_ids, n):
+    """Greedy decoding by the reference forward over the whole sequence every token (no cache, no batching)."""
+    return reference.greedy(engine.runner.model(), prompt_ids, n)
 
 
 def test_greedy_matches_naive_loop_for_ragged_batch(roomy_engine):

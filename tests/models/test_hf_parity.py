@@ -2,9 +2,11 @@
 
 For each supported architecture: build a small random model with transformers, `save_pretrained` it to
 safetensors, convert it with `nfjax convert`, load the nfjax checkpoint, then compare
-  - the logits of the same tokens (prefill, and every decode step against one HF forward over the whole
-    sequence): max |ours - hf| / max |hf| <= 1e-3 in float32;
-  - 64 greedy tokens: identical to HF `generate(do_sample=False)` with eos disabled.
+  - the logits of the reference forward (`nfjax.models.reference`, the one the engine tests and train-tiny use)
+    with one HF forward over the same whole sequence (the prompt's positions, and every generated one):
+    max |ours - hf| / max |hf| <= 1e-3 in float32;
+  - 64 greedy tokens of the reference forward and of the engine (paged cache, prefill then decode steps):
+    identical to HF `generate(do_sample=False)` with eos disabled.
 Weights use a large init (initializer_range 0.2) so logits are well separated and greedy argmaxes are not
 near-ties.
 """
@@ -12,25 +14,24 @@ from __future__ import annotations
 
 import json
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from nfjax import cli  # noqa: E402
 from nfjax.checkpoint.orbax_io import load_model  # noqa: E402
-from nfjax.config import CacheConfig  # noqa: E402
-from nfjax.kv.cache import KVCache  # noqa: E402
-from nfjax.kv.metadata import build_metadata  # noqa: E402
+from nfjax.config import BatcherConfig, CacheConfig, EngineConfig  # noqa: E402
+from nfjax.engine import Engine, SamplingParams  # noqa: E402
+from nfjax.models import reference  # noqa: E402
+from nfjax.tokenizer.silent import SilentTokenizer  # noqa: E402
 
 PROMPT_LEN = 12
 NEW_TOKENS = 64
 STEP_TOKENS = 16          # one static token budget for prefill and decode steps: one compile per model
 PAGE_SIZE = 16
-PAGES = list(range(1, 6))  # 80 slots >= PROMPT_LEN + NEW_TOKENS; page 0 is the scratch page
 REL_TOL = 1e-3
 
 _SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -85,40 +86,14 @@ def _convert(monkeypatch, *argv):
     return cli.main(["convert", *map(str, argv)])
 
 
-class _Runner:
-    """Greedy decoding with the nfjax forward over the paged KV cache, one sequence, host-side argmax."""
-
-    def __init__(self, model):
-        self.cfg = model.cfg
-        graphdef, self.state = nnx.split(model)
-
-        @jax.jit
-        def step(state, tokens, kv, meta):
-            m = nnx.merge(graphdef, state)
-            h, kv = m(tokens, kv, meta)
-            return m.logits(h), kv
-
-        self._step = step
-        self.kv = KVCache.create(self.cfg, CacheConfig(page_size=PAGE_SIZE, num_pages=len(PAGES) + 1,
-                                                       max_pages_per_seq=8))
-
-    def run(self, tokens: list[int], start: int) -> np.ndarray:
-        """Feed `tokens` at positions start.. ; returns their logits [n, V]."""
-        n = len(tokens)
-        meta = build_metadata([(PAGES, start, n)], STEP_TOKENS, 1, 8, PAGE_SIZE).to_device()
-        padded = np.zeros(STEP_TOKENS, np.int32)
-        padded[:n] = tokens
-        logits, self.kv = self._step(self.state, jax.numpy.asarray(padded), self.kv, meta)
-        return np.asarray(logits)[:n]
-
-    def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
-        """(generated tokens, logits of every fed position [len(prompt) + steps - 1, V])."""
-        rows = [self.run(prompt, 0)]
-        out = [int(rows[-1][-1].argmax())]
-        for i in range(steps - 1):
-            rows.append(self.run([out[-1]], len(prompt) + i))
-            out.append(int(rows[-1][-1].argmax()))
-        return out, np.concatenate(rows)
+def _engine_greedy(model, prompt: list[int]) -> list[int]:
+    """The engine's greedy tokens: one sequence through the paged cache, a prefill then one decode per step."""
+    cache = CacheConfig(page_size=PAGE_SIZE, num_pages=8,       # 112 slots >= PROMPT_LEN + NEW_TOKENS
+                        max_pages_per_seq=CacheConfig(page_size=PAGE_SIZE).pages_for(PROMPT_LEN + NEW_TOKENS))
+    eng = Engine(model, SilentTokenizer(model.cfg.vocab_size), EngineConfig(
+        model.cfg, cache, BatcherConfig(token_buckets=(STEP_TOKENS,), max_seqs=1)), take_weights=False)
+    out, = eng.generate([prompt], SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True))
+    return out.token_ids
 
 
 def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -140,8 +115,9 @@ def test_hf_parity(name, tmp_path, monkeypatch):
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, hf.config.vocab_size, PROMPT_LEN).tolist()
-    runner = _Runner(model)
-    ours_tokens, ours_logits = runner.greedy(prompt, NEW_TOKENS)
+    ours_tokens = reference.greedy(model, prompt, NEW_TOKENS)
+    engine_tokens = _engine_greedy(model, prompt)
+    ours_logits = np.asarray(reference.logits(model, jnp.asarray([prompt + ours_tokens[:-1]]))[0])
 
     hf.generation_config.eos_token_id = None      # eos disabled: always NEW_TOKENS tokens
     hf.generation_config.pad_token_id = 0
@@ -158,3 +134,5 @@ def test_hf_parity(name, tmp_path, monkeypatch):
     assert err_prefill <= REL_TOL and err_all <= REL_TOL, (err_prefill, err_all)
     first_diff = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), None)
     assert ours_tokens == hf_tokens, f"greedy tokens differ from step {first_diff}"
+    first_diff = next((i for i, (a, b) in enumerate(zip(engine_tokens, hf_tokens)) if a != b), None)
+    assert engine_tokens == hf_tokens, f"the engine's greedy tokens differ from step {first_diff}"
