@@ -19,8 +19,10 @@ from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig,
 SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
                              "parallel": ParallelConfig}
 # Token budgets compiled when none are given. A GPU step's cost follows its padded token count, so decode
-# batches get buckets close to their size (a 277-sequence decode padded to 512 took 1.5x the GEMM time).
-GPU_BUCKETS = (64, 128, 256, 384, 512, 1024, 2048)
+# batches get buckets close to their size: an 8B decode step of 32 sequences takes 9.8 ms in a 32-token
+# bucket where one sequence takes 7.8 ms in a 1-token one (H100, bench/results/profile_step-20261124.json),
+# and the long tail of a ShareGPT-shaped run is such steps.
+GPU_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 1024, 2048)
 CPU_BUCKETS = (64, 256)
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
 MAX_AUTO_SEQS = 512
