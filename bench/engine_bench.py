@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from nfjax.config import pages_for
 from bench.step_bench import make_step_input, run_step
 
 Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
@@ -29,7 +30,7 @@ def longest(works: list[Work]) -> int:
 def pages_needed(works: list[Work], page_size: int, max_seqs: int | None = None) -> int:
     """Pages for the `max_seqs` (None: all) longest requests at once (+ scratch page 0): no preemption, no
     admission limit from memory, so every engine variant runs the same schedule."""
-    lens = sorted((-(-(len(p) + o) // page_size) for w in works for p, o in w), reverse=True)
+    lens = sorted((pages_for(len(p) + o, page_size) for w in works for p, o in w), reverse=True)
     return sum(lens[:max_seqs]) + 1
 
 

@@ -10,6 +10,8 @@ import glob
 import os
 import shutil
 
+from nfjax.config import pages_for
+
 SeqSpec = tuple[int, int, int]               # (num_pages, first position, query tokens) of one sequence
 
 
@@ -35,7 +37,7 @@ def make_step_input(runner, seqs, bucket: int, num_decode: int, rng):
 
 def decode_batch(n: int, ctx: int, page_size: int) -> tuple[int, list[SeqSpec], int]:
     """(bucket, seqs, num_decode): `n` decode tokens, each at context `ctx`."""
-    return n, [(-(-(ctx + 1) // page_size), ctx, 1)] * n, n
+    return n, [(pages_for(ctx + 1, page_size), ctx, 1)] * n, n
 
 
 def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = None,
@@ -43,9 +45,9 @@ def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = 
     """A full `bucket`: `num_decode` decodes at context `ctx` (default bucket / 16, the engine's usual mix
     late in a 1024/512 run), the rest as `chunks` equal first prefill chunks."""
     nd = bucket // 16 if num_decode is None else num_decode
-    dec = [(-(-(ctx + 1) // page_size), ctx, 1)] * nd
+    dec = [(pages_for(ctx + 1, page_size), ctx, 1)] * nd
     per = (bucket - nd) // chunks
-    return bucket, dec + [(-(-per // page_size), 0, per)] * chunks, nd
+    return bucket, dec + [(pages_for(per, page_size), 0, per)] * chunks, nd
 
 
 def synthetic_context(seq_lists, page_size: int) -> int:
@@ -168,7 +170,7 @@ def gemm_beside_attention(gemm_shape: tuple[int, int, int], decode: int, ctx: in
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.02
     b, ps, kvh, h, d = decode, 16, 8, 32, 128
-    pages = -(-ctx // ps)
+    pages = pages_for(ctx, ps)
     kc = jax.random.normal(jax.random.key(3), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
     vc = jax.random.normal(jax.random.key(4), (1, b * pages + 1, ps, kvh, d), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(5), (b, h, d), jnp.bfloat16)

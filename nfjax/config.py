@@ -152,6 +152,11 @@ def _rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
     raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (llama3, linear)")
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages of `page_size` positions that hold `num_tokens` positions: the one rule (`CacheConfig.pages_for`)."""
+    return -(-num_tokens // page_size)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
@@ -170,7 +175,7 @@ class CacheConfig:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` positions."""
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import numpy as np
 
 from bench.common import device_info, measure_copy_bandwidth, measure_gemm, print_table, save_plot, time_fn, \
     write_results
+from nfjax.config import pages_for
 from pallas_kernels import MASK_VALUE
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -47,13 +48,13 @@ def make_cache(key, layers, pages, ps):
 
 def ragged_tables(rng, lens, ps, num_pages, reserve_zero=True):
     """Page tables giving each sequence distinct random pages."""
-    p = max(1, max(-(-int(n) // ps) for n in lens))
+    p = max(1, max(pages_for(int(n), ps) for n in lens))
     first = 1 if reserve_zero else 0
     perm = rng.permutation(np.arange(first, num_pages))
     table = np.zeros((len(lens), p), np.int32)
     off = 0
     for i, n in enumerate(lens):
-        k = -(-int(n) // ps)
+        k = pages_for(int(n), ps)
         table[i, :k] = perm[off:off + k]
         off += k
     assert off <= len(perm)
@@ -67,7 +68,7 @@ def check_decode(rng, ps, g, b=24, max_len=3000, **kw):
     kvh = KVH
     lens = rng.integers(1, max_len, b)
     lens[0] = 0
-    pages = int(sum(-(-n // ps) for n in lens)) + 2
+    pages = int(sum(pages_for(n, ps) for n in lens)) + 2
     kc, vc = make_cache(jax.random.key(int(rng.integers(1 << 30))), 2, pages, ps)
     q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (b, kvh * g, D), DT)
     pt = jnp.asarray(ragged_tables(rng, lens, ps, pages))
@@ -81,7 +82,7 @@ def check_prefill(rng, ps, g, **kw):
     qlens, ctx = ([700, 1, 130, 64], [0, 900, 33, 2000]) if not KW else ([40, 1, 9, 3], [0, 90, 3, 20])
     t = sum(qlens) + 5
     lens = np.array(qlens) + np.array(ctx)
-    pages = int(sum(-(-n // ps) for n in lens)) + 2
+    pages = int(sum(pages_for(n, ps) for n in lens)) + 2
     kc, vc = make_cache(jax.random.key(int(rng.integers(1 << 30))), 2, pages, ps)
     q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (t, KVH * g, D), DT)
     pt = jnp.asarray(ragged_tables(rng, lens, ps, pages))
@@ -101,7 +102,7 @@ def check_dispatch(rng, ps=16):
     num_tokens, max_seqs, max_pages = 320, 8, 128
     if KW:
         specs, num_tokens, max_seqs, max_pages = [(30, 1), (0, 20), (45, 7)], 32, 4, 8
-    pages_needed = [-(-(a + n) // ps) for a, n in specs]
+    pages_needed = [pages_for(a + n, ps) for a, n in specs]
     kc, vc = make_cache(jax.random.key(int(rng.integers(1 << 30))), 2, sum(pages_needed) + 1, ps)
     perm = rng.permutation(np.arange(1, sum(pages_needed) + 1))
     seqs, off = [], 0
@@ -180,7 +181,7 @@ def cudnn_paged_fn():
 
 def decode_case(b, ctx, ps, configs, with_xla, with_cudnn, iters):
     """Times each kernel config (and the peers) at batch b, every sequence `ctx` long."""
-    p = ctx // ps
+    p = pages_for(ctx, ps)
     n = b * p
     kc, vc = make_cache(jax.random.key(b * 7 + ctx), 1, n, ps)
     rng = np.random.default_rng(b + ctx)
@@ -233,7 +234,7 @@ def decode_case(b, ctx, ps, configs, with_xla, with_cudnn, iters):
 
 
 def program_sweep(b, ctx, ps, programs, base_cfg, iters):
-    p = ctx // ps
+    p = pages_for(ctx, ps)
     n = b * p
     kc, vc = make_cache(jax.random.key(99), 1, n, ps)
     pt = jnp.asarray(np.random.default_rng(1).permutation(n).astype(np.int32).reshape(b, p))
@@ -258,7 +259,7 @@ def prefill_case(nseq, chunk, ctx, ps, cfg, iters):
     qlens, before = [chunk] * nseq, [ctx] * nseq
     lens = np.array(qlens) + np.array(before)
     t = nseq * chunk
-    p = -(-int(lens.max()) // ps)
+    p = pages_for(int(lens.max()), ps)
     n = nseq * p + 1
     kc, vc = make_cache(jax.random.key(nseq * 31 + chunk), 1, n, ps)
     rng = np.random.default_rng(nseq + chunk)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import device_info, measure_copy_bandwidth, print_table, save_plot, time_fn, write_results
+from nfjax.config import pages_for
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 
@@ -46,7 +47,7 @@ def cache_case(b, ctx, ps, seed, ragged=False, interpret=False, cache_gb: float 
     lens = rng.integers(1, ctx + 1, b) if ragged else np.full(b, ctx)
     if ragged:
         lens[0] = 0
-    pages = [-(-int(n) // ps) for n in lens]
+    pages = [pages_for(int(n), ps) for n in lens]
     p = max(1, max(pages))
     used = sum(pages)
     n = max(used + 1, int(cache_gb * 2 ** 30 / (ps * KVH * D * 2)))

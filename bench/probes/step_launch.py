@@ -43,13 +43,14 @@ def _input(runner, n: int, bucket: int, ctx: int):
 
 def run_mode(name: str, model, batches, ctx: int, chain: int, profile: str | None = None) -> dict:
     import jax
-    from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ExecutionConfig
+    from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ExecutionConfig, pages_for
     from nfjax.engine.runner import Runner
     from nfjax.parallel import make_mesh
     m = MODES[name]
     buckets = tuple(sorted({b for _, b in batches}))
     most = max(n for n, _ in batches)
-    cache = CacheConfig(page_size=16, num_pages=most * (-(-(ctx + 1) // 16)) + 2, max_pages_per_seq=-(-(ctx + 1) // 16))
+    per = pages_for(ctx + 1, 16)
+    cache = CacheConfig(page_size=16, num_pages=most * per + 2, max_pages_per_seq=per)
     cfg = EngineConfig(model.cfg, cache, BatcherConfig(buckets, max_seqs=most),
                        execution=ExecutionConfig(**m["exe"]))
     r = Runner(model, cfg, make_mesh(1), take_weights=False)

@@ -50,11 +50,3 @@ def free_device_bytes(device=None) -> int | None:
     if "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-
-
-def pages_that_fit(model: ModelConfig, page_size: int, fraction: float = 0.9, device=None) -> int:
-    """How many KV pages fit in `fraction` of the device memory still free (weights already placed)."""
-    free = free_device_bytes(device)
-    if not free or free <= 0:
-        raise RuntimeError(f"{device or jax.devices()[0]}: no memory statistics; pass num_pages explicitly")
-    return max(2, int(free * fraction) // (bytes_per_token(model) * page_size))

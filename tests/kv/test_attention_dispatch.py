@@ -5,13 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nfjax.config import pages_for
 from nfjax.kv.attention import paged_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import build_metadata
 
 
 def _batch(rng, specs, num_tokens, max_seqs, max_pages, ps=16, kvh=1, g=4, d=64):
-    need = [-(-(a + n) // ps) for a, n in specs]
+    need = [pages_for(a + n, ps) for a, n in specs]
     n_pages = sum(need) + 2
     shape = (2, n_pages, ps, kvh, d)
     kv = KVCache(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from nfjax import cli  # noqa: E402
 from nfjax.checkpoint.orbax_io import load_model  # noqa: E402
-from nfjax.config import BatcherConfig, CacheConfig, EngineConfig  # noqa: E402
+from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, pages_for  # noqa: E402
 from nfjax.engine import Engine, SamplingParams  # noqa: E402
 from nfjax.models import reference  # noqa: E402
 from nfjax.tokenizer.silent import SilentTokenizer  # noqa: E402
@@ -89,7 +89,7 @@ def _convert(monkeypatch, *argv):
 def _engine_greedy(model, prompt: list[int]) -> list[int]:
     """The engine's greedy tokens: one sequence through the paged cache, a prefill then one decode per step."""
     cache = CacheConfig(page_size=PAGE_SIZE, num_pages=8,       # 112 slots >= PROMPT_LEN + NEW_TOKENS
-                        max_pages_per_seq=CacheConfig(page_size=PAGE_SIZE).pages_for(PROMPT_LEN + NEW_TOKENS))
+                        max_pages_per_seq=pages_for(PROMPT_LEN + NEW_TOKENS, PAGE_SIZE))
     eng = Engine(model, SilentTokenizer(model.cfg.vocab_size), EngineConfig(
         model.cfg, cache, BatcherConfig(token_buckets=(STEP_TOKENS,), max_seqs=1)), take_weights=False)
     out, = eng.generate([prompt], SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True))

@@ -4,13 +4,15 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
+from nfjax.config import pages_for
+
 
 class PagedCase:
     def __init__(self, seed, *, kv_heads, group, head_dim, page_size, seq_lens, layers=2, spare_pages=3):
         rng = np.random.default_rng(seed)
         self.rng, self.seed = rng, seed
         self.seq_lens = np.asarray(seq_lens, np.int32)
-        need = [-(-int(n) // page_size) for n in self.seq_lens]
+        need = [pages_for(int(n), page_size) for n in self.seq_lens]
         self.max_pages = max(1, max(need)) + 1                        # one unused column: entries stay 0
         num_pages = sum(need) + spare_pages + 1
         shape = (layers, num_pages, page_size, kv_heads, head_dim)

@@ -30,7 +30,7 @@ def prompt_logits(engine):
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     seqs, page = [], 1
     for x in ids:
-        n = -(-len(x) // CACHE.page_size)
+        n = CACHE.pages_for(len(x))
         seqs.append((list(range(page, page + n)), 0, len(x)))
         page += n
     toks = np.zeros(64, np.int32)

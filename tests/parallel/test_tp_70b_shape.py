@@ -36,7 +36,7 @@ def prompt_logits(engine) -> np.ndarray:
     seqs, toks, page = [], np.zeros(BUCKET, np.int32), 1
     toks[:sum(map(len, PROMPTS))] = np.concatenate(PROMPTS)
     for p in PROMPTS:
-        n = -(-len(p) // CACHE.page_size)
+        n = CACHE.pages_for(len(p))
         seqs.append((list(range(page, page + n)), 0, len(p)))
         page += n
     meta = build_metadata(seqs, BUCKET, SCHED.max_seqs, CACHE.max_pages_per_seq, CACHE.page_size)

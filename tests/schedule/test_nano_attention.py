@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nfjax.config import pages_for
 from nfjax.kv.attention import paged_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import build_metadata
@@ -16,7 +17,7 @@ def test_kernels_on_nano_metadata_match_the_full_batch(lo, hi):
     rng = np.random.default_rng(0)
     ps, kvh, g, d = 16, 1, 4, 64
     specs = [(40, 1), (3, 1), (17, 1), (0, 9), (20, 14)]          # 3 decodes, then 2 prefill chunks
-    need = [-(-(a + n) // ps) for a, n in specs]
+    need = [pages_for(a + n, ps) for a, n in specs]
     shape = (1, sum(need) + 2, ps, kvh, d)
     kv = KVCache(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
                  jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
