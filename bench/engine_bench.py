@@ -72,7 +72,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
         res["pct_optimal"] = 100 * tot / optimal_tok_s
         opt = f" = {res['pct_optimal']:.1f}% of optimal"
     print(f"[{label}] {len(work)} requests: {tot:,.0f} tok/s{opt}; {len(engine.trace.steps)} steps; "
-          f"padding {res['trace']['padding_tokens']} tokens", flush=True)
+          f"padding {res['trace']['padding_tokens']} tokens; {res['trace']['preemptions']} preemptions", flush=True)
     for k, v in sorted(res["step_ms_by_kind"].items()):
         print(f"    {k:>24}: {v['steps']:5d} steps, mean {v['mean_ms']:.1f} ms (host {v['host_ms']:.1f} ms: inputs "
               f"{v['put_ms']:.1f}, dispatch {v['dispatch_ms']:.1f}; blocked on read {v['wait_ms']:.1f} ms)",

@@ -24,6 +24,8 @@ VARIANTS = {
     "base": "",
     "nodm": "--xla_gpu_dot_merger_threshold_mb=0",
     "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+    "notriton": "--xla_gpu_enable_triton_gemm=false",
+    "cublaslt": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true",
 }
 
 
@@ -40,7 +42,7 @@ def child(args) -> dict:
     import numpy as np
     from bench.common import device_info, time_fn
     from bench.setup import bench_runner, config_record, setting
-    from bench.step_bench import kernel_table, make_step_input, run_step, synthetic_context, synthetic_pages, trace
+    from bench.step_bench import kernel_table, make_step_input, synthetic_context, synthetic_pages, trace
 
     ps = setting(args, "cache", "page_size")
     batches = synthetic_batches(args.ctx, ps)
@@ -57,7 +59,8 @@ def child(args) -> dict:
     for name, (bucket, seqs, nd) in batches.items():
         inp = make_step_input(runner, seqs, bucket, nd, rng)
         step = runner._steps[(bucket, "sequential")]
-        fn = lambda: run_step(runner, bucket, "sequential", inp)           # noqa: E731
+        dec = nd == sum(n for _, _, n in seqs)          # decode-only: the programs without the prefill kernel
+        fn = lambda: runner.run_step(bucket, "sequential", inp, any_sampled=False, decode_only=dec)  # noqa: E731
         tm = time_fn(fn, iters=5, reps=5, warmup=2)
         out["batches"][name] = {"bucket": bucket, "tokens": sum(n for _, _, n in seqs), "decode": nd,
                                 "step_ms": tm["median_s"] * 1e3,

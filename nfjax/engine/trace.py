@@ -17,6 +17,7 @@ class StepRecord:
     wait_ms: float = 0.0     # host time blocked reading its tokens (~0: the GPU waits for the host)
     put_ms: float = 0.0      # part of host_ms: input copy to the device
     dispatch_ms: float = 0.0  # part of host_ms: enqueueing the step's programs
+    preempted: int = 0       # requests swapped out to host memory to make room for this step
 
 
 @dataclass
@@ -28,14 +29,16 @@ class StepTrace:
         dec = batch.num_decode
         tot = batch.num_tokens
         self.steps.append(StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds,
-                                     host_ms, wait_ms, put_ms, dispatch_ms))
+                                     host_ms, wait_ms, put_ms, dispatch_ms, len(batch.swap_out)))
 
     def summary(self) -> dict:
         n = len(self.steps)
         return {"steps": n,
                 "decode_tokens": sum(s.decode_tokens for s in self.steps),
                 "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
-                "padding_tokens": sum(s.padding for s in self.steps)}
+                "padding_tokens": sum(s.padding for s in self.steps),
+                "preemptions": sum(s.preempted for s in self.steps),
+                "steps_with_preemption": sum(1 for s in self.steps if s.preempted)}
 
     def to_json(self) -> str:
         return json.dumps([asdict(s) for s in self.steps])

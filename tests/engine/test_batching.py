@@ -100,3 +100,23 @@ def test_prefill_chunks_per_step_are_capped(roomy_engine_alone):
     for p, sp, out in zip(prompts, params, outs):
         assert out.token_ids == roomy_engine_alone.generate(p, sp)[0].token_ids
     assert eng.pages_used == 0
+
+
+def test_overload_finishes_with_rare_preemption():
+    """A pool that holds a quarter of the requests at once, after a warm-up of short outputs (whose mean once
+    made admission over-commit the cache): every request finishes, and preemption stays the exception."""
+    eng = make_engine(CacheConfig(page_size=8, num_pages=49, max_pages_per_seq=16),
+                      BatcherConfig(token_buckets=(16, 64), max_seqs=16))
+    eng.generate(["warm up"] * 4, SamplingParams.greedy(max_tokens=2, ignore_eos=True))
+    rng = random.Random(1)
+    n = 48
+    prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(24, 48))] for _ in range(n)]
+    lens = [rng.randint(24, 48) for _ in range(n)]
+    pages = [-(-(len(p) + o) // 8) for p, o in zip(prompts, lens)]
+    assert sum(pages) >= 4 * 48, "the requests need at least 4x the 48 usable pages"
+    eng.trace.steps.clear()
+    outs = eng.generate(prompts, [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for o in lens])
+    assert [len(o.token_ids) for o in outs] == lens and all(o.finish_reason == "length" for o in outs)
+    s = eng.trace.summary()
+    assert s["steps_with_preemption"] <= 0.01 * s["steps"], s
+    assert eng.pages_used == 0
