@@ -14,6 +14,17 @@ class ConfigError(UserError):
     """A config that nfjax cannot run, with a message naming the offending field."""
 
 
+def read_json(path: str | Path, error: type[UserError] = ConfigError, what: str = "file") -> Any:
+    """The parsed JSON of a file; a missing file or invalid JSON raises `error` naming the file."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise error(f"{p}: no such {what}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{p}: not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3`); `linear` is also accepted."""
@@ -79,13 +90,7 @@ class ModelConfig:
         """Build from an HF `config.json` (a path to the file, its folder, or the parsed dict)."""
         if not isinstance(src, dict):
             p = Path(src)
-            p = p / "config.json" if p.is_dir() else p
-            try:
-                src = json.loads(p.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"{p}: no such file") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p}: not valid JSON ({e})") from None
+            src = read_json(p / "config.json" if p.is_dir() else p)
         hf = src
         mt = hf.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:

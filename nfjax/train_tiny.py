@@ -336,14 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m nfjax.train_tiny ...`: the same as `nfjax train-tiny ...`."""
     import argparse
     import sys
+    from nfjax.cli import run_command
     parser = argparse.ArgumentParser(prog="nfjax")
     add_parser(parser.add_subparsers(dest="command", required=True), "train-tiny")
     args = parser.parse_args(["train-tiny", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"nfjax train-tiny: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(run, args, "nfjax train-tiny")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig, ExecutionConfig, ModelConfig,
-                          ParallelConfig, StrategyConfig)
+                          ParallelConfig, StrategyConfig, read_json)
 
 SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
                              "parallel": ParallelConfig}
@@ -108,12 +107,7 @@ def overrides_from_args(args: argparse.Namespace | dict) -> dict:
 
 def load_engine_file(path: str | Path) -> dict:
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such engine config file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    d = read_json(p, what="engine config file")
     if not isinstance(d, dict):
         raise ConfigError(f"{p}: expected a JSON object with sections {', '.join(SECTIONS)}")
     return d

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nfjax.config import read_json
 from nfjax.errors import UserError
 
 FORMAT = 1
@@ -260,11 +261,7 @@ def plan_path(name_or_path: str | Path) -> Path:
 
 def load_plan(name_or_path: str | Path, graph=None) -> Plan:
     p = plan_path(name_or_path)
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{p}: not valid JSON ({e})") from None
-    plan = Plan.from_json(d, where=p.name)
+    plan = Plan.from_json(read_json(p, PlanError), where=p.name)
     if graph is None:
         from nfjax.schedule.graph import layer_graph
         graph = layer_graph()

@@ -5,9 +5,9 @@ import pytest
 from nfjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, BatcherConfig
 from nfjax.engine import Engine, SamplingParams
 from nfjax.errors import UserError
-from nfjax.kv.metadata import build_metadata
 from nfjax.models.random_init import random_model
 from nfjax.tokenizer.byte import ByteTokenizer
+from tp_common import prompt_logits as tp_prompt_logits
 
 LLAMA3 = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                      num_kv_heads=2, head_dim=8, rope_theta=500000.0, max_position_embeddings=256,
@@ -26,18 +26,7 @@ def engine_for(cfg, tp):
 
 def prompt_logits(engine):
     """Logits of each prompt's last token, through the engine's own sharded forward."""
-    r = engine.runner
-    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    seqs, page = [], 1
-    for x in ids:
-        n = CACHE.pages_for(len(x))
-        seqs.append((list(range(page, page + n)), 0, len(x)))
-        page += n
-    toks = np.zeros(64, np.int32)
-    toks[:sum(map(len, ids))] = np.concatenate(ids)
-    meta = build_metadata(seqs, 64, 4, CACHE.max_pages_per_seq, CACHE.page_size)
-    logits = r.logits(toks, meta)
-    return np.asarray(logits)
+    return tp_prompt_logits(engine, [engine.tokenizer.encode(p) for p in PROMPTS], 64)
 
 
 @pytest.mark.parametrize("cfg,tps", [(LLAMA3, (2, 4, 8)), (QWEN2, (2, 4))], ids=["llama3-gqa", "qwen2-bias"])

@@ -16,9 +16,9 @@ import pytest
 
 from nfjax.config import CacheConfig, EngineConfig, ParallelConfig, BatcherConfig
 from nfjax.engine import Engine, SamplingParams
-from nfjax.kv.metadata import build_metadata
 from nfjax.models.random_init import LLAMA3_70B, random_model
 from nfjax.tokenizer.silent import SilentTokenizer
+from tp_common import prompt_logits
 
 CFG = LLAMA3_70B.replace(num_layers=1, intermediate_size=1024, vocab_size=512, dtype="float32",
                          max_position_embeddings=256, eos_token_ids=())
@@ -28,20 +28,6 @@ CACHE = CacheConfig(page_size=8, num_pages=16, max_pages_per_seq=2)
 SCHED = BatcherConfig(token_buckets=(BUCKET,), max_seqs=4)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced host) devices")
-
-
-def prompt_logits(engine) -> np.ndarray:
-    """Last-token logits of each prompt, [4, V], through the engine's own sharded forward."""
-    r = engine.runner
-    seqs, toks, page = [], np.zeros(BUCKET, np.int32), 1
-    toks[:sum(map(len, PROMPTS))] = np.concatenate(PROMPTS)
-    for p in PROMPTS:
-        n = CACHE.pages_for(len(p))
-        seqs.append((list(range(page, page + n)), 0, len(p)))
-        page += n
-    meta = build_metadata(seqs, BUCKET, SCHED.max_seqs, CACHE.max_pages_per_seq, CACHE.page_size)
-    logits = r.logits(toks, meta)
-    return np.asarray(logits)[:len(PROMPTS)]
 
 
 def test_70b_heads_tp1_tp4_tp8_agree():
@@ -56,7 +42,7 @@ def test_70b_heads_tp1_tp4_tp8_agree():
         assert k.shape[3] == 8 and k.addressable_shards[0].data.shape[3] == 8 // tp     # KV heads per device
         q = eng.runner.layer_states[0]["q_proj"]["kernel"][...]
         assert q.addressable_shards[0].data.shape[-1] == 64 * 128 // tp                # query heads per device
-        results[tp] = (prompt_logits(eng), [o.token_ids for o in eng.generate(PROMPTS, sp)])
+        results[tp] = (prompt_logits(eng, PROMPTS, BUCKET), [o.token_ids for o in eng.generate(PROMPTS, sp)])
         del eng
     ref_logits, ref_tokens = results[1]
     for tp in (4, 8):
