@@ -302,9 +302,6 @@ class ExecutionConfig:
     `sequential` is always compiled as the fallback)."""
     strategies: tuple[StrategyConfig, ...] = ()
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
-    # All layers in one program, a lax.scan over the stacked weights (one launch a step; no per-layer weight
-    # copies; layers_per_program is then unused). Sequential-shaped strategies only.
-    scan_layers: bool = False
     command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches)
     # Copy each step's inputs into the same device buffers before the step's programs read them: a command
     # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, docs/design.md s3)

@@ -1,9 +1,8 @@
 """Probe: how a step's launch mode changes host and GPU time of decode steps (8B shape, one GPU).
 
-Modes: layer-group programs (the default, 4 layers a program), all layers as one scanned program, and the
-scanned program with XLA's dynamic-slice fusion (a GEMM reads its layer's slice of a stacked weight in place).
-Per mode and decode batch: compile time, host time to enqueue one step, and the time per step of a chain of
-back-to-back steps (max of host and GPU); the scanned program's HLO is checked for weight-slice copies.
+Modes: layer-group programs of 4 layers (the default) or 32, each with and without the prefill kernel
+(decode-only programs). Per mode and decode batch: compile time, host time to enqueue one step on an idle GPU,
+one step alone, and the time per step of a chain of back-to-back steps; optionally the kernel time by kernel.
 
 usage: python -m bench.probes.step_launch [--shape llama3-8b] [--batches 1@64,64@64,128@128,256@256] [--ctx 1024]
 """
@@ -14,14 +13,12 @@ import dataclasses
 import gc
 import json
 import os
-import re
 import time
 
-_CB = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+# The scanned-layers modes (all layers as one lax.scan over stacked weights, with and without WHILE in the
+# command buffers) ran 24.9 ms a 1-sequence decode step against 14.9 for groups4 (step_launch-modes-20261124.json)
+# and left the engine (docs/design.md).
 MODES = {"groups4": dict(exe={}), "groups4_dec": dict(exe={}, decode_only=True),
-         "scan": dict(exe=dict(scan_layers=True)),
-         "scan_cbwhile": dict(exe=dict(scan_layers=True), xla={"xla_gpu_enable_command_buffer": _CB}),
-         "scan_cbplus": dict(exe=dict(scan_layers=True), xla={"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}),
          "groups32": dict(exe=dict(layers_per_program=32)),
          "groups32_dec": dict(exe=dict(layers_per_program=32), decode_only=True)}
 
@@ -60,12 +57,6 @@ def run_mode(name: str, model, batches, ctx: int, chain: int, profile: str | Non
     t = time.perf_counter()
     r.compile_all()
     out = {"compile_s": time.perf_counter() - t, "batches": {}}
-    if r.scan:
-        hlo = r._steps[(buckets[-1], "sequential")].as_text()
-        out["hlo"] = {"while": hlo.count(" while("), "dynamic_slice": len(re.findall(r"dynamic-slice\(", hlo)),
-                      "copy": len(re.findall(r"= \S+ copy\(", hlo)), "custom_call": hlo.count("custom-call("),
-                      "dynamic_slice_fusion": hlo.count("dynamic_slice_fusion") + hlo.count("address_computation"),
-                      "known_trip_count": hlo.count("known_trip_count")}
     for n, b in batches:
         inp = _input(r, n, b, ctx)
         for _ in range(3):

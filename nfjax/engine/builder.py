@@ -70,8 +70,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy-min-tokens", type=int, default=None,
                    help="use the strategies only for batches with at least this many tokens")
     g.add_argument("--layers-per-program", type=int, default=None, help="decoder layers per compiled program")
-    g.add_argument("--scan-layers", dest="scan_layers", action="store_const", const=True, default=None,
-                   help="all layers in one program, a scan over the stacked weights (Sequential-shaped strategies)")
     g.add_argument("--no-command-buffers", dest="command_buffers", action="store_const", const=False, default=None,
                    help="XLA CUDA-graph command buffers off")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
@@ -82,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cache", "max_model_len": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
-         "scan_layers": "execution",
+
          "command_buffers": "execution", "stable_inputs": "execution", "tp": "parallel"}
 
 

@@ -3,10 +3,10 @@
 A step is a few launches of compiled programs: `embed` (input tokens, some taken on device from the previous
 step's samples), one *layer-group program* per `layers_per_program` consecutive layers, each layer's weights
 its own arrays, and `head` (final norm, logits of each sequence's last token, sampling). Why not one program
-for the step: a `lax.scan` over stacked layer weights makes XLA copy every layer's weights before its GEMMs
-each step (a dynamic slice feeding the GEMM: 9.5 of the 40 ms of an 8B decode step on an H100), and unrolling
-all layers inside one program removes the copies but costs ~40 s of compilation per bucket. A program of a few
-layers has neither cost.
+for the step: a `lax.scan` over stacked layer weights made XLA copy every layer's weights before its GEMMs
+(jax 0.10; on jax 0.11.2 the GEMMs read the slices in place, but the scanned step still ran 24.9 ms where
+layer groups run 14.9, docs/design.md), and 32 layers unrolled in one program ran no faster than groups of 4
+at twice the compile time. Decode-only batches of the plain step run programs without the prefill kernel.
 
 The sampled tokens of a step stay on the device and feed the next step's decode inputs; the host reads a
 step's tokens only after the next step has been launched.
@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
-from nfjax.config import ConfigError, EngineConfig
+from nfjax.config import EngineConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
@@ -64,30 +64,6 @@ def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, i
     specs = (layer_specs,) * len(layer_states)
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
-
-
-def _scan_layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, stacked, kv: KVCache,
-                 x: Float[Array, "T D"], meta: AttentionMetadata):
-    """Every layer as one `lax.scan` over the stacked [L, ...] weights (`ExecutionConfig.scan_layers`): one
-    program per step, compiled once for a layer; each iteration reads its layer's slice of the weights."""
-    tp = mesh.shape[TP_AXIS]
-
-    def body(stacked, kv, x, meta):
-        def one(carry, xs):
-            st, i = xs
-            y, kv = layer_forward(nnx.merge(layer_gd, st), i, carry[0], carry[1], meta, inv_freq, layer_fn,
-                                  TP_AXIS if tp > 1 else None, opts)
-            return (y, kv), None
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        (x, kv), _ = jax.lax.scan(one, (x, kv), (stacked, jnp.arange(n, dtype=jnp.int32)))
-        return x, kv
-
-    if tp == 1:
-        return body(stacked, kv, x, meta)
-    kvs = KVCache(kv_spec(), kv_spec())
-    specs = jax.tree.map(lambda sp: P(None, *sp), layer_specs)
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P()), out_specs=(P(), kvs),
-                         check_vma=not opts.skip_collectives)(stacked, kv, x, meta)
 
 
 def _head(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
@@ -147,11 +123,7 @@ class Runner:
         tp = mesh.shape[TP_AXIS]
         self.rest_gd, self.rest_state, self.layer_gd, stacked = split_layers(model)
         self.layer_specs = jax.tree.map(lambda sp: P(*sp[1:]), state_specs(stacked, tp))
-        self.scan = sc.scan_layers
-        # Layer-group programs read per-layer weight arrays; a scanned step reads the stacked ones in place.
-        self.stacked = stacked if self.scan else None
-        self.layer_states = None if self.scan else unstack_layers(stacked, self.layer_specs, mesh,
-                                                                   release=take_weights)
+        self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
         del stacked
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
@@ -166,12 +138,6 @@ class Runner:
         # in-place cache writes for one nano-batch could be ordered before an earlier layer's cache reads for
         # another, and XLA copies the whole cache to keep them apart (seen in the HLO; an optimization
         # barrier does not prevent it). A program boundary orders them for free.
-        split = sorted({lb for vs in self.variants.by_bucket.values() for lb, v in vs.items() if v.splits})
-        if self.scan and split:
-            raise ConfigError(f"execution.scan_layers: strategy {split[0]!r} splits the batch, which needs a "
-                              "program per layer; scan_layers runs Sequential-shaped strategies only")
-        if self.scan:
-            g = model.cfg.num_layers
         self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
@@ -249,12 +215,6 @@ class Runner:
                 for dec in decode:
                     fwd = dataclasses.replace(self.opts, decode_only=dec)
                     table = self._decode_steps if dec else self._steps
-                    if self.scan:
-                        jobs.append((table, (b, v.label), jax.jit(
-                            partial(_scan_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
-                                    self.inv_freq), donate_argnums=(1, 2), out_shardings=(rep, self.kv_sharding)
-                        ).lower(self.stacked, self.kv, x, inp.meta), opts))
-                        continue
                     layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
                                              self.inv_freq), donate_argnums=(1, 2),
                                      out_shardings=(rep, self.kv_sharding))
@@ -364,10 +324,7 @@ class Runner:
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         x = self._embed[bucket](self.rest_state, self._prev, inp)
-        if self.scan:
-            table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
-            x, self.kv = table[(bucket, label)](self.stacked, self.kv, x, inp.meta)
-        for i0, n, prog in () if self.scan else self.layer_programs(bucket, label, decode_only):
+        for i0, n, prog in self.layer_programs(bucket, label, decode_only):
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
         self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
         return self._prev
@@ -396,8 +353,7 @@ class Runner:
     def model(self) -> LlamaModel:
         """The model with its layers stacked again (a copy of the weights: tests and inspection only)."""
         model = nnx.merge(self.rest_gd, self.rest_state)
-        stacked = self.stacked if self.scan else jax.tree.map(lambda *a: jnp.stack(a), *self.layer_states)
-        model.layers = nnx.merge(self.layer_gd, stacked)
+        model.layers = nnx.merge(self.layer_gd, jax.tree.map(lambda *a: jnp.stack(a), *self.layer_states))
         return model
 
     @staticmethod

@@ -152,28 +152,3 @@ def test_step_inputs_staged_in_the_same_buffers():
     fresh = make_engine(cache, sched, execution=ExecutionConfig(stable_inputs=False))
     assert not fresh.runner._staged
     assert [o.token_ids for o in fresh.generate(prompts, sp)] == [o.token_ids for o in outs]
-
-
-def test_scanned_layers_match_the_naive_loop():
-    """`scan_layers`: one program runs every layer as a scan over the stacked weights; the tokens are the naive
-    loop's, over mixed prefill/decode steps of two buckets."""
-    from nfjax.config import ExecutionConfig, BatcherConfig
-    from tests.engine.conftest import TINY, make_engine
-    eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
-                      BatcherConfig(token_buckets=(16, 32), max_seqs=4), cfg=TINY.replace(num_layers=3),
-                      execution=ExecutionConfig(scan_layers=True))
-    assert eng.runner.layer_states is None and set(eng.runner._steps) == {(16, "sequential"), (32, "sequential")}
-    assert "while" in eng.runner._steps[(32, "sequential")].as_text()
-    prompts = ["scanned layers over a longer prompt", "x", "yz"]
-    outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == naive_greedy(eng, eng.tokenizer.encode(p), 8), p
-
-
-def test_scanned_layers_refuse_a_splitting_strategy():
-    from nfjax.config import ConfigError, ExecutionConfig, BatcherConfig, StrategyConfig
-    from tests.engine.conftest import make_engine
-    with pytest.raises(ConfigError, match="scan_layers"):
-        make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
-                    BatcherConfig(token_buckets=(32,), max_seqs=4),
-                    execution=ExecutionConfig((StrategyConfig("nanobatch"),), scan_layers=True))
