@@ -138,7 +138,7 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
         best = max(tok, key=tok.get)
         summary[f"total_tok_s_{key}"] = tok[best]
         summary[f"pct_optimal_{key}"] = 100 * tok[best] / optimal
-        summary[f"preemptions_{key}"] = ours[best]["results"][w]["trace"].get("preemptions", 0)
+        summary[f"preemptions_{key}"] = ours[best]["results"][w].get("trace", {}).get("preemptions", 0)
         if len(ours) > 1:
             summary[f"best_variant_{key}"] = best
             summary[f"best_vs_{next(iter(tok))}_{key}"] = tok[best] / next(iter(tok.values()))
