@@ -84,9 +84,13 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "command_buffers": "execution", "stable_inputs": "execution", "tp": "parallel"}
 
 
+SETTINGS = frozenset(_FLAT) | {"engine_config", "strategies", "plan", "strategy_min_decode", "strategy_min_tokens"}
+"""Every name `overrides_from_args` reads."""
+
+
 def overrides_from_args(args: argparse.Namespace | dict) -> dict:
     """The engine settings a command line (or a dict of the same names) gives, as {section: {field: value}}:
-    the `--engine-config` file first, then every flag that was set."""
+    the `--engine-config` file first, then every flag that was set (other names are not read)."""
     a = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
     out = load_engine_file(a["engine_config"]) if a.get("engine_config") else {}
     for name, section in _FLAT.items():

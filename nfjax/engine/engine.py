@@ -59,7 +59,11 @@ class Engine:
         `settings`: the same by flag name (page_size=, num_pages=, token_buckets=, max_seqs=, tp=, strategies=,
         plan=, ...; see `nfjax.engine.builder.add_engine_args`), applied over `config`.
         """
-        from nfjax.engine.builder import build_engine, overrides_from_args
+        from nfjax.engine.builder import SETTINGS, build_engine, overrides_from_args
+        bad = sorted(set(settings) - SETTINGS)
+        if bad:
+            raise UserError(f"from_pretrained: unknown engine setting {bad[0]!r}; settings are "
+                            f"{', '.join(sorted(SETTINGS))}")
         overrides = {k: dict(v) for k, v in (config or {}).items()}
         for section, vals in overrides_from_args(settings).items():
             overrides.setdefault(section, {}).update(vals)

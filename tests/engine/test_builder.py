@@ -1,0 +1,71 @@
+"""The engine builder: flags and JSON files to one EngineConfig, automatic sizes, clear errors."""
+import argparse
+import json
+
+import pytest
+
+from nfjax.config import ConfigError
+from nfjax.engine import Engine
+from nfjax.engine.builder import add_engine_args, engine_config, overrides_from_args, resolve
+from nfjax.errors import UserError
+from tests.engine.conftest import TINY
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_override_the_json_file(tmp_path):
+    f = tmp_path / "engine.json"
+    f.write_text(json.dumps({"cache": {"page_size": 8, "num_pages": 40}, "batcher": {"max_seqs": 4},
+                             "execution": {"strategies": ["dual_batch:1-1"]}}))
+    ov = overrides_from_args(_parse("--engine-config", str(f), "--max-seqs", "6", "--token-buckets", "32,16"))
+    cfg = engine_config(TINY, ov)
+    assert (cfg.cache.page_size, cfg.cache.num_pages, cfg.batcher.max_seqs) == (8, 40, 6)
+    assert cfg.batcher.token_buckets == (16, 32)
+    assert [s.label for s in cfg.execution.strategies] == ["dual_batch:1-1"]
+
+
+def test_plan_flag_is_a_nanoflow_strategy():
+    ov = overrides_from_args(_parse("--plan", "llama3-8b_h100_tp1_beside_mact", "--strategy-min-decode", "128"))
+    (s,) = engine_config(TINY, ov).execution.strategies
+    assert (s.kind, s.plan, s.min_decode) == ("nanoflow", "llama3-8b_h100_tp1_beside_mact", 128)
+
+
+def test_automatic_sizes():
+    cfg = resolve(engine_config(TINY, {"cache": {"page_size": 8}}), free_bytes=None, on_gpu=False)
+    assert cfg.cache.num_pages == 512 and cfg.cache.max_pages_per_seq == TINY.max_position_embeddings // 8
+    assert cfg.batcher.token_buckets == (64, 256) and cfg.batcher.max_seqs == 256
+    gpu = resolve(engine_config(TINY), free_bytes=1 << 30, on_gpu=True)
+    per_page = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4 * 16     # f32 K and V, 16 positions
+    assert gpu.cache.num_pages == int((1 << 30) * 0.9) // per_page
+    assert gpu.batcher.token_buckets[0] == 16 and gpu.batcher.max_seqs == 512
+    assert gpu.batcher.seqs_for(16) == 16 and gpu.batcher.seqs_for(2048) == 512
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"cache": {"page_sise": 8}}, "cache.page_sise"),
+    ({"caches": {}}, "unknown section 'caches'"),
+    ({"cache": {"num_pages": 1}}, "cache.num_pages"),
+    ({"batcher": {"token_buckets": [0, 16]}}, "token_buckets"),
+    ({"execution": {"strategies": [{"kind": "nanoflow"}]}}, "plan is required"),
+])
+def test_bad_settings_name_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        engine_config(TINY, overrides)
+
+
+def test_bad_engine_file_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such"):
+        overrides_from_args(_parse("--engine-config", str(tmp_path / "missing.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        overrides_from_args(_parse("--engine-config", str(bad)))
+
+
+def test_from_pretrained_refuses_an_unknown_setting():
+    with pytest.raises(UserError, match="max_seq"):
+        Engine.from_pretrained(max_seq=4)
