@@ -14,8 +14,12 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -60,8 +64,15 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = convert(args.hf, args.out, dtype=args.dtype, force=args.force,
-                  progress=False if args.no_progress else None)
+    try:
+        with _sigterm_interrupts():
+            cfg = convert(args.hf, args.out, dtype=args.dtype, force=args.force,
+                          progress=False if args.no_progress else None)
+    except KeyboardInterrupt as e:
+        sig = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        print(f"nfjax convert: interrupted ({sig}); the partial output was removed, {args.out} is unchanged",
+              file=sys.stderr)
+        return 143 if sig == "SIGTERM" else 130
     print(f"wrote {args.out}: {cfg.model_type}, {cfg.num_params() / 1e6:.2f}M params, {cfg.dtype}")
     return 0
 
@@ -331,17 +342,20 @@ def _atomic_output(out: Path) -> Iterator[Path]:
     (along with parent folders this created)."""
     parent = out.absolute().parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]     # deepest first
+    _remove_stale_temps(parent, out.name)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()                          # not mkdtemp: the output keeps the usual (umask) permissions
+        (tmp / TMP_MARKER).touch()
     except OSError as e:
         raise ConversionError(f"--out {out}: cannot create a folder in {parent} ({e})") from None
     try:
         yield tmp
+        (tmp / TMP_MARKER).unlink()
         _replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _rmtree_quietly(tmp)
         for p in created:
             try:
                 p.rmdir()
@@ -365,3 +379,81 @@ def _replace(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         old.unlink()
+
+
+# ---- interrupts and leftovers of interrupted runs -----------------------------------------------------------------
+TMP_MARKER = ".nfjax-convert-in-progress"   # inside a temp folder while it is being written; removed before rename
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that the temp folder is removed on the way out."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _rmtree_quietly(tmp: Path) -> None:
+    """Remove `tmp`, with further SIGINT/SIGTERM held off (a second Ctrl-C would leave it half removed);
+    retried once, since a writer thread (Orbax) may still be adding files while it is removed."""
+    import time
+
+    main = threading.current_thread() is threading.main_thread()
+    old = [(s, signal.signal(s, signal.SIG_IGN)) for s in (signal.SIGINT, signal.SIGTERM)] if main else []
+    try:
+        for _ in range(3):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                break
+            time.sleep(0.2)
+    finally:
+        for s, h in old:
+            signal.signal(s, h)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale_temps(parent: Path, name: str) -> None:
+    """Remove temp folders that an earlier, interrupted or killed conversion to `parent/name` left behind.
+
+    Only folders named as `_atomic_output` names them (`.NAME.tmp-PID-XXXXXXXX`), whose process is gone, and which
+    hold the converter's marker or nothing but files the converter writes, are removed: never anything else."""
+    if not parent.is_dir():
+        return
+    pat = re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)-[0-9a-f]{{8}}")
+    known = {TMP_MARKER, ".staging", "params", "nfjax_config.json", HF_CONFIG_COPY, *AUX_FILES}
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        m = pat.fullmatch(d.name)
+        if not m or d.is_symlink() or not d.is_dir() or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            inside = {c.name for c in d.iterdir()}
+        except OSError:
+            continue
+        if TMP_MARKER in inside or inside <= known:
+            shutil.rmtree(d, ignore_errors=True)
+            print(f"nfjax convert: removed {d}, left by an interrupted conversion", file=sys.stderr)
