@@ -88,6 +88,16 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _text(v: str, param: str) -> str:
+    """`v` if it is valid Unicode; a lone surrogate (JSON's "\\ud800" without its pair) cannot be encoded."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"'{param}' is not valid Unicode: a lone surrogate "
+                         f"{json.dumps(v[e.start])} at character {e.start}") from None
+    return v
+
+
 def _neutral(body: dict, name: str, ok, what: str) -> None:
     v = _get(body, name)
     if v is not None and not ok(v):
@@ -139,7 +149,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("stop", f"'stop' holds at most 4 strings, got {len(v)}")
     if any(not s for s in v):
         raise bad("stop", "'stop' strings must be non-empty")
-    return tuple(v)
+    return tuple(_text(s, "stop") for s in v)
 
 
 def _common(body: dict, kind: str) -> dict:
@@ -213,6 +223,7 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int)
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]          # a batch of one
     if isinstance(p, str):
+        _text(p, "prompt")
         try:
             ids = tokenizer.encode(p)
         except UserError as e:      # e.g. a model without a tokenizer: token ids only
@@ -255,8 +266,11 @@ def _check_messages(msgs: Any) -> list[dict]:
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise bad(f"{where}.content[{j}]", f"'{where}.content[{j}]' must be a text part "
                                                        "({\"type\": \"text\", \"text\": ...}); only text is supported")
+                _text(part["text"], f"{where}.content[{j}].text")
         elif not isinstance(c, str):
             raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
+        else:
+            _text(c, f"{where}.content")
     return msgs
 
 

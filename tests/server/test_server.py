@@ -323,3 +323,25 @@ def test_metrics_exposition(served):
     assert m["nfjax_kv_pages_total"] == 255
     r = httpx.get(f"{served.url}/metrics", timeout=T)
     assert r.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["a\\udfffb"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "ab", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "ok"}, '
+                             '{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', "messages[1].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], '
+                             '"max_tokens": 2}', "messages[0].content[0].text"),
+])
+def test_lone_surrogate_is_400_naming_the_field(served, client, path, body, param):
+    """JSON can spell a lone surrogate ("\\ud800") that no UTF-8 tokenizer can encode: a 400, not a 500."""
+    r = httpx.post(f"{served.url}{path}", content=body.encode(), timeout=T,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"], err
+    # (the official Python client cannot send one: its encoder fails first; a JS client sends it as above.)
+    # the server goes on serving
+    r = client.completions.create(model=served.model, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
