@@ -22,7 +22,9 @@ SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "ex
 # bucket where one sequence takes 7.8 ms in a 1-token one (H100, bench/results/profile_step-20261124.json),
 # and the long tail of a ShareGPT-shaped run is such steps.
 GPU_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 1024, 2048)
-CPU_BUCKETS = (64, 256)
+# On a CPU a step costs what its padded tokens cost: one stream decodes at 18.7 ms a token in a 1-token bucket
+# against 82 ms in a 64-token one (the tiny model, 2 cores).
+CPU_BUCKETS = (1, 16, 256)
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
 MAX_AUTO_SEQS = 512
 
@@ -202,6 +204,10 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
 
 
 def from_flags(args: argparse.Namespace, *, progress: bool = False, **kw):
-    """`build_engine` from parsed `add_engine_args` flags (plus `--model`, if the parser has it)."""
-    return build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
-                        progress=progress, **kw)
+    """`build_engine` from parsed `add_engine_args` flags (plus `--model`, if the parser has it); prints what the
+    engine holds (KV capacity, context, sequences, buckets) to stderr."""
+    import sys
+    engine = build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
+                          progress=progress, **kw)
+    print(f"[{engine.capacity_line()}]", file=sys.stderr, flush=True)
+    return engine

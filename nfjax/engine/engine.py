@@ -128,6 +128,13 @@ class Engine:
     def pages_total(self) -> int:
         return self.batcher.allocator.capacity
 
+    def capacity_line(self) -> str:
+        """What the resolved config holds, in one line (printed by the CLI at start)."""
+        c, b = self.config.cache, self.config.batcher
+        return (f"KV cache: {self.pages_total:,} pages of {c.page_size} = {self.pages_total * c.page_size:,} tokens; "
+                f"context {c.max_model_len:,}; up to {b.max_seqs} sequences a step; token buckets "
+                f"{','.join(map(str, b.token_buckets))}")
+
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""

@@ -49,7 +49,7 @@ def test_summarize_best_variant_peer_and_one_ceiling():
 
 def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    # the product's defaults for what is not given (on a CPU: buckets 64,256, KV pages 512)
+    # the product's defaults for what is not given (on a CPU: buckets 1,16,256, KV pages 512)
     cmd = [sys.executable, "-m", "bench.offline", "--shape", "smoke", "--workloads", "64x16", "--num-requests", "6",
            "--peer-requests", "2", "--peer-timeout", "200", "--name", "offline-test",
            "--variants", "seq=;nbo=--strategies nanobatch:1-1 --max-seqs 6"]
@@ -62,7 +62,7 @@ def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     assert data["engines"]["nbo"]["engine_args"]["max_seqs"] == 6          # the variant's flags won
     assert data["engines"]["nbo"]["engine_args"]["strategies"] == "nanobatch:1-1"
     seq = data["engines"]["seq"]["engine_config"]
-    assert seq["batcher"]["token_buckets"] == [64, 256] and seq["cache"]["num_pages"] == 512     # the builder's
+    assert seq["batcher"]["token_buckets"] == [1, 16, 256] and seq["cache"]["num_pages"] == 512  # the builder's
     assert seq["cache"]["max_pages_per_seq"] == 5                  # 64 + 16 tokens, the longest request
     assert data["engines"]["nbo"]["engine_config"]["batcher"]["max_seqs"] == 6
     for eng in data["engines"].values():

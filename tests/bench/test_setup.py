@@ -20,7 +20,7 @@ def test_defaults_are_the_builders():
     a = _args("--shape", "smoke")
     assert bench_overrides(a) == {} and engine_flags(a) == {"shape": "smoke"}
     cfg = resolve(engine_config(model_config(a), bench_overrides(a)), None, on_gpu=False)
-    assert cfg.cache.num_pages == 512 and cfg.batcher.token_buckets == (64, 256)       # a CPU's sizes
+    assert cfg.cache.num_pages == 512 and cfg.batcher.token_buckets == (1, 16, 256)    # a CPU's sizes
     assert setting(a, "cache", "page_size") == 16 and setting(a, "batcher", "max_seqs") is None
     assert config_record(cfg)["batcher"]["max_seqs"] == 256
 

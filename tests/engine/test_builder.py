@@ -37,7 +37,7 @@ def test_plan_flag_is_a_nanoflow_strategy():
 def test_automatic_sizes():
     cfg = resolve(engine_config(TINY, {"cache": {"page_size": 8}}), free_bytes=None, on_gpu=False)
     assert cfg.cache.num_pages == 512 and cfg.cache.max_pages_per_seq == TINY.max_position_embeddings // 8
-    assert cfg.batcher.token_buckets == (64, 256) and cfg.batcher.max_seqs == 256
+    assert cfg.batcher.token_buckets == (1, 16, 256) and cfg.batcher.max_seqs == 256
     gpu = resolve(engine_config(TINY), free_bytes=1 << 30, on_gpu=True)
     per_page = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4 * 16     # f32 K and V, 16 positions
     assert gpu.cache.num_pages == int((1 << 30) * 0.9) // per_page
