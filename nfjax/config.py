@@ -215,6 +215,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20     # larger request bodies -> HTTP 413
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish this long, then are aborted
     log_level: str = "info"
+    request_timeout_s: float = 15.0   # a request body not fully received this long after its headers -> HTTP 408
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -225,6 +226,8 @@ class ServerConfig:
             raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 @dataclass(frozen=True)

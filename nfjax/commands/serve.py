@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted "
                         "(default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds a client has to send a request body once its headers arrived; then HTTP 408 "
+                        "and the connection is closed (default: %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
     from nfjax.engine.builder import add_engine_args
     add_engine_args(p)
@@ -33,10 +36,16 @@ def run(args: argparse.Namespace) -> int:
     from nfjax.config import ServerConfig
     from nfjax.engine.builder import from_flags
     from nfjax.server import model_name_for, serve
+    from nfjax.server.launch import bind_socket
     cfg = ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue,
                        served_model_name=args.served_model_name, shutdown_timeout_s=args.shutdown_timeout,
-                       log_level=args.log_level)
-    t0 = time.perf_counter()
-    engine = from_flags(args, progress=sys.stderr.isatty())
-    print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
-    return serve(engine, cfg, cfg.served_model_name or model_name_for(args.model))
+                       log_level=args.log_level, request_timeout_s=args.request_timeout)
+    sock = bind_socket(cfg.host, cfg.port, listen=False)     # a port in use is an error now, not after loading
+    try:
+        t0 = time.perf_counter()
+        engine = from_flags(args, progress=sys.stderr.isatty())
+        print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
+    except BaseException:
+        sock.close()
+        raise
+    return serve(engine, cfg, cfg.served_model_name or model_name_for(args.model), sock=sock)

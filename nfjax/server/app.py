@@ -4,7 +4,8 @@
     GET  /v1/models, /v1/models/{name}, /health, /metrics
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (naming the field
-in `param`), 404/405 for unknown routes, 413 for an oversized body, 429 when the queue is full, 503 while
+in `param`), 404/405 for unknown routes, 408 (and the connection closed) for a body not received within
+`request_timeout_s`, 413 for an oversized body, 429 when the queue is full, 503 while
 shutting down. A client that disconnects (streaming or not) has its request aborted and its pages freed.
 """
 from __future__ import annotations
@@ -61,22 +62,33 @@ class ServerState:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"retry-after": "1"} if e.status == 429 else None
+    headers = {"retry-after": "1"} if e.status == 429 else {"connection": "close"} if e.status == 408 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, or 413 past `limit` bytes, or 408 if it is not all received within `timeout_s`."""
     cl = request.headers.get("content-length")
     too_big = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise too_big
     chunks, n = [], 0
-    async for c in request.stream():
-        n += len(c)
-        if n > limit:
-            raise too_big
-        chunks.append(c)
+
+    async def read():
+        nonlocal n
+        async for c in request.stream():
+            n += len(c)
+            if n > limit:
+                raise too_big
+            chunks.append(c)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await read()
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s (got {n} of "
+                            f"{cl if cl is not None else 'an unknown number of'} bytes)",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -158,7 +170,8 @@ async def _generate(request: Request, kind: str):
     try:
         if st.draining:
             raise shutdown_error()
-        body = protocol.parse_json(await _read_body(request, st.config.max_body_bytes))
+        body = protocol.parse_json(await _read_body(request, st.config.max_body_bytes,
+                                                    st.config.request_timeout_s))
         protocol.check_model(body, st.model_name)
         parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
         req = parse(body, st.tokenizer, st.vocab_size, st.max_model_len)

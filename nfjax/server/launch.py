@@ -17,15 +17,25 @@ from typing import Callable
 import uvicorn
 
 from nfjax.config import ServerConfig
+from nfjax.errors import UserError
 from nfjax.server.app import ServerState, create_app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A socket bound to host:port (listening unless `listen=False`: `nfjax serve` binds before it loads the
+    model, so that a port in use is found at once, and listens once the model is ready).
+    A port in use (or an address that cannot be bound) is a UserError naming host:port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise UserError(f"cannot listen on {where}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock
 
@@ -63,11 +73,19 @@ def _uvicorn_config(app, cfg: ServerConfig) -> uvicorn.Config:
                           http="h11", timeout_graceful_shutdown=cfg.shutdown_timeout_s + 10.0)
 
 
-def serve(engine, cfg: ServerConfig, model_name: str, on_ready: Callable[[str], None] | None = None) -> int:
+def serve(engine, cfg: ServerConfig, model_name: str, on_ready: Callable[[str], None] | None = None,
+          sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM/SIGINT (blocking). Prints `nfjax server listening on URL` once ready. Returns the exit
-    code: 0 after SIGTERM."""
+    code: 0 after SIGTERM. `sock`: a socket from `bind_socket(..., listen=False)` (default: bind cfg.host:port)."""
     app = create_app(engine, cfg, model_name)
-    sock = bind_socket(cfg.host, cfg.port)
+    if sock is None:
+        sock = bind_socket(cfg.host, cfg.port)
+    else:
+        try:
+            sock.listen(2048)
+        except OSError as e:
+            sock.close()
+            raise UserError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
     url = _url(sock)
 
     def ready():

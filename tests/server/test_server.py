@@ -23,6 +23,7 @@ PROMPTS = ["The class", "def f(x):", "Hello", "In Python, a list is", "import", 
 MAX_TOKENS = 24
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a Python keyword."}]
 T = 30.0   # per-call client timeout (s)
+REQUEST_TIMEOUT = 1.5   # the server's time limit for receiving a request body (s)
 
 
 @dataclass
@@ -45,7 +46,7 @@ def served(model_dir):
     c = engine.generate(chat_ids, greedy)[0]
     prompt_tokens = {p: len(engine.tokenizer.encode(p)) for p in PROMPTS}
     name = model_name_for(model_dir)
-    srv = ServerThread(engine, ServerConfig(port=0, max_queue=64, log_level="warning"), name).start()
+    srv = ServerThread(engine, ServerConfig(port=0, max_queue=64, log_level="warning", request_timeout_s=REQUEST_TIMEOUT), name).start()
     try:
         yield Served(srv.url, name, srv, ref, (c.text, len(c.token_ids), len(chat_ids)), prompt_tokens)
     finally:
@@ -343,5 +344,27 @@ def test_lone_surrogate_is_400_naming_the_field(served, client, path, body, para
     assert err["param"] == param and "surrogate" in err["message"], err
     # (the official Python client cannot send one: its encoder fails first; a JS client sends it as above.)
     # the server goes on serving
+    r = client.completions.create(model=served.model, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"prompt": "Hel'])
+def test_half_sent_body_is_408_and_closed_within_the_timeout(served, client, sent):
+    """Headers promise 200 bytes, fewer arrive, the client stalls: 408 and the connection closed, in time."""
+    import socket
+    import time
+
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=T) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\n\r\n" + sent)
+        t0 = time.monotonic()
+        data = b""
+        while chunk := s.recv(65536):            # until the server closes the connection
+            data += chunk
+        took = time.monotonic() - t0
+    assert data.startswith(b"HTTP/1.1 408 "), data
+    assert b"request_timeout" in data and b"not received within 1.5 s" in data, data
+    assert REQUEST_TIMEOUT - 0.1 < took < REQUEST_TIMEOUT + 5, took
     r = client.completions.create(model=served.model, prompt="Hello", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens >= 1

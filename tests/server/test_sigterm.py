@@ -85,3 +85,23 @@ def test_sigterm_stops_gracefully_with_exit_0(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+@pytest.mark.parametrize("entry", [["serve.py"], ["-m", "nfjax.cli", "serve"]])
+def test_port_in_use_fails_at_once_before_loading(entry):
+    """A port another process listens on: one error line naming host:port, exit 2, before the model loads."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, *entry, "--port", str(port), "--model", "/nonexistent/model"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+    prog = "serve.py" if entry == ["serve.py"] else "nfjax serve"
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"{prog}: error: cannot listen on 127.0.0.1:{port}: Address already in use\n", r.stderr
+    assert took < 30, took         # --model is never read: the port is checked first
