@@ -9,6 +9,9 @@ import time
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="generate text from prompts (default model: the shipped tiny model)")
     p.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
+    p.add_argument("--token-ids", action="store_true",
+                   help="each prompt is token ids (\"1,2,3\" or \"1 2 3\"); prints the generated ids (works "
+                        "without a tokenizer)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
@@ -20,14 +23,31 @@ def add_parser(sub, name: str) -> None:
     add_engine_args(p)
 
 
+def _token_ids(prompt: str) -> list[int]:
+    from nfjax.errors import UserError
+    try:
+        ids = [int(t) for t in prompt.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"--token-ids: prompt {prompt!r} is not a list of integers") from None
+    if not ids:
+        raise UserError("--token-ids: a prompt is empty")
+    return ids
+
+
 def run(args: argparse.Namespace) -> int:
     from nfjax import SamplingParams
     from nfjax.engine.builder import from_flags
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    ids = [_token_ids(p) for p in args.prompts] if args.token_ids else None
     t0 = time.perf_counter()
     engine = from_flags(args, progress=sys.stderr.isatty())
     print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    if ids is not None:
+        for prompt, out in zip(args.prompts, engine.generate(ids, params)):
+            print(" ".join(map(str, out.token_ids)))
+            print(f"[{prompt!r}: {len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+        return 0
     if len(args.prompts) == 1:
         out = None
         sys.stdout.write(args.prompts[0])

@@ -196,7 +196,7 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
         tp_config(load_config(path), tp)             # a clear error before any weight is read
         mesh = mesh or make_mesh(tp)
         model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
-        tokenizer = tokenizer or load_tokenizer(path)
+        tokenizer = tokenizer or load_tokenizer(path, token_ids_only=True)   # no tokenizer files: ids only
     if tokenizer is None:
         raise UserError("build_engine: an in-memory model needs its tokenizer")
     return Engine(model, tokenizer, engine_config(model.cfg, overrides), progress=progress, mesh=mesh,

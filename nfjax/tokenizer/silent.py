@@ -6,12 +6,14 @@ from nfjax.tokenizer.base import Tokenizer
 
 
 class SilentTokenizer(Tokenizer):
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
+                 reason: str = "this model has no tokenizer"):
         self._vocab = vocab_size
         self._eos = tuple(eos_token_ids)
+        self._reason = reason
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise UserError("this model has no tokenizer: pass prompts as token ids")
+        raise UserError(f"{self._reason}: pass prompts as token ids")
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
         return b""
