@@ -256,7 +256,9 @@ def add_parser(sub, name: str) -> None:
     d = TrainConfig()
     p = sub.add_parser(name, help="train the tiny byte-level Llama on pydoc_data/topics.py and save it",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint folder (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help=f"checkpoint folder (required: no default, so the shipped model, {DEFAULT_OUT}, is "
+                        "replaced only when named)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=None, help="wall-clock cap on training")
     p.add_argument("--batch-size", type=int, default=d.batch_size)

@@ -73,6 +73,16 @@ def test_cli_run_saves_a_loadable_checkpoint(tmp_path, capsys):
         tt.run(_cli_args(tmp_path))
 
 
+def test_out_is_required_so_the_shipped_model_is_not_overwritten(capsys):
+    from nfjax import cli
+    before = sorted((p.relative_to(tt.DEFAULT_OUT), p.stat().st_mtime_ns) for p in tt.DEFAULT_OUT.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train-tiny", "--steps", "1"])
+    assert e.value.code == 2
+    assert "the following arguments are required: --out" in capsys.readouterr().err
+    assert sorted((p.relative_to(tt.DEFAULT_OUT), p.stat().st_mtime_ns) for p in tt.DEFAULT_OUT.rglob("*")) == before
+
+
 @pytest.fixture(scope="module")
 def shipped():
     assert (tt.DEFAULT_OUT / "params").exists(), "nfjax/assets/tiny must hold the trained checkpoint"
