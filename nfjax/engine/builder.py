@@ -190,6 +190,8 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
     if model is None:
         from nfjax.checkpoint.orbax_io import load_config, load_model
         from nfjax.tokenizer import load_tokenizer
+        from nfjax.checkpoint.models import resolve
+        model_dir = resolve(model_dir)              # a model name (smollm2): converted once into the cache
         path = Path(model_dir) if model_dir is not None else TINY_MODEL
         if not path.is_dir():
             raise UserError(f"{path}: no such model folder")
