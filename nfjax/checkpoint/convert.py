@@ -53,8 +53,12 @@ class TensorInfo:
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="convert a Hugging Face safetensors checkpoint to an nfjax checkpoint",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--hf", required=True, type=Path, metavar="DIR",
-                   help="HF model folder (config.json + model.safetensors or a sharded index)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", type=Path, metavar="DIR",
+                     help="HF model folder (config.json + model.safetensors or a sharded index)")
+    src.add_argument("--gguf", type=Path, metavar="FILE",
+                     help="a llama GGUF file (tensors dequantized; tokenizer and chat template from its metadata; "
+                          "needs `pip install gguf`)")
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output folder (created)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="parameter dtype (default: bfloat16 if config.json says so, else float32)")
@@ -66,8 +70,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 def run(args: argparse.Namespace) -> int:
     try:
         with _sigterm_interrupts():
-            cfg = convert(args.hf, args.out, dtype=args.dtype, force=args.force,
-                          progress=False if args.no_progress else None)
+            if getattr(args, "gguf", None) is not None:
+                from nfjax.checkpoint.gguf_convert import convert_gguf
+                cfg = convert_gguf(args.gguf, args.out, dtype=args.dtype, force=args.force,
+                                   progress=False if args.no_progress else None)
+            else:
+                cfg = convert(args.hf, args.out, dtype=args.dtype, force=args.force,
+                              progress=False if args.no_progress else None)
     except KeyboardInterrupt as e:
         sig = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         print(f"nfjax convert: interrupted ({sig}); the partial output was removed, {args.out} is unchanged",

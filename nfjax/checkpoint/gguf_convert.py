@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import secrets
@@ -215,9 +216,11 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str | None =
     hf_convert.check_output(path.parent, out, force)
     parent = out.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    stage = parent / f".{out.name}.gguf-{secrets.token_hex(4)}"
+    # Named and marked like convert's own temp folders, so that a later run removes it if this one is killed.
+    stage = parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         stage.mkdir()
+        (stage / hf_convert.TMP_MARKER).touch()
         _stage(reader, meta, cfg, path, stage)
         try:
             return hf_convert.convert(stage, out, dtype=dtype, force=force, progress=progress)

@@ -134,3 +134,14 @@ def test_smollm2_name_errors_without_the_extra(monkeypatch):
     with pytest.raises(UserError, match=r"nfjax\[smol\]"):
         models.resolve("smollm2")
     assert models.resolve("/some/folder") == "/some/folder" and models.resolve(None) is None
+
+
+def test_convert_gguf_cli_errors_name_the_file(tmp_path, capsys):
+    from nfjax import cli
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    for f in (bad, tmp_path / "missing.gguf"):
+        assert cli.main(["convert", "--gguf", str(f), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert str(f) in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf"]
