@@ -126,8 +126,9 @@ def test_gguf_model_matches_transformers_offline_and_through_the_server(gguf_fil
     assert r.usage.prompt_tokens == len(chat_ids)
 
 
-def test_smollm2_name_errors_without_the_extra(monkeypatch):
+def test_smollm2_name_errors_without_the_extra(monkeypatch, tmp_path):
     import importlib.util
+    monkeypatch.setenv("NFJAX_CACHE", str(tmp_path))        # an empty cache: the name must be converted
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == models.SMOLLM2_PACKAGE else real(name, *a, **k))
