@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from nfjax.compat import num_sms, on_gpu
+from nfjax.kv.blocked_attention import blocked_paged_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
@@ -42,9 +43,13 @@ def _use_kernels(use_kernels, q, kv) -> bool:
 
 
 def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
+    """Off the kernels. On the CPU, the blocked loop bounded by the step's longest sequence; on the GPU the plain
+    reference, since a loop with a traced trip count there reads its predicate back to the host every iteration
+    and the host could no longer run a step ahead."""
     t = q.shape[0]
-    return ragged_paged_attention_ref(q, kv.k[layer], kv.v[layer], meta.positions[:t], meta.token_seq[:t],
-                                      meta.page_table, meta.seq_lens, scale)
+    attend = ragged_paged_attention_ref if on_gpu() else blocked_paged_attention
+    return attend(q, kv.k[layer], kv.v[layer], meta.positions[:t], meta.token_seq[:t], meta.page_table,
+                  meta.seq_lens, scale)
 
 
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
