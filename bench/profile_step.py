@@ -26,6 +26,7 @@ VARIANTS = {
     "nocmdbuf": "--xla_gpu_enable_command_buffer=",
     "notriton": "--xla_gpu_enable_triton_gemm=false",
     "cublaslt": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true",
+    "noautotune": "--xla_gpu_autotune_level=0",
 }
 
 
@@ -46,6 +47,8 @@ def child(args) -> dict:
 
     ps = setting(args, "cache", "page_size")
     batches = synthetic_batches(args.ctx, ps)
+    if args.batches:
+        batches = {k: batches[k] for k in args.batches.split(",")}
     seqs = [s for _, s, _ in batches.values()]
     runner = bench_runner(args, context=synthetic_context(seqs, ps), compile=False,
                           defaults={"cache": {"num_pages": synthetic_pages(seqs)}},   # all the batches use
@@ -68,9 +71,11 @@ def child(args) -> dict:
         print(f"[{args.variant}] {name}: {tm['median_s'] * 1e3:.2f} ms", flush=True)
         if args.profile:
             out["batches"][name]["kernels"] = kernel_table(trace(fn, "/tmp/nfjax_prof", f"{args.variant}_{name}"))
-        if args.hlo and name == "decode256":
+        if args.hlo:                # the first listed batch's layer program (decode-only one where it applies)
+            prog = runner._decode_steps.get((bucket, "sequential"), step) if dec else step
             with gzip.open(os.path.join(args.out, f"hlo_{args.variant}_{name}.txt.gz"), "wt") as f:
-                f.write(step.as_text())
+                f.write(prog.as_text())
+            args.hlo = False
     return out
 
 
@@ -81,7 +86,9 @@ def main() -> None:
     ap.add_argument("--variants", default="base")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--hlo", action="store_true", help="write the decode step's optimized HLO (gzip)")
+    ap.add_argument("--hlo", action="store_true", help="write the first batch's layer program's optimized HLO (gzip)")
+    ap.add_argument("--batches", default=None, help=f"comma list of synthetic batches (default all: "
+                    f"{','.join(synthetic_batches(1280, 16))})")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args()
