@@ -50,12 +50,3 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
 # XLA's CUDA-graph command buffers off: the empty list of command types. A DebugOptions field as well; the
 # candidate cause of the host waiting in dispatch for the GPU's step time (docs/design.md sections 2-3).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-
-
-def gpu_compile_options(command_buffers: bool, dot_strength_reduction: bool) -> dict:
-    """Per-compile XLA options of the step programs. The dot strength reduction switch is a GPU compile option
-    of jax 0.11.2's XLA that jax 0.10.2's does not know, so it is set on the GPU only."""
-    opts = {} if command_buffers else dict(NO_COMMAND_BUFFERS)
-    if on_gpu() and not dot_strength_reduction:
-        opts["xla_gpu_enable_dot_strength_reduction"] = False
-    return opts

@@ -306,9 +306,6 @@ class ExecutionConfig:
     strategies: tuple[StrategyConfig, ...] = ()
     layers_per_program: int = 4         # decoder layers per compiled program (a step launches L / this of them)
     command_buffers: bool = True        # XLA's CUDA-graph command buffers (False: plain kernel launches)
-    # XLA:GPU rewrites a 1-row GEMM into a multiply that writes a weight-sized product and a reduction over it
-    # (k/v projections of a 1-token step: 3x the weight traffic); off = cuBLAS/Triton GEMVs (docs/design.md s2)
-    dot_strength_reduction: bool = False
     # Copy each step's inputs into the same device buffers before the step's programs read them: a command
     # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, docs/design.md s3)
     stable_inputs: bool = True

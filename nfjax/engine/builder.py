@@ -74,8 +74,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers-per-program", type=int, default=None, help="decoder layers per compiled program")
     g.add_argument("--no-command-buffers", dest="command_buffers", action="store_const", const=False, default=None,
                    help="XLA CUDA-graph command buffers off")
-    g.add_argument("--dot-strength-reduction", dest="dot_strength_reduction", action="store_const", const=True,
-                   default=None, help="let XLA turn 1-row GEMMs into multiply + reduce (its default; for comparison)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
 
@@ -85,7 +83,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
 
-         "command_buffers": "execution", "dot_strength_reduction": "execution", "stable_inputs": "execution",
+         "command_buffers": "execution", "stable_inputs": "execution",
          "tp": "parallel"}
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from nfjax.compat import gpu_compile_options, on_gpu
+from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
 from nfjax.config import EngineConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
@@ -157,7 +157,7 @@ class Runner:
         self._swap_in = None
         self.compile_seconds = 0.0
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
-        self.xla_options = gpu_compile_options(sc.command_buffers, sc.dot_strength_reduction)  # every program's
+        self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
 
     # ---- compilation ------------------------------------------------------------------------------
     def _example_input(self, bucket: int) -> StepInput:

@@ -69,13 +69,3 @@ def test_bad_engine_file_names_the_file(tmp_path):
 def test_from_pretrained_refuses_an_unknown_setting():
     with pytest.raises(UserError, match="max_seq"):
         Engine.from_pretrained(max_seq=4)
-
-
-def test_dot_strength_reduction_is_off_unless_asked():
-    from nfjax.compat import gpu_compile_options
-    assert engine_config(TINY, overrides_from_args(_parse())).execution.dot_strength_reduction is False
-    cfg = engine_config(TINY, overrides_from_args(_parse("--dot-strength-reduction", "--no-command-buffers")))
-    assert cfg.execution.dot_strength_reduction is True and cfg.execution.command_buffers is False
-    # jax 0.10.2's XLA has no such compile option, so off the GPU only the command-buffer switch remains
-    assert gpu_compile_options(True, False) == {}
-    assert gpu_compile_options(False, False) == {"xla_gpu_enable_command_buffer": ""}
