@@ -33,8 +33,10 @@ VARIANTS = {
 def synthetic_batches(ctx: int, page_size: int):
     """name -> (bucket, [(num_pages, start, n_tokens)], num_decode)."""
     from bench.step_bench import decode_batch, mixed_batch
+    _, one, nd = decode_batch(1, ctx, page_size)
     return {"decode256": decode_batch(256, ctx, page_size), "decode128": decode_batch(128, ctx, page_size),
-            "decode32": decode_batch(32, ctx, page_size), "decode1": decode_batch(1, ctx, page_size),
+            "decode32": decode_batch(32, ctx, page_size),
+            "decode1": (16, one, nd),        # in the smallest GPU bucket, as the engine runs it (GPU_BUCKETS)
             "mixed2048": mixed_batch(2048, ctx, page_size, num_decode=128),
             "prefill2048": mixed_batch(2048, ctx, page_size, num_decode=0)}
 
