@@ -35,7 +35,7 @@ def synthetic_batches(ctx: int, page_size: int):
     from bench.step_bench import decode_batch, mixed_batch
     _, one, nd = decode_batch(1, ctx, page_size)
     return {"decode256": decode_batch(256, ctx, page_size), "decode128": decode_batch(128, ctx, page_size),
-            "decode32": decode_batch(32, ctx, page_size),
+            "decode64": decode_batch(64, ctx, page_size), "decode32": decode_batch(32, ctx, page_size),
             "decode1": (16, one, nd),        # in the smallest GPU bucket, as the engine runs it (GPU_BUCKETS)
             "mixed2048": mixed_batch(2048, ctx, page_size, num_decode=128),
             "prefill2048": mixed_batch(2048, ctx, page_size, num_decode=0)}
