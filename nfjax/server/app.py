@@ -1,10 +1,12 @@
 """The Starlette app: OpenAI-compatible endpoints over one `EngineLoop`.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> SSE ending in `data: [DONE]`)
-    GET  /v1/models, /v1/models/{name}, /health, /metrics
+    POST /tokenize, /detokenize                       (as vLLM's)
+    GET  /v1/models, /v1/models/{name}, /health, /metrics, /version, /openapi.json
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (naming the field
-in `param`), 404/405 for unknown routes, 408 (and the connection closed) for a body not received within
+in `param`), 404 for a `model` other than the served one ("The model `X` does not exist.", as vLLM) and for
+unknown routes, 405 for a wrong method, 408 (and the connection closed) for a body not received within
 `request_timeout_s`, 413 for an oversized body, 429 when the queue is full, 503 while
 shutting down. A client that disconnects (streaming or not) has its request aborted and its pages freed.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,11 +27,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nfjax.config import ServerConfig
-from nfjax.server import protocol
-from nfjax.server.loop import EngineLoop, RequestStream, shutdown_error
+from nfjax.errors import UserError
+from nfjax.server import protocol, schemas
+from nfjax.server.errors import APIError, model_not_found
+from nfjax.server.generate import generate
+from nfjax.server.loop import EngineLoop, shutdown_error
 from nfjax.server.metrics import ServerMetrics
-from nfjax.server.protocol import APIError, GenerateRequest
-from nfjax.server.sse import DONE, EventStream, event, wait_for_disconnect
+from nfjax.server.openapi import openapi_document
 
 log = logging.getLogger("nfjax.server")
 
@@ -92,125 +97,72 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-async def _collect(stream: RequestStream):
-    """Wait for the request's final output (non-streaming)."""
-    while True:
-        for item in await stream.get_batch():
-            if isinstance(item, APIError):
-                raise item
-            if item.finished:
-                return item
-
-
-async def _sse_events(st: ServerState, req: GenerateRequest, stream: RequestStream):
-    """SSE byte chunks for one request; aborts it in the engine if the stream stops early."""
-    name = st.model_name
-    finished = False
-    try:
-        if req.kind == "chat":
-            yield event(protocol.chunk(req, name, None, role=True))
-        while not finished:
-            items = await stream.get_batch()      # outputs of every step since the last chunk
-            text, new_tokens, final = [], 0, None
-            for item in items:
-                if isinstance(item, APIError):
-                    finished = True        # the server aborted it: no engine abort needed
-                    if new_tokens:
-                        yield event(protocol.chunk(req, name, "".join(text)))
-                    yield event(item.body())
-                    yield DONE
-                    return
-                text.append(item.new_text)
-                new_tokens += len(item.new_token_ids)
-                if item.finished:
-                    final = item
-            delta = "".join(text)
-            # a chunk for every batch of new tokens, even when their text is held back (an incomplete UTF-8
-            # character, a possible stop-string prefix, a model without a tokenizer): clients see token timing
-            if final is None:
-                if new_tokens:
-                    yield event(protocol.chunk(req, name, delta))
-                continue
-            finished = True
-            if req.kind == "chat":
-                if delta:
-                    yield event(protocol.chunk(req, name, delta))
-                yield event(protocol.chunk(req, name, None, final.finish_reason))
-            else:
-                yield event(protocol.chunk(req, name, delta, final.finish_reason))
-            if req.include_usage:
-                yield event(protocol.usage_chunk(req, name, len(final.token_ids)))
-            yield DONE
-    finally:
-        if not finished:
-            st.loop.abort(req.request_id)
-
-
-async def _until_disconnect_or(coro, receive):
-    """Run `coro`; returns (True, result) or (False, None) if the client disconnected first."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return True, task.result()
-        return False, None
-    finally:
-        for t in (task, watcher):
-            t.cancel()
-        for t in (task, watcher):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-
-
-# ---- endpoints ------------------------------------------------------------------------------------------------
-async def _generate(request: Request, kind: str):
-    st: ServerState = request.app.state.nfjax
-    arrival = time.perf_counter()
-    try:
-        if st.draining:
-            raise shutdown_error()
-        body = protocol.parse_json(await _read_body(request, st.config.max_body_bytes,
-                                                    st.config.request_timeout_s))
-        protocol.check_model(body, st.model_name)
-        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
-        req = parse(body, st.tokenizer, st.vocab_size, st.max_model_len)
-        stream = st.loop.submit(req, arrival)
-    except APIError as e:
-        st.metrics.rejected.labels(str(e.status)).inc()
-        return error_response(e)
-    admitted = False
-    try:
-        await stream.admitted()
-        admitted = True
-    except APIError as e:
-        st.metrics.rejected.labels(str(e.status)).inc()
-        return error_response(e)
-    finally:
-        if not admitted:               # refused, or this handler was cancelled while waiting
-            st.loop.abort(req.request_id)
-    if req.stream:
-        return EventStream(_sse_events(st, req, stream))
-    try:
-        ok, final = await _until_disconnect_or(_collect(stream), request.receive)
-    except APIError as e:
-        return error_response(e)
-    except BaseException:
-        st.loop.abort(req.request_id)
-        raise
-    if not ok:
-        st.loop.abort(req.request_id)
-        return Response(status_code=499)     # never sent: the client is gone
-    return JSONResponse(protocol.full_response(req, st.model_name, final.text, final.finish_reason,
-                                               len(final.token_ids)))
-
-
 async def completions(request: Request):
-    return await _generate(request, "completion")
+    return await generate(request, "completion", _body_reader, error_response)
 
 
 async def chat_completions(request: Request):
-    return await _generate(request, "chat")
+    return await generate(request, "chat", _body_reader, error_response)
+
+
+async def _body_reader(request: Request) -> bytes:
+    st: ServerState = request.app.state.nfjax
+    return await _read_body(request, st.config.max_body_bytes, st.config.request_timeout_s)
+
+
+async def tokenize(request: Request):
+    try:
+        body = protocol.parse_json(await _body_reader(request))
+        chat = "messages" in body
+        st, r, body = _validated(request, body, schemas.TokenizeChatRequest if chat else
+                                       schemas.TokenizeCompletionRequest)
+        if chat:
+            ids = protocol.encode_chat(st.tokenizer, body["messages"], bool(r.add_generation_prompt),
+                                       bool(r.add_special_tokens))
+        else:
+            try:
+                ids = st.tokenizer.encode(r.prompt, add_special_tokens=bool(r.add_special_tokens))
+            except UserError as e:
+                raise protocol.bad("prompt", str(e)) from None
+    except APIError as e:
+        return error_response(e)
+    return JSONResponse(schemas.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.max_model_len)
+                        .model_dump())
+
+
+async def detokenize(request: Request):
+    try:
+        st, r, _ = _validated(request, protocol.parse_json(await _body_reader(request)),
+                                    schemas.DetokenizeRequest)
+        protocol.vocab_check(r.tokens, st.vocab_size, "tokens")
+        try:
+            text = st.tokenizer.decode(r.tokens)
+        except ValueError as e:         # an id the model has but its tokenizer does not
+            raise protocol.bad("tokens", f"'tokens': {e}") from None
+    except APIError as e:
+        return error_response(e)
+    return JSONResponse(schemas.DetokenizeResponse(prompt=text).model_dump())
+
+
+def _validated(request: Request, body: dict, model: type) -> tuple[ServerState, object, dict]:
+    st: ServerState = request.app.state.nfjax
+    protocol.check_model(body, st.model_name)
+    return st, schemas.validate(model, body), body
+
+
+def nfjax_version() -> str:
+    try:
+        return importlib.metadata.version("nfjax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def version(request: Request):
+    return JSONResponse(schemas.VersionResponse(version=nfjax_version()).model_dump())
+
+
+async def openapi(request: Request):
+    return JSONResponse(openapi_document(nfjax_version()))
 
 
 def _model_card(st: ServerState) -> dict:
@@ -227,8 +179,7 @@ async def get_model(request: Request):
     st: ServerState = request.app.state.nfjax
     name = request.path_params["name"]
     if name != st.model_name:
-        return error_response(APIError(404, f"model '{name}' does not exist; this server serves "
-                                            f"'{st.model_name}'", "model", code="model_not_found"))
+        return error_response(model_not_found(name))
     return JSONResponse(_model_card(st))
 
 
@@ -289,6 +240,10 @@ def create_app(engine, config: ServerConfig | None = None, model_name: str = DEF
         Route("/v1/models/{name:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ], exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)
     app.state.nfjax = st
     return app

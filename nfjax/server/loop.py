@@ -5,9 +5,11 @@ HTTP handlers (on the asyncio event loop) talk to it through a command queue (`s
 step. While the engine has work the thread steps it back to back (draining new commands between steps); when
 idle it blocks on the command queue. Nothing here ever blocks the event loop.
 
-Items a request's stream receives, in order: `ADMITTED` (or an `APIError` if the engine refused the request),
-then `RequestOutput`s until one is finished, or an `APIError` when the server aborts it (shutdown, engine
-failure). A request aborted by its client (`abort`) gets nothing more.
+One HTTP request may be several engine requests (`GenerateRequest.subs`: n choices, best_of candidates, batched
+prompts); they are added together (all or none) and aborted together. Items a request's stream receives, in
+order: `ADMITTED` (or an `APIError` if the engine refused the request), then the `RequestOutput`s of all its
+engine requests (told apart by `request_id`) until each is finished, or an `APIError` when the server aborts it
+(shutdown, engine failure). A request aborted by its client (`abort`) gets nothing more.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ class RequestStream:
         self.arrival = arrival               # perf_counter() at HTTP arrival
         self._q: asyncio.Queue = asyncio.Queue()
         # engine-thread-side bookkeeping
-        self.last_token_at: float | None = None
+        self.unfinished: set[str] = set()            # engine request ids not finished yet
+        self.last_token_at: dict[str, float] = {}    # engine request id -> time of its last token
 
     def _put(self, item: Any) -> None:
         self._q.put_nowait(item)
@@ -69,7 +72,8 @@ class EngineLoop:
         self.max_queue = max_queue
         self.pages_total = engine.pages_total
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}     # engine thread only
+        self._streams: dict[str, RequestStream] = {}     # engine request id -> stream (engine thread only)
+        self._groups: dict[str, RequestStream] = {}      # HTTP request id -> stream with unfinished requests
         self._pending = 0                                 # submitted, not yet added to the engine
         self._pending_lock = threading.Lock()
         # snapshots published by the engine thread after every step (plain attribute reads are atomic)
@@ -123,7 +127,8 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """The client went away: free the request's pages (no further items are delivered)."""
+        """The client went away: free the pages of every engine request of HTTP request `request_id` (no further
+        items are delivered)."""
         self._cmds.put(("abort", request_id))
 
     def abort_all(self, error: APIError | None = None) -> None:
@@ -161,9 +166,10 @@ class EngineLoop:
             log.error("engine loop failed:\n%s", traceback.format_exc())
             err = APIError(500, f"internal engine error: {type(e).__name__}: {e}", type="server_error",
                            code="engine_error")
-            for s in self._streams.values():
+            for s in self._groups.values():
                 out.append((s, err))
             self._streams.clear()
+            self._groups.clear()
             self._publish(out)
             self._dead_loop(err)
 
@@ -183,9 +189,9 @@ class EngineLoop:
             if kind == "add":
                 self._add(arg, out)
             elif kind == "abort":
-                if self._streams.pop(arg, None) is not None:
-                    self.engine.abort(arg)
-                    self.metrics.finished.labels("abort").inc()
+                stream = self._groups.get(arg)
+                if stream is not None:
+                    self._drop(stream, abort=True)
             elif kind == "abort_all":
                 self._abort_everything(arg, out)
             elif kind == "stop":
@@ -193,29 +199,46 @@ class EngineLoop:
         return stop
 
     def _add(self, stream: RequestStream, out: list) -> None:
+        """Add every engine request of `stream` (all or none)."""
         try:
             if self._stopping:
                 out.append((stream, shutdown_error()))
                 return
             req = stream.req
+            added: list[str] = []
             try:
-                self.engine.add_request(req.prompt_ids, req.params, request_id=req.request_id)
+                for sub in req.subs:
+                    self.engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id)
+                    added.append(sub.request_id)
             except UserError as e:
+                for rid in added:
+                    self.engine.abort(rid)
                 out.append((stream, APIError(400, str(e), "prompt" if "prompt" in str(e) else None)))
                 return
-            self._streams[req.request_id] = stream
-            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+            for rid in added:
+                self._streams[rid] = stream
+            stream.unfinished = set(added)
+            self._groups[req.request_id] = stream
+            self.metrics.prompt_tokens.inc(req.prompt_tokens)
             out.append((stream, ADMITTED))
         finally:
             with self._pending_lock:
                 self._pending -= 1
 
+    def _drop(self, stream: RequestStream, abort: bool) -> None:
+        """Forget `stream`; with `abort`, abort its unfinished engine requests."""
+        self._groups.pop(stream.request_id, None)
+        for rid in stream.unfinished:
+            self._streams.pop(rid, None)
+            if abort:
+                self.engine.abort(rid)
+                self.metrics.finished.labels("abort").inc()
+        stream.unfinished = set()
+
     def _abort_everything(self, err: APIError, out: list) -> None:
-        for rid, s in list(self._streams.items()):
-            self.engine.abort(rid)
-            self.metrics.finished.labels("abort").inc()
+        for s in list(self._groups.values()):
+            self._drop(s, abort=True)
             out.append((s, err))
-        self._streams.clear()
 
     def _dispatch(self, outputs: list[RequestOutput], out: list) -> None:
         now = time.perf_counter()
@@ -226,17 +249,21 @@ class EngineLoop:
                 continue                    # aborted by its client meanwhile
             n = len(o.new_token_ids)
             if n:
-                if s.last_token_at is None:
+                last = s.last_token_at.get(o.request_id)
+                if not s.last_token_at:
                     m.ttft.observe(now - s.arrival)
-                else:
+                elif last is not None:
                     for _ in range(n):
-                        m.itl.observe((now - s.last_token_at) / n)
-                s.last_token_at = now
+                        m.itl.observe((now - last) / n)
+                s.last_token_at[o.request_id] = now
                 m.add_tokens(n, now)
             if o.finished:
                 del self._streams[o.request_id]
-                m.e2e.observe(now - s.arrival)
+                s.unfinished.discard(o.request_id)
                 m.finished.labels(o.finish_reason or "stop").inc()
+                if not s.unfinished:
+                    self._groups.pop(s.request_id, None)
+                    m.e2e.observe(now - s.arrival)
             out.append((s, o))
 
     def _publish(self, out: list) -> None:

@@ -1,6 +1,7 @@
 """Server test helpers: the model to serve (the shipped tiny model), metrics scraping, bounded polling."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -54,3 +55,20 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
     except AssertionError as e:
         keys = ("nfjax_running_requests", "nfjax_queue_depth", "nfjax_kv_pages_used")
         raise AssertionError(f"{e}; last: {({k: seen.get(k) for k in keys})}") from None
+
+
+def raw_sse(url: str, path: str, body: dict, timeout: float = 30.0) -> tuple[list[dict], list[str]]:
+    """POST and parse the SSE stream by hand, curl-style: returns (json chunks, raw data lines)."""
+    chunks, lines = [], []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            lines.append(data)
+            if data != "[DONE]":
+                chunks.append(json.loads(data))
+    return chunks, lines
