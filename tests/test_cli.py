@@ -76,3 +76,21 @@ def test_readme_commands_name_flags_that_exist(capsys):
         known = _listed_flags(_help(capsys, cmd))
         unknown = _listed_flags(rest) - known
         assert not unknown, (cmd, rest, unknown)
+
+
+def test_generate_max_tokens_beyond_the_context_is_an_error(capsys):
+    code = cli.main(["generate", "--max-model-len", "64", "--max-tokens", "60", "--temperature", "0",
+                     "a prompt of some length"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--max-tokens 60" in err and "context holds 64" in err and "Traceback" not in err
+
+
+def test_generate_length_check_counts_prompt_tokens():
+    from nfjax.commands.generate import _check_fits
+    from nfjax.errors import UserError
+    from nfjax.tokenizer import load_tokenizer
+    tok = load_tokenizer(ROOT / "nfjax" / "assets" / "tiny")       # the shipped model's byte-level tokenizer
+    n = len(tok.encode("abcd"))
+    _check_fits(64, tok, [[1, 2, 3], "abcd"], 64 - n)             # both fit exactly
+    with pytest.raises(UserError, match=f"prompt 2 has {n + 1} tokens.*at most {63 - n}"):
+        _check_fits(64, tok, [[1, 2, 3], "abcde"], 64 - n)

@@ -34,6 +34,17 @@ def _token_ids(prompt: str) -> list[int]:
     return ids
 
 
+def _check_fits(ctx: int, tokenizer, prompts: list, max_tokens: int) -> None:
+    """`--max-tokens` beyond what the context `ctx` leaves after a prompt is an error, not a silent clamp."""
+    from nfjax.errors import UserError
+    for i, p in enumerate(prompts):
+        n = len(p) if isinstance(p, list) else len(tokenizer.encode(p))
+        if n + max_tokens > ctx:
+            raise UserError(f"--max-tokens {max_tokens}: prompt {i + 1} has {n} tokens and the context holds "
+                            f"{ctx}, so at most {max(ctx - n, 0)} new tokens fit (--max-model-len sets the context, "
+                            f"up to the model's)")
+
+
 def run(args: argparse.Namespace) -> int:
     from nfjax import SamplingParams
     from nfjax.engine.builder import from_flags
@@ -43,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = from_flags(args, progress=sys.stderr.isatty())
     print(f"[model loaded and compiled in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    _check_fits(engine.max_model_len, engine.tokenizer, ids if ids is not None else args.prompts, args.max_tokens)
     if ids is not None:
         for prompt, out in zip(args.prompts, engine.generate(ids, params)):
             print(" ".join(map(str, out.token_ids)))
