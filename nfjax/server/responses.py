@@ -22,13 +22,31 @@ def _lp(v: float) -> float:
     return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2 byte-level BPE's alphabet: the character standing for each byte (printable bytes stand for
+    themselves, the others for 256 + their rank)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+_BYTE_LEVEL = _byte_level_map()
+
+
 class TokenTexts:
-    """Token id -> (string, bytes) for logprobs, cached."""
+    """Token id -> (string, bytes) for logprobs, cached.
+
+    Raw bytes come from the byte tokenizer's `token_bytes`, from a byte-level BPE piece (GPT-2's alphabet: Llama-3,
+    Qwen2, SmolLM2) or a byte-fallback piece (`<0xE2>`); otherwise they are the UTF-8 bytes of the token's text."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self._raw = getattr(tokenizer, "token_bytes", None)
         self._silent = isinstance(tokenizer, SilentTokenizer)
+        backend = getattr(tokenizer, "backend", None)
+        self._backend = backend
+        self._byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+        self._added = frozenset(backend.get_added_tokens_decoder()) if backend is not None else frozenset()
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def get(self, tid: int) -> tuple[str, bytes]:
@@ -37,20 +55,34 @@ class TokenTexts:
             hit = self._cache[tid] = self._make(int(tid))
         return hit
 
+    def _piece_bytes(self, tid: int) -> bytes | None:
+        piece = self._backend.id_to_token(tid)
+        if piece is None or tid in self._added:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return None
+
     def _make(self, tid: int) -> tuple[str, bytes]:
         if self._silent:
             return f"token_id:{tid}", b""
         try:
-            if self._raw is not None:
-                b = self._raw(tid, skip_special_tokens=False)
-                try:
-                    return b.decode("utf-8"), b
-                except UnicodeDecodeError:
-                    return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
-            s = self.tok.decode([tid], skip_special_tokens=False)
+            b = (self._raw(tid, skip_special_tokens=False) if self._raw is not None else
+                 self._piece_bytes(tid) if self._backend is not None else None)
+            if b is None:
+                s = self.tok.decode([tid], skip_special_tokens=False)
+                return s, s.encode("utf-8", errors="surrogatepass")
         except (ValueError, IndexError, OverflowError):
             return f"token_id:{tid}", b""
-        return s, s.encode("utf-8", errors="surrogatepass")
+        try:
+            return b.decode("utf-8"), b
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
 
 class Offsets:

@@ -133,3 +133,24 @@ def test_token_texts():
     from nfjax.server.responses import completion_logprobs
     assert completion_logprobs(tt, [lp], [0]) == {"tokens": ["a"], "token_logprobs": [-9999.0],
                                                   "top_logprobs": [{"b": -0.1, "a": -9999.0}], "text_offset": [0]}
+
+
+def test_token_texts_of_a_byte_level_bpe_tokenizer_reassemble_the_text():
+    """Each token's bytes (GPT-2's byte alphabet undone) joined give the text's UTF-8, characters split across
+    tokens included; a token that is part of a character is written `bytes:\\x..`."""
+    from nfjax.tokenizer import HFTokenizer
+    from tests.tokenizer.conftest import train_bpe
+    tok = HFTokenizer(train_bpe(), {"bos_token": "<s>"})
+    tt = TokenTexts(tok)
+    text = "Emoji 🙂 and café, 你好 world"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tt.get(i)[1] for i in ids) == text.encode()
+    for i in ids:
+        s, b = tt.get(i)
+        try:
+            assert s == b.decode() == tok.decode([i])
+        except UnicodeDecodeError:
+            assert s == "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+    assert any(tt.get(i)[0].startswith("bytes:") for i in ids)      # the emoji is split across tokens
+    bos = tok.bos_token_id
+    assert tt.get(bos) == ("<s>", b"<s>")                          # special tokens: their text
