@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "convert": "nfjax.checkpoint.convert",
     "train-tiny": "nfjax.train_tiny",
     "serve": "nfjax.commands.serve",
+    "autosearch": "nfjax.commands.autosearch",
 }
 
 

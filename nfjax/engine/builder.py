@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategies", default=None, metavar="SPEC,...",
                    help="step strategies tried before Sequential, e.g. nanoflow:llama3-8b_h100_tp1_beside_mact or "
                         "dual_batch:1-1 (default: Sequential only)")
-    g.add_argument("--plan", default=None, help="a NanoFlow plan (shipped name or JSON file): --strategies nanoflow:PLAN")
+    g.add_argument("--plan", default=None, help="a NanoFlow plan (shipped name or JSON file): --strategies nanoflow:PLAN; "
+                        "auto: the shipped plans for this model shape, device and TP degree (Sequential if none)")
     g.add_argument("--strategy-min-decode", type=int, default=None,
                    help="use the strategies only for batches with at least this many decode tokens")
     g.add_argument("--strategy-min-tokens", type=int, default=None,
@@ -153,6 +154,11 @@ def engine_config(model: ModelConfig, overrides: dict | None = None) -> EngineCo
             parts[name] = cls(**vals)
         except TypeError as e:
             raise ConfigError(f"engine config: {name}: {e}") from None
+    from nfjax.schedule.auto import resolve_auto
+    parts["execution"], auto = resolve_auto(parts["execution"], model, parts["parallel"].tp)   # --plan auto
+    if auto:
+        import sys
+        print(f"[{auto}]", file=sys.stderr, flush=True)
     return EngineConfig(model, **parts)
 
 

@@ -48,6 +48,8 @@ class Plan:
     streams: tuple[StreamOrder, ...]
     share: dict[str, float] = field(default_factory=dict)
     min_bucket: int = 0
+    max_bucket: int = 0                # 0: no upper bound; else compiled only for buckets <= this
+    min_decode: int = 0                # the batch class: chosen for batches with at least this many decodes
     align: int = 8
     model: str = ""
     device: str = ""
@@ -107,7 +109,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"format": FORMAT, "name": self.name, "description": self.description, "source": self.source,
                 "model": self.model, "device": self.device, "tp": self.tp, "bucket": self.bucket,
-                "min_bucket": self.min_bucket, "align": self.align,
+                "min_bucket": self.min_bucket, "max_bucket": self.max_bucket, "min_decode": self.min_decode,
+                "align": self.align,
                 "groups": [{"name": g.name, "ops": list(g.ops), "nano_batches": list(g.nano_batches)}
                            for g in self.groups],
                 "streams": [{"stream": s.stream, "order": list(s.order)} for s in self.streams],
@@ -118,7 +121,7 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanError(f"{where}: expected a JSON object, got {type(d).__name__}")
         known = {"format", "name", "description", "source", "model", "device", "tp", "bucket", "min_bucket",
-                 "align", "groups", "streams", "share", "xla_dot_merger"}
+                 "max_bucket", "min_decode", "align", "groups", "streams", "share", "xla_dot_merger"}
         extra = sorted(set(d) - known)
         if extra:
             raise PlanError(f"{where}: unknown field {extra[0]!r}")
@@ -155,6 +158,8 @@ class Plan:
         return cls(name=_str(req("name"), f"{where}.name"), bucket=_int(req("bucket"), f"{where}.bucket", 1),
                    groups=tuple(groups), streams=tuple(streams), share={k: float(v) for k, v in share.items()},
                    min_bucket=_int(d.get("min_bucket", 0), f"{where}.min_bucket", 0),
+                   max_bucket=_int(d.get("max_bucket", 0), f"{where}.max_bucket", 0),
+                   min_decode=_int(d.get("min_decode", 0), f"{where}.min_decode", 0),
                    align=_int(d.get("align", 8), f"{where}.align", 1), model=str(d.get("model", "")),
                    device=str(d.get("device", "")), tp=_int(d.get("tp", 1), f"{where}.tp", 1),
                    source=str(d.get("source", "")), description=str(d.get("description", "")),
@@ -250,6 +255,9 @@ def _int(v, where: str, lo: int) -> int:
 
 def plan_path(name_or_path: str | Path) -> Path:
     """A plan file: a path, or the name of a shipped plan (nfjax/plans/, with or without .json)."""
+    if str(name_or_path) == "auto":
+        raise PlanError("plan 'auto' is resolved when the engine is built (nfjax.engine.builder.engine_config "
+                        "knows the model, device and TP degree); load_plan takes a plan name or file")
     p = Path(name_or_path)
     if p.is_file():
         return p

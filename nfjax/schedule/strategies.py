@@ -197,12 +197,13 @@ class NanoFlow(Strategy):
     kind = "nanoflow"
     splits = True
 
-    def __init__(self, plan, name: str | None = None):
+    def __init__(self, plan, name: str | None = None, graph=None):
+        """`graph`: the op graph the plan is for (default the Llama layer's)."""
         from nfjax.schedule.graph import layer_graph
         self.flow_plan = plan
         self.dot_merger = plan.xla_dot_merger
         self.name = name or f"nanoflow:{plan.name}"
-        plan.validate(layer_graph())
+        plan.validate(graph if graph is not None else layer_graph())
 
     @classmethod
     def from_config(cls, sc) -> "NanoFlow":
@@ -225,6 +226,8 @@ class NanoFlow(Strategy):
     def eligible(self, ctx: ScheduleContext) -> str | None:
         if ctx.num_tokens < self.flow_plan.min_bucket:
             return f"plan {self.flow_plan.name!r} is for buckets >= {self.flow_plan.min_bucket}"
+        if self.flow_plan.max_bucket and ctx.num_tokens > self.flow_plan.max_bucket:
+            return f"plan {self.flow_plan.name!r} is for buckets <= {self.flow_plan.max_bucket}"
         if self._bounds(ctx) is None:
             return f"plan {self.flow_plan.name!r} scaled to {ctx.num_tokens} tokens leaves an empty nano-batch"
         return None

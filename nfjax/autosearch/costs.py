@@ -1,0 +1,161 @@
+"""The cost model the search optimizes: a profile read for one batch class.
+
+A batch class is a dense step of `tokens` tokens laid out as the engine lays out a step: `decodes` decode tokens
+first (each a sequence at context `ctx`), then the prefill tokens as `chunks` equal first chunks (positions from
+0). A nano-op on the tokens [lo, hi) costs
+  * an op timed against token count: its time at hi - lo tokens (piecewise linear between profiled counts,
+    linear past the last two);
+  * decode attention: its time at the decode rows inside [lo, hi), at the class's context;
+  * prefill attention: its time at the causal work of the prefill rows inside [lo, hi) (the sum over those rows
+    of the keys each attends), interpolated between the profiled single chunks (work c(c+1)/2) and the
+    no-prefill-row time;
+and at a resource share s < 1 that time x the profiled slowdown at s (ops without a share profile run only at 1).
+Two ops in one horizontal kernel take the profiled interference factor (fused / slower part alone, the nearest
+profiled pair, interpolated over the share) x the slower part at its share. Joining a value's pieces for a
+merged reader costs its bytes read and written at the profiled copy rate, unless the reader is an XLA fusion
+that reads the pieces in place (the profile's `join_free` ops).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchClass:
+    tokens: int
+    decodes: int
+    ctx: int
+    chunks: int = 2
+
+    def __post_init__(self):
+        if not 0 <= self.decodes <= self.tokens or self.tokens <= 0 or self.chunks < 1:
+            raise ValueError(f"batch class {self}: need 0 <= decodes <= tokens, tokens > 0, chunks >= 1")
+
+    def prefill_chunks(self) -> list[tuple[int, int]]:
+        """The prefill chunks as token ranges [a, b) of the step (each starting at position 0)."""
+        p = self.tokens - self.decodes
+        if p <= 0:
+            return []
+        n = min(self.chunks, p)
+        cuts = [self.decodes + p * i // n for i in range(n + 1)]
+        return list(zip(cuts, cuts[1:]))
+
+    def decodes_in(self, lo: int, hi: int) -> int:
+        return max(0, min(hi, self.decodes) - lo)
+
+    def prefill_work(self, lo: int, hi: int) -> float:
+        w = 0.0
+        for a, b in self.prefill_chunks():
+            x, y = max(a, lo) - a, min(b, hi) - a           # positions inside the chunk
+            if x < y:
+                w += (y * (y + 1) - x * (x + 1)) / 2
+        return w
+
+
+def interp(xs, ys, x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs increasing), linear past either end, never below 0."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostModel:
+    def __init__(self, profile: dict, batch: BatchClass):
+        self.p, self.batch = profile, batch
+        self.tokens = profile["tokens"]
+        self.decode = profile.get("decode") or {}
+        self.prefill = profile.get("prefill") or {}
+        self.shares = profile.get("shares") or {}
+        self.pairs = profile.get("pairs") or []
+        self.value_bytes = profile.get("value_bytes") or {}
+        self.copy_rate = float(profile.get("copy_bytes_per_ms") or 0.0)
+        self.join_free = frozenset(profile.get("join_free") or ())
+
+    # ---- one op -----------------------------------------------------------------------------------------
+    def kind(self, op: str) -> str:
+        if op == self.decode.get("op"):
+            return "decode"
+        if op == self.prefill.get("op"):
+            return "prefill"
+        if op in self.tokens:
+            return "tokens"
+        raise KeyError(f"the profile has no times for op {op!r}")
+
+    def full_ms(self, op: str, lo: int, hi: int) -> float:
+        """`op` on the tokens [lo, hi) of the class, on the whole GPU."""
+        k = self.kind(op)
+        if k == "decode":
+            return self._decode_ms(self.batch.decodes_in(lo, hi))
+        if k == "prefill":
+            return self._prefill_ms(self.batch.prefill_work(lo, hi))
+        t = self.tokens[op]
+        return interp(t["tokens"], t["ms"], hi - lo)
+
+    def _decode_ms(self, d: int) -> float:
+        dec = self.decode
+        rows = [interp(dec["decodes"], row, d) for row in dec["ms"]]
+        return interp(dec["ctx"], rows, self.batch.ctx)
+
+    def _prefill_ms(self, work: float) -> float:
+        pf = self.prefill
+        xs = [0.0] + [c * (c + 1) / 2 for c in pf["chunks"]]
+        ys = [pf["empty_ms"]] + list(pf["ms"])
+        return interp(xs, ys, work)
+
+    def share_grid(self, op: str) -> tuple[float, ...]:
+        s = self.shares.get(op)
+        return tuple(sorted(float(x) for x in s["share"])) if s else (1.0,)
+
+    def slowdown(self, op: str, share: float) -> float:
+        """Time at `share` over time at the full GPU (1 for ops without a share profile)."""
+        s = self.shares.get(op)
+        if not s or share >= 1.0:
+            return 1.0
+        full = interp(s["share"], s["ms"], 1.0)
+        return interp(s["share"], s["ms"], share) / full if full > 0 else 1.0
+
+    def op_ms(self, op: str, lo: int, hi: int, share: float = 1.0) -> float:
+        return self.full_ms(op, lo, hi) * self.slowdown(op, share)
+
+    # ---- horizontal kernels -------------------------------------------------------------------------------
+    def interference(self, ops: tuple[str, ...], sizes: tuple[float, ...], share: float) -> float:
+        """Fused time over its slower part alone, at the first op's `share`, from the profiled pair of these ops
+        nearest in size (log distance); 1 when none was profiled (then the kernel is assumed to overlap fully)."""
+        rows = [r for r in self.pairs if tuple(r["ops"]) == tuple(ops)]
+        if not rows:
+            return 1.0
+
+        def dist(r):
+            return sum(abs(math.log((max(a, 1)) / max(b, 1))) for a, b in zip(r["sizes"], sizes))
+        near = min(dist(r) for r in rows)
+        pts = sorted((r["share"], r["fused_ms"] / max(r["a_ms"], r["b_ms"], 1e-9)) for r in rows
+                     if dist(r) == near)
+        return interp([s for s, _ in pts], [f for _, f in pts], share) if len(pts) > 1 else pts[0][1]
+
+    def pair_sizes(self, a: str, ra: tuple[int, int], b: str, rb: tuple[int, int]) -> tuple[float, float]:
+        """The sizes a pair row is matched on: decode rows for decode attention, else tokens."""
+        def size(op, r):
+            return self.batch.decodes_in(*r) if self.kind(op) == "decode" else r[1] - r[0]
+        return size(a, ra), size(b, rb)
+
+    def pair_ms(self, a: str, ra, b: str, rb, shares: tuple[float, float] | None) -> float:
+        """Ops `a` on ra and `b` on rb side by side in one kernel; `shares` None: stage I's view, both on the
+        whole GPU without interference."""
+        if shares is None:
+            return max(self.full_ms(a, *ra), self.full_ms(b, *rb))
+        sa, sb = shares
+        slow = max(self.op_ms(a, *ra, sa), self.op_ms(b, *rb, sb))
+        return slow * self.interference((a, b), self.pair_sizes(a, ra, b, rb), sa)
+
+    # ---- merges -------------------------------------------------------------------------------------------
+    def merge_ms(self, value: str, tokens: int, reader: str | None = None) -> float:
+        """Joining `tokens` rows of `value` from pieces for `reader`: its bytes read and written once, or nothing
+        when the reader is one of the profile's `join_free` ops (XLA fusions that read the pieces where they
+        are: the `_mact` plan's activation did, where the down projection's GEMM needed a copy; NOTES s. 6)."""
+        if not self.copy_rate or reader in self.join_free:
+            return 0.0
+        return 2.0 * self.value_bytes.get(value, 0.0) * tokens / self.copy_rate

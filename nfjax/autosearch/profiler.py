@@ -1,0 +1,253 @@
+"""The op profiler: times every op of a layer's graph on its own, at the sizes and resource shares of a grid,
+and the horizontal kernels' pairs (the interference table); returns a profile (nfjax/autosearch/profile.py).
+
+Every measurement is one jitted op (or fused kernel) on random inputs of its real shapes, lowered in turn and
+compiled on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per call of
+`reps` batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it and gets
+its own output back on the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
+SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nfjax.models.ops import GLOBAL_VALUES
+
+
+@dataclass(frozen=True)
+class Grid:
+    tokens: tuple[int, ...]                 # token counts of the token-count ops
+    decodes: tuple[int, ...] = ()           # decode attention: sequences ...
+    ctxs: tuple[int, ...] = ()              # ... x contexts
+    chunks: tuple[int, ...] = ()            # prefill attention: chunk lengths
+    shares: tuple[float, ...] = (1.0,)      # the first op of a pair (decode attention); the other gets the rest
+    share_decodes: int = 0                  # the sizes the share and pair rows are measured at
+    share_ctx: int = 0
+    share_tokens: int = 0                   # the second op's tokens
+    min_pair_tokens: int = 0                # smallest nano-batch the fused kernel's GEMM takes (its tile)
+    reps: int = 5
+    target_ms: float = 20.0                 # per timed batch of calls
+
+
+GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 64, 128, 256, 512), ctxs=(1280,),
+                chunks=(256, 1024, 2048), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256, share_ctx=1280,
+                share_tokens=1792, min_pair_tokens=128)
+CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128),
+                share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
+
+
+class _Job:
+    def __init__(self, key, fn, args, feedback=None):
+        self.key, self.fn, self.args, self.feedback = key, fn, list(args), feedback
+        self.compiled = None
+        self.error = None
+
+
+def _op_fn(subject, spec, num_ctas):
+    gd = nnx.graphdef(subject.layer)
+    globs = [i for i, v in enumerate(spec.ins) if v in GLOBAL_VALUES]
+
+    def f(state, ctx_args, ins, glob):
+        ins = list(ins)
+        for i, g in zip(globs, glob):
+            ins.insert(i, g)
+        return spec.fn(nnx.merge(gd, state), subject.make_ctx(ctx_args, num_ctas), *ins)
+    writes = [k for k, v in enumerate(spec.outs) if v in GLOBAL_VALUES and v in spec.ins]
+    return f, globs, writes
+
+
+def op_job(subject, key, op: str, case, num_ctas=None) -> _Job:
+    spec = subject.graph[op].spec
+    f, globs, writes = _op_fn(subject, spec, num_ctas)
+    ins = tuple(case.env[v] for v in spec.ins if v not in GLOBAL_VALUES)
+    glob = tuple(case.env[v] for v in spec.ins if v in GLOBAL_VALUES)
+    donate = (3,) if writes else ()
+    return _Job(key, jax.jit(f, donate_argnums=donate),
+                (nnx.state(subject.layer), case.ctx_args, ins, glob), writes or None)
+
+
+def pair_job(subject, key, kernel, case_a, case_b, ctas_a) -> _Job:
+    from nfjax.schedule.api import Step
+    gd = nnx.graphdef(subject.layer)
+    specs = [subject.graph[op].spec for op in kernel.replaces]
+    cases = [case_a, case_b]
+    parts = tuple(Step((s.name,), (0,), 0, c.tokens, s.ins, s.outs, s.fn, s.resource) for s, c in zip(specs, cases))
+
+    def f(state, ctx_args, ins):
+        ctxs = [subject.make_ctx(ctx_args[0], ctas_a), subject.make_ctx(ctx_args[1], None)]
+        return kernel.fn(nnx.merge(gd, state), ctxs, ins, parts)
+    ins = [tuple(c.env[v] for v in s.ins) for s, c in zip(specs, cases)]
+    return _Job(key, jax.jit(f), (nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins))
+
+
+def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
+    """Lower every job in turn, compile them on a thread pool; a job that fails keeps its error."""
+    lowered = []
+    t0 = time.perf_counter()
+    for j in jobs:
+        try:
+            lowered.append((j, j.fn.lower(*j.args)))
+        except Exception as e:  # noqa: BLE001 - one op that does not lower must not lose the others
+            j.error = f"lower: {e!r}"[:300]
+    log(f"[profile] lowered in {time.perf_counter() - t0:.1f} s")
+    # a GPU host compiles on its cores; XLA:CPU compiled 55 small programs 3.5x slower on 2 threads than in turn
+    threads = threads or (max(1, min(16, os.cpu_count() or 1)) if jax.default_backend() == "gpu" else 1)
+    with cf.ThreadPoolExecutor(threads) as pool:
+        futs = {pool.submit(lw.compile): j for j, lw in lowered}
+        for fut in cf.as_completed(futs):
+            j = futs[fut]
+            try:
+                j.compiled = fut.result()
+            except Exception as e:  # noqa: BLE001
+                j.error = f"compile: {e!r}"[:300]
+    for j in jobs:
+        if j.error:
+            log(f"[profile] {j.key}: {j.error}")
+
+
+def time_job(j: _Job, reps: int, target_ms: float) -> float:
+    """Median ms per call."""
+    args = list(j.args)
+    if j.feedback:                             # its own copy of the cache: donated from call to call
+        args[3] = jax.tree.map(jnp.copy, args[3])
+
+    def call():
+        out = j.compiled(*args)
+        if j.feedback:                         # the donated cache comes back for the next call
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            args[3] = tuple(outs[k] for k in j.feedback)
+        return out
+    jax.block_until_ready(call())
+    t = time.perf_counter()
+    jax.block_until_ready(call())
+    one = max((time.perf_counter() - t) * 1e3, 1e-3)
+    iters = max(1, min(200, math.ceil(target_ms / one)))
+    per = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = call()
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t) * 1e3 / iters)
+    return statistics.median(per)
+
+
+def copy_rate(nbytes: int) -> float:
+    """Bytes per ms a device copy moves, counting bytes read and written."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    j = _Job("copy", f, (x,))
+    j.compiled = f.lower(x).compile()
+    return 2 * nbytes / time_job(j, 5, 20.0)
+
+
+def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int, command: str | None = None,
+            tp: int = 1, align: int | None = None, log=print) -> dict:
+    """Measure `subject` on `grid`; returns the profile dict. `num_sms` 0: shares are not measured."""
+    from nfjax.autosearch.profile import FORMAT, KIND
+    from nfjax.autosearch.subjects import value_bytes
+    from nfjax.schedule.beside import HORIZONTAL_KERNELS
+    t0 = time.perf_counter()
+    g = subject.graph
+    jobs, cases = [], {}
+    token_ops = [n.name for n in g if subject.kind(n.name) == "tokens"]
+    for n in grid.tokens:
+        cases["tokens", n] = c = subject.token_case(n)
+        jobs += [op_job(subject, ("tokens", op, n), op, c) for op in token_ops]
+    dec = [op for op in g.names if subject.kind(op) == "decode"]
+    pre = [op for op in g.names if subject.kind(op) == "prefill"]
+    for op in dec:
+        for ctx in grid.ctxs:
+            for d in grid.decodes:
+                c = subject.decode_case(d, ctx, max(d, 8))
+                jobs.append(op_job(subject, ("decode", op, ctx, d), op, c))
+    for op in pre:
+        for ch in grid.chunks:
+            jobs.append(op_job(subject, ("prefill", op, ch), op, subject.prefill_case(ch)))
+        jobs.append(op_job(subject, ("prefill", op, 0), op, subject.decode_case(8, grid.ctxs[0], 8)))
+    shares = [s for s in grid.shares if s < 1] if num_sms else []
+    pairs = [k for k in HORIZONTAL_KERNELS.values() if all(op in g for op in k.replaces)]
+    pair_cases = {}
+    for k in pairs:
+        a, b = k.replaces
+        ca = subject.decode_case(grid.share_decodes, grid.share_ctx, grid.share_decodes) \
+            if subject.kind(a) == "decode" else subject.token_case(grid.share_decodes)
+        cb = subject.token_case(grid.share_tokens)
+        pair_cases[k.name] = (ca, cb)
+        for s in (shares or [0.25]):
+            na = max(1, round(s * num_sms)) if num_sms else None
+            jobs.append(pair_job(subject, ("pair", k.name, s), k, ca, cb, na))
+            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, na))
+            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, (num_sms - na) if num_sms else None))
+        for s in ([1.0] if num_sms else []):           # each op on all SMs through its share-taking kernel
+            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, num_sms))
+            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, num_sms))
+    log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
+    compile_jobs(jobs, log=log)
+    log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
+    ms = {}
+    for j in jobs:
+        if j.compiled is not None:
+            try:
+                ms[j.key] = time_job(j, grid.reps, grid.target_ms)
+            except Exception as e:  # noqa: BLE001
+                log(f"[profile] {j.key}: run: {e!r}"[:300])
+        j.compiled = None
+    prof = {"format": FORMAT, "kind": KIND, "command": command or " ".join([sys.executable, *sys.argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device, "device_name": device_name, "num_sms": num_sms, "model": subject.model,
+            "shape": subject.shape, "tp": tp, "align": align or grid.tokens[0], "grid": asdict(grid),
+            "graph": {"inputs": list(g.inputs), "output": g.output,
+                      "ops": [{"name": n.name, "resource": n.resource.value, "ins": list(n.spec.ins),
+                               "outs": list(n.spec.outs)} for n in g]},
+            "tokens": {}, "join_free": subject.join_free(), "errors": [f"{j.key}: {j.error}" for j in jobs if j.error]}
+    for op in token_ops:
+        pts = [(n, ms[("tokens", op, n)]) for n in grid.tokens if ("tokens", op, n) in ms]
+        if pts:
+            prof["tokens"][op] = {"tokens": [n for n, _ in pts], "ms": [round(t, 6) for _, t in pts]}
+    for op in dec:
+        ds = [d for d in grid.decodes if all(("decode", op, c, d) in ms for c in grid.ctxs)]
+        prof["decode"] = {"op": op, "ctx": list(grid.ctxs), "decodes": ds,
+                          "ms": [[round(ms["decode", op, c, d], 6) for d in ds] for c in grid.ctxs]}
+    for op in pre:
+        chs = [c for c in grid.chunks if ("prefill", op, c) in ms]
+        prof["prefill"] = {"op": op, "chunks": chs, "ms": [round(ms["prefill", op, c], 6) for c in chs],
+                           "empty_ms": round(ms.get(("prefill", op, 0), 0.0), 6)}
+    prof["shares"], prof["pairs"] = {}, []
+    for k in pairs:
+        a, b = k.replaces
+        ss = [s for s in shares + ([1.0] if num_sms else []) if ("alone_a", k.name, s) in ms]
+        if num_sms and ss:
+            prof["shares"][a] = {"at": {"size": grid.share_decodes, "ctx": grid.share_ctx}, "share": ss,
+                                 "ms": [round(ms["alone_a", k.name, s], 6) for s in ss]}
+            sb = sorted({round(1 - s, 6) for s in ss if s < 1} | {1.0})
+            src = {round(1 - s, 6): ms.get(("alone_b", k.name, s)) for s in ss if s < 1}
+            src[1.0] = ms.get(("alone_b", k.name, 1.0))
+            sb = [s for s in sb if src.get(s) is not None]
+            prof["shares"][b] = {"at": {"tokens": grid.share_tokens}, "share": sb,
+                                 "ms": [round(src[s], 6) for s in sb]}
+        for s in (shares or [0.25]):
+            if all(key in ms for key in (("pair", k.name, s), ("alone_a", k.name, s), ("alone_b", k.name, s))):
+                prof["pairs"].append({"kernel": k.name, "ops": [a, b], "share": s,
+                                      "sizes": [grid.share_decodes, grid.share_tokens],
+                                      "fused_ms": round(ms["pair", k.name, s], 6),
+                                      "a_ms": round(ms["alone_a", k.name, s], 6),
+                                      "b_ms": round(ms["alone_b", k.name, s], 6)})
+    prof["pair_min_tokens"] = {k.name: grid.min_pair_tokens for k in pairs}
+    prof["value_bytes"] = value_bytes(cases["tokens", grid.tokens[-1]])
+    prof["copy_bytes_per_ms"] = copy_rate(64 << 20 if num_sms else 8 << 20)
+    prof["seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"[profile] done in {prof['seconds']} s ({len(prof['errors'])} measurements failed)")
+    return prof

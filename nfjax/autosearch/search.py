@@ -1,0 +1,193 @@
+"""The plan search: a profile and an op graph in, one plan per batch class out (or Sequential where none wins).
+
+A batch class is a token bucket and a band of decode counts, represented by one decode count (`decodes`): the
+band runs from the geometric midpoint with the next smaller representative (half the smallest one) up to the
+next band. Per class: stage I for every nano-batch count K (its best `top` structures), stage II on each, the
+best modelled layer time wins; it becomes a plan when it beats Sequential's modelled time. The plans carry
+`min_bucket = max_bucket = bucket` and `min_decode` = the band's lower edge, so the runtime's per-step choice
+(first variant in order whose limits the batch meets) picks the band's plan.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from nfjax.autosearch.costs import BatchClass, CostModel
+from nfjax.autosearch.emit import record, schedule_ms, to_plan
+from nfjax.autosearch.stage1 import Overlap, Problem, sequential, solve_stage1, stage1_time
+from nfjax.autosearch.stage2 import Group, solve_stage2
+from nfjax.models.ops import GLOBAL_VALUES
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    nano_batches: tuple[int, ...] = (1, 2, 3)
+    top: int = 3                       # stage I structures per K that stage II ranks
+    time_limit: float = 60.0           # seconds for the whole search
+    min_overlaps: int = 0              # force at least this many side-by-side pairs (tests, ablations)
+    min_gain: float = 0.0              # a plan must model this fraction faster than Sequential
+    grid: int | None = None            # nano-batch boundaries (default: the profile's align, the kernels' tile)
+
+
+@dataclass
+class ClassResult:
+    batch: BatchClass
+    min_decode: int
+    sequential_ms: float
+    best_ms: float
+    structure: object
+    shares: dict
+    plan: object = None                # a Plan, or None: Sequential
+    candidates: list = field(default_factory=list)   # (structure, stage I ms, after stage II ms)
+    notes: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def bands(decodes: list[int]) -> list[tuple[int, int]]:
+    """(representative, lower edge) of each decode band."""
+    reps = sorted(set(int(d) for d in decodes))
+    out = []
+    for i, d in enumerate(reps):
+        lo = max(1, (d + 1) // 2) if i == 0 else int(round(math.sqrt(reps[i - 1] * d)))
+        out.append((d, lo))
+    return out
+
+
+def _reach(graph, start: str, forward: bool, token_only: bool) -> set[str]:
+    succ: dict = {}
+    for n in graph:
+        for v, prod in n.deps:
+            if prod is None or (token_only and v in GLOBAL_VALUES):
+                continue
+            a, b = (prod, n.name) if forward else (n.name, prod)
+            succ.setdefault(a, set()).add(b)
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in succ.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def overlaps_of(graph, min_tokens: dict | None = None) -> tuple[Overlap, ...]:
+    """The horizontal kernels whose ops are in `graph`, as overlap candidates (a dependent pair only if every
+    path between them is token-local: a cache read waits for the cache's writers on every nano-batch)."""
+    from nfjax.schedule.beside import HORIZONTAL_KERNELS
+    out = []
+    for k in HORIZONTAL_KERNELS.values():
+        a, b = k.replaces
+        if a not in graph or b not in graph:
+            continue
+        if b in _reach(graph, a, True, False) or a in _reach(graph, b, True, False):
+            if a in _reach(graph, b, True, False):
+                a, b = b, a
+            if b not in _reach(graph, a, True, True):
+                continue
+            path = _reach(graph, a, True, True) & _reach(graph, b, False, True)
+            out.append(Overlap(k.name, a, b, tuple(n for n in graph.names if n in path), True,
+                               (min_tokens or {}).get(k.name, 0)))
+        else:
+            out.append(Overlap(k.name, a, b, (a, b), False, (min_tokens or {}).get(k.name, 0)))
+    return tuple(out)
+
+
+def build_problem(graph, model: CostModel, grid: int, overlaps=(), min_overlaps: int = 0) -> Problem:
+    T = model.batch.tokens
+    carry = graph.inputs[0]
+    last = next(n.name for n in graph if graph.output in n.spec.outs)
+    edges = []
+    for n in graph:
+        for v, prod in n.deps:
+            if v in GLOBAL_VALUES:
+                continue
+            if prod is None and v == carry:
+                prod = last                  # the residual stream: the previous layer's output pieces
+            if prod is not None:
+                edges.append((prod, n.name, model.merge_ms(v, T, n.name)))
+    return Problem(graph.names, T, grid, model.full_ms, tuple(edges), tuple(overlaps), (), min_overlaps)
+
+
+def stage2_groups(pr: Problem, model: CostModel, s) -> list[Group]:
+    """One group per pair of the structure, named by its (overlap, i, j) key; the kernel gives the second part
+    the rest of the GPU."""
+    by = {o.name: o for o in pr.overlaps}
+    rg = s.ranges()
+    out = []
+    for n, i, j in s.pairs:
+        o = by[n]
+        ra, rb = rg[i], rg[j]
+        ga = model.share_grid(o.a)
+        if ga == (1.0,):             # shares not measured (a CPU): the shares the pair rows were measured at
+            ga = tuple(sorted({float(r["share"]) for r in model.pairs if tuple(r["ops"]) == (o.a, o.b)})) or (0.25,)
+        out.append(Group((n, i, j), (f"{o.a}:{i}", f"{o.b}:{j}"), (ga, ()),
+                         lambda c, o=o, ra=ra, rb=rb: model.pair_ms(o.a, ra, o.b, rb, c), fill=True))
+    return out
+
+
+def search_class(graph, profile: dict, batch: BatchClass, min_decode: int, opts: SearchOptions,
+                 deadline: float, name: str) -> ClassResult:
+    t0 = time.perf_counter()
+    model = CostModel(profile, batch)
+    grid = opts.grid or int(profile.get("align", 64))
+    pr = build_problem(graph, model, grid, overlaps_of(graph, profile.get("pair_min_tokens")), opts.min_overlaps)
+    seq = sequential(pr)
+    notes, cands = [], []
+    ks = [k for k in opts.nano_batches if k >= 1]
+    for idx, k in enumerate(ks):
+        left = deadline - time.perf_counter()
+        if left <= 0.5:
+            notes.append(f"K={k}: skipped, the search's time limit was reached")
+            continue
+        structs, more = solve_stage1(pr, k, top=opts.top if k > 1 else 1, time_limit=left / (len(ks) - idx))
+        notes += more
+        for s in structs:
+            groups = stage2_groups(pr, model, s)
+            r2 = solve_stage2(groups, 1.0, max(1.0, deadline - time.perf_counter()))
+            if r2.status == "none":
+                notes.append(f"K={k}: stage II found no share assignment for {s.pairs}")
+                continue
+            shares = dict(r2.shares)
+            total = stage1_time(pr, s, lambda key, o, ra, rb, sh=shares: model.pair_ms(o.a, ra, o.b, rb, sh[key]))
+            cands.append((s, s.objective, total, shares))
+    if not cands:
+        notes.append("no structure was found in time; Sequential")
+        return ClassResult(batch, min_decode, seq.objective, seq.objective, seq, {}, None, [], notes,
+                           time.perf_counter() - t0)
+    best = min(cands, key=lambda c: c[2])
+    res = ClassResult(batch, min_decode, seq.objective, best[2], best[0], best[3], None,
+                      [(c[0], c[1], c[2]) for c in cands], notes, 0.0)
+    s = best[0]
+    wins = s.k > 1 and (best[2] < seq.objective * (1 - opts.min_gain) or opts.min_overlaps > 0)
+    if wins:
+        desc = (f"Searched for {batch.tokens}-token steps with {batch.decodes} decodes at context {batch.ctx} "
+                f"(prefill in {batch.chunks} chunks); used for batches with >= {min_decode} decodes. Modelled layer "
+                f"time {best[2]:.4f} ms against Sequential's {seq.objective:.4f} ms.")
+        plan = to_plan(graph, s, pr.overlaps, best[3], name=name, align=grid, model=profile["model"],
+                       device=profile["device"], tp=int(profile["tp"]), min_decode=min_decode,
+                       source=f"nfjax autosearch from the profile of {profile['date']} ({profile['command']})",
+                       description=desc)
+        modelled = schedule_ms(record(plan, graph), model, graph.inputs[0])
+        if abs(modelled - best[2]) > 1e-6 * max(1.0, best[2]) + 1e-9:
+            notes.append(f"the written plan models at {modelled:.5f} ms against the structure's {best[2]:.5f} ms")
+        res.plan = plan
+    else:
+        res.notes.append("Sequential is best" if s.k == 1 or best[2] >= seq.objective else
+                         f"the best plan gains less than min_gain={opts.min_gain}; Sequential")
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def search(graph, profile: dict, buckets, decodes, ctx: int, chunks: int = 2,
+           opts: SearchOptions = SearchOptions()) -> list[ClassResult]:
+    """Every (bucket, decode band) class; decodes above a bucket's size are left out."""
+    deadline = time.perf_counter() + opts.time_limit
+    classes = [(T, d, lo) for T in sorted(buckets, reverse=True) for d, lo in bands(decodes) if d <= T]
+    out = []
+    for i, (T, d, lo) in enumerate(classes):
+        share = (deadline - time.perf_counter()) / (len(classes) - i)
+        name = f"{profile['model']}_{profile['device']}_tp{profile['tp']}_auto_t{T}_d{d}"
+        out.append(search_class(graph, profile, BatchClass(T, d, ctx, chunks), lo, opts,
+                                time.perf_counter() + max(share, 0.0), name))
+    return out

@@ -1,0 +1,138 @@
+"""What the profiler times: one layer of a model, its op graph, and inputs for every op at a given size.
+
+`LlamaSubject`: the Llama decoder layer (ops declared with `@op`), one layer of random weights of a model
+shape, with a paged KV cache and real attention metadata: token-count cases (one prefill chunk of n tokens),
+decode cases (d sequences at context c, one token each) and prefill cases (one chunk of c tokens from position
+0). `TracedSubject`: any layer whose ops are declared by `mark` / `partition` (nfjax.schedule.annotate): every
+op is timed against its token count. Inputs are random (GEMMs run faster on zeros).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nfjax.models.ops import GLOBAL_VALUES, Resource, run_ops
+
+
+class Case(NamedTuple):
+    ctx_args: object                 # arrays the op's context is built from inside the jitted function
+    env: dict                        # an input array for every value the ops read
+    tokens: int                      # the token count of the case
+
+
+def _random_like(shape_dtype, key):
+    if jnp.issubdtype(shape_dtype.dtype, jnp.floating):
+        return (jax.random.normal(key, shape_dtype.shape, jnp.float32) * 0.5).astype(shape_dtype.dtype)
+    return jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
+
+
+class TracedSubject:
+    """A layer traced by `trace_graph`: token-count cases only (no attention metadata)."""
+    kinds: dict = {}
+    attention_ops = ()
+
+    def __init__(self, traced, layer, name: str = "custom"):
+        self.traced, self.layer, self.graph, self.model = traced, layer, traced.graph, name
+        self.shape = {"input": {k: [list(v.shape[1:]), str(v.dtype)] for k, v in traced.example.items()}}
+
+    def kind(self, op: str) -> str:
+        return "tokens"
+
+    def make_ctx(self, ctx_args, num_ctas):
+        return None
+
+    def token_case(self, n: int) -> Case:
+        ex = {k: jax.ShapeDtypeStruct(v.shape if k in GLOBAL_VALUES else (n,) + tuple(v.shape[1:]), v.dtype)
+              for k, v in self.traced.example.items()}
+        shapes = jax.eval_shape(lambda e: run_ops([n.spec for n in self.graph], self.layer, None, dict(e)), ex)
+        keys = jax.random.split(jax.random.key(n), len(shapes))
+        return Case(None, {k: _random_like(s, kk) for (k, s), kk in zip(sorted(shapes.items()), keys)}, n)
+
+    def join_free(self) -> list[str]:
+        return [n.name for n in self.graph if n.resource is Resource.MEMORY]
+
+
+class LlamaSubject:
+    """One random-weight Llama decoder layer of `cfg`'s shape, with a paged KV cache."""
+    attention_ops = ("attn_decode", "attn_prefill")
+
+    def __init__(self, cfg, page_size: int, max_seqs: int, max_pages: int, max_prefill_seqs: int = 16, seed: int = 0):
+        from nfjax.config import CacheConfig
+        from nfjax.kv.cache import KVCache
+        from nfjax.models.llama import ForwardOptions
+        from nfjax.models.random_init import random_model
+        from nfjax.models.rope import inv_frequencies
+        from nfjax.schedule.graph import layer_graph
+        from nfjax.autosearch.profile import model_name, shape_of
+        self.cfg = cfg.replace(num_layers=1)
+        self.model = model_name(cfg)
+        self.graph = layer_graph()
+        m = random_model(self.cfg, seed=seed)
+        gd, st = nnx.split(m.layers)
+        self.layer = nnx.merge(gd, jax.tree.map(lambda a: a[0], st))
+        self.inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
+        self.page_size, self.max_seqs, self.max_pages = page_size, max_seqs, max_pages
+        self.opts = ForwardOptions(max_prefill_seqs=max_prefill_seqs)
+        kv = KVCache.create(self.cfg, CacheConfig(page_size=page_size, num_pages=max_pages))
+        self.kv = jax.tree.map(lambda a: _random_like(a, jax.random.key(7)) if a.ndim == 5 else a, kv)
+        self.shape = shape_of(cfg)
+
+    def kind(self, op: str) -> str:
+        return {"attn_decode": "decode", "attn_prefill": "prefill"}.get(op, "tokens")
+
+    def make_ctx(self, meta, num_ctas):
+        from nfjax.models.llama import LayerContext
+        return LayerContext(jnp.int32(0), meta, self.inv_freq, None, num_ctas, self.opts)
+
+    def _meta(self, seqs, tokens: int, num_decode: int):
+        from nfjax.kv.metadata import build_metadata
+        ps, nxt, specs = self.page_size, 1, []
+        width = max(-(-(start + n) // ps) for start, n in seqs) if seqs else 1
+        for start, n in seqs:
+            npg = -(-(start + n) // ps)
+            if nxt + npg > self.max_pages:
+                raise ValueError(f"profile case needs more than {self.max_pages} KV pages")
+            specs.append((list(range(nxt, nxt + npg)), start, n))
+            nxt += npg
+        meta = build_metadata(specs, tokens, min(self.max_seqs, max(tokens, len(seqs))), width, ps,
+                              num_decode=num_decode)
+        return jax.tree.map(jnp.asarray, meta)
+
+    def _case(self, meta, tokens: int) -> Case:
+        env0 = {"x": jax.ShapeDtypeStruct((tokens, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype)),
+                "kv": self.kv, "positions": meta.positions, "slots": meta.slot_mapping}
+        ctx = self.make_ctx(meta, None)
+        shapes = jax.eval_shape(lambda e: run_ops([n.spec for n in self.graph], self.layer, ctx, dict(e)), env0)
+        keys = jax.random.split(jax.random.key(tokens), len(shapes))
+        env = {k: _random_like(s, kk) for (k, s), kk in zip(sorted(shapes.items()), keys)
+               if k not in ("kv", "positions", "slots")}
+        env.update(kv=self.kv, positions=meta.positions, slots=meta.slot_mapping)
+        return Case(meta, env, tokens)
+
+    def token_case(self, n: int) -> Case:
+        return self._case(self._meta([(0, n)], n, 0), n)
+
+    def decode_case(self, d: int, ctx: int, tokens: int) -> Case:
+        """`d` decodes at context `ctx` in a `tokens`-token nano-batch (rows past d: padding)."""
+        return self._case(self._meta([(ctx, 1)] * d, tokens, d), tokens)
+
+    def prefill_case(self, chunk: int) -> Case:
+        return self._case(self._meta([(0, chunk)], chunk, 0), chunk)
+
+    def join_free(self) -> list[str]:
+        """XLA fusions that read a merged value's pieces in place: the memory-bound ops that are not kernels."""
+        return [n.name for n in self.graph if n.resource is Resource.MEMORY and self.kind(n.name) == "tokens"]
+
+
+def value_bytes(case: Case) -> dict:
+    """Bytes per token of every token-axis value of a case."""
+    out = {}
+    for k, v in case.env.items():
+        if k in GLOBAL_VALUES or not hasattr(v, "shape") or not v.shape:
+            continue
+        out[k] = float(np.prod(v.shape[1:]) * jnp.dtype(v.dtype).itemsize)
+    return out
