@@ -35,7 +35,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,11 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5        # the norms' epsilon (OPT: its LayerNorms')
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 4096
-    model_type: str = "llama"
+    model_type: str = "llama"        # "opt": learned positions, LayerNorm, ReLU MLP, biases (nfjax/models/opt.py)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
@@ -75,6 +75,10 @@ class ModelConfig:
 
     def num_params(self) -> int:
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        if self.model_type == "opt":          # biases everywhere, two LayerNorms, fc1/fc2, learned positions
+            layer = 4 * d * d + 4 * d + 2 * d * i + i + d + 4 * d
+            head = 0 if self.tie_word_embeddings else d * v
+            return self.num_layers * layer + v * d + (self.max_position_embeddings + 2) * d + 2 * d + head
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         layer = attn + bias + 3 * d * i + 2 * d
@@ -96,6 +100,9 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"config.json: unsupported model_type {mt!r}; nfjax supports "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt == "opt":
+            from nfjax.checkpoint.opt_names import opt_config_fields
+            return cls(**opt_config_fields(hf))
         try:
             d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             kw = dict(vocab_size=int(hf["vocab_size"]), hidden_size=d,

@@ -211,16 +211,17 @@ def plan(cfg: ModelConfig, tensors: dict[str, TensorInfo], params: dict[tuple[st
 
     Raises ConversionError naming the first unexpected, missing, mis-shaped or non-float tensor(s).
     """
-    expected = hf_names.expected_names(cfg)
+    names = hf_names.for_model(cfg)
+    expected = names.expected_names(cfg)
     expected_set = set(expected)
-    tied_head = cfg.tie_word_embeddings and hf_names.LM_HEAD in tensors
+    tied_head = cfg.tie_word_embeddings and names.LM_HEAD in tensors
 
     unexpected, hints = [], set()
     for name in tensors:
-        if name in expected_set or hf_names.is_ignored(name) or (tied_head and name == hf_names.LM_HEAD):
+        if name in expected_set or names.is_ignored(name) or (tied_head and name == names.LM_HEAD):
             continue
         unexpected.append(name)
-        t = hf_names.parse(name)
+        t = names.parse(name)
         if t is not None and t.layer is not None and t.layer >= cfg.num_layers:
             hints.add(f"config.json has num_hidden_layers={cfg.num_layers}")
         elif t is not None and t.path[-1] == "bias":
@@ -240,14 +241,14 @@ def plan(cfg: ModelConfig, tensors: dict[str, TensorInfo], params: dict[tuple[st
                               "checkpoint)")
 
     groups: dict[tuple[str, ...], list[tuple[str, hf_names.Target]]] = {p: [] for p in params}
-    for name in expected + ([hf_names.LM_HEAD] if tied_head else []):
+    for name in expected + ([names.LM_HEAD] if tied_head else []):
         info = tensors[name]
         if info.dtype not in FLOAT_DTYPES:
             raise ConversionError(f"tensor {name} in {info.file.name} has dtype {info.dtype}; nfjax converts "
                                   f"floating-point weights only ({', '.join(FLOAT_DTYPES)})")
-        t = hf_names.parse(name)
-        if name == hf_names.LM_HEAD and tied_head:
-            want = tensors[hf_names.EMBED].shape
+        t = names.parse(name)
+        if name == names.LM_HEAD and tied_head:
+            want = tensors[names.EMBED].shape
         else:
             if t is None or t.path not in params:
                 raise AssertionError(f"hf_names and the nfjax model disagree about {name}")
@@ -260,7 +261,7 @@ def plan(cfg: ModelConfig, tensors: dict[str, TensorInfo], params: dict[tuple[st
         if len(members) != (cfg.num_layers if p[0] == "layers" else 1):
             raise AssertionError(f"hf_names and the nfjax model disagree about {'.'.join(p)}")
     if tied_head:
-        _check_tied_head(tensors)
+        _check_tied_head(tensors, names)
     return groups
 
 
@@ -283,16 +284,16 @@ class _Reader:
             raise ConversionError(f"{info.file}: cannot read tensor {name} ({e})") from None
 
 
-def _check_tied_head(tensors: dict[str, TensorInfo]) -> None:
+def _check_tied_head(tensors: dict[str, TensorInfo], names=hf_names) -> None:
     import numpy as np
 
     with contextlib.ExitStack() as stack:
         r = _Reader(stack)
-        same = np.array_equal(r.get(hf_names.LM_HEAD, tensors[hf_names.LM_HEAD]),
-                              r.get(hf_names.EMBED, tensors[hf_names.EMBED]))
+        same = np.array_equal(r.get(names.LM_HEAD, tensors[names.LM_HEAD]),
+                              r.get(names.EMBED, tensors[names.EMBED]))
     if not same:
-        raise ConversionError(f"config.json has tie_word_embeddings=true but tensor {hf_names.LM_HEAD} differs from "
-                              f"{hf_names.EMBED}; set tie_word_embeddings=false if the model has its own head")
+        raise ConversionError(f"config.json has tie_word_embeddings=true but tensor {names.LM_HEAD} differs from "
+                              f"{names.EMBED}; set tie_word_embeddings=false if the model has its own head")
 
 
 def _write_params(cfg: ModelConfig, tensors: dict[str, TensorInfo],

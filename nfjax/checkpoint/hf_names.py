@@ -79,6 +79,16 @@ def expected_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+def for_model(cfg: ModelConfig):
+    """The naming module of `cfg`'s architecture: this one for the Llama family, `opt_names` for OPT (both have
+    EMBED, LM_HEAD, is_ignored, parse, expected_names)."""
+    if cfg.model_type == "opt":
+        from nfjax.checkpoint import opt_names
+        return opt_names
+    import sys
+    return sys.modules[__name__]
+
+
 def hf_shape(target: Target, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF tensor shape that fills `target` of an nfjax parameter of shape `param_shape`."""
     shape = param_shape[1:] if target.layer is not None else param_shape

@@ -46,7 +46,8 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def abstract_model(cfg: ModelConfig) -> LlamaModel:
-    return nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0)))
+    from nfjax.models.opt import model_class
+    return nnx.eval_shape(lambda: model_class(cfg)(cfg, nnx.Rngs(0)))
 
 
 def load_model(path: str | Path, dtype: str | None = None,

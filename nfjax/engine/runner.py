@@ -41,7 +41,7 @@ from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
 
 def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[Array, "T D"]:
     tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
-    return nnx.merge(rest_gd, rest_state).embed(tokens)
+    return nnx.merge(rest_gd, rest_state).embed_input(tokens, inp.meta.positions)
 
 
 def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple,
@@ -342,7 +342,7 @@ class Runner:
         @jax.jit
         def f(rest_state, layer_states, kv, tokens, meta):
             model = nnx.merge(self.rest_gd, rest_state)
-            x = model.embed(tokens)
+            x = model.embed_input(tokens, meta.positions)
             for i0, n in self.groups:
                 x, kv = _layers(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
                                 self.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))

@@ -200,7 +200,7 @@ class LlamaModel(nnx.Module):
         """
         layer_fn = layer_fn or sequential_layer_fn
         inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
-        x = self.embed(tokens)
+        x = self.embed_input(tokens, meta.positions)
         x = getattr(layer_fn, "split_carry", lambda v: v)(x)
         graphdef, stacked = nnx.split(self.layers)
 
@@ -213,6 +213,10 @@ class LlamaModel(nnx.Module):
         (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), stacked)
         x = getattr(layer_fn, "join_carry", lambda v: v)(x)
         return self.norm(x), kv
+
+    def embed_input(self, tokens: Int[Array, "T"], positions: Int[Array, "T"]) -> Float[Array, "T D"]:
+        """The residual stream's input: the token embeddings (models with learned positions add theirs)."""
+        return self.embed(tokens)
 
     def logits(self, h: Float[Array, "S D"]) -> Float[Array, "S V"]:
         if self.lm_head is None:

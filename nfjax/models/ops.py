@@ -28,7 +28,9 @@ class OpSpec:
     resource: Resource
     ins: tuple[str, ...]
     outs: tuple[str, ...]
-    fn: Callable[..., Any]  # unbound method: fn(layer, ctx, *ins) -> outs (a tuple when len(outs) > 1)
+    fn: Callable[..., Any]  # fn(layer, ctx, *ins) -> outs (a tuple when len(outs) > 1): the op of this name of
+    #                         the layer's own class (`_late_bound`), so a layer class that declares the same op
+    #                         graph (OPT's, nfjax/models/opt.py) runs under every schedule recorded from Llama's
 
     def __call__(self, layer, ctx, env: dict) -> dict:
         res = self.fn(layer, ctx, *(env[i] for i in self.ins))
@@ -36,9 +38,18 @@ class OpSpec:
         return dict(zip(self.outs, res))
 
 
+def _late_bound(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, or the override of op `name` in the class of the layer it is called on."""
+    def call(layer, ctx, *args):
+        impl = getattr(type(layer), name, fn)
+        return impl(layer, ctx, *args)
+    call.__name__ = name
+    return call
+
+
 def op(resource: Resource, ins: tuple[str, ...], outs: tuple[str, ...]):
     def deco(fn):
-        fn.__opspec__ = OpSpec(fn.__name__, resource, tuple(ins), tuple(outs), fn)
+        fn.__opspec__ = OpSpec(fn.__name__, resource, tuple(ins), tuple(outs), _late_bound(fn.__name__, fn))
         return fn
     return deco
 

@@ -15,7 +15,14 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 LLAMA3_70B = LLAMA3_8B.replace(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
 SMOKE = LLAMA3_8B.replace(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=32, dtype="float32")     # CPU smoke runs of the benches
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "smoke": SMOKE}
+# OPT-30B (FlexGen's model): 48 layers, hidden 7168, FFN 28672, 56 heads of 128
+OPT_30B = ModelConfig(vocab_size=50272, hidden_size=7168, intermediate_size=28672, num_layers=48, num_heads=56,
+                      num_kv_heads=56, head_dim=128, max_position_embeddings=2048, tie_word_embeddings=True,
+                      qkv_bias=True, model_type="opt", bos_token_id=2, eos_token_ids=(2,), dtype="bfloat16")
+OPT_SMOKE = OPT_30B.replace(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=2,
+                            num_kv_heads=2, head_dim=64, max_position_embeddings=1024, dtype="float32")
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "smoke": SMOKE, "opt-30b": OPT_30B,
+          "opt-smoke": OPT_SMOKE}
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn=None,
@@ -26,7 +33,8 @@ def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn
     `host`: draw with numpy and copy in (CPU tests of large shapes: numpy's generator is ~4x faster than
     threefry on a CPU and compiles nothing; on a GPU the device generator is faster).
     """
-    model = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0)))
+    from nfjax.models.opt import model_class
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)

@@ -64,7 +64,7 @@ def logits(model: LlamaModel, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
     slots = jnp.zeros((b * t,), jnp.int32)
-    x = model.embed(tokens.reshape(-1))
+    x = model.embed_input(tokens.reshape(-1), positions)
     graphdef, stacked = nnx.split(model.layers)
     scale = cfg.head_dim ** -0.5
 

@@ -1,0 +1,86 @@
+"""OPT against HF transformers' OPTForCausalLM (torch, CPU), through the real conversion path (`nfjax convert
+--hf`): a small random OPT is saved with `save_pretrained`, converted and loaded; then
+  - the reference forward's logits (nfjax.models.reference, the OPT layer's own ops) over the prompt and every
+    generated position: max |ours - hf| / max |hf| <= 1e-3 in float32;
+  - 64 greedy tokens of the reference forward and of the paged engine (prefill, then one decode a step) equal
+    HF's `generate(do_sample=False)` with eos disabled.
+Also: config features nfjax's OPT lacks are a ConversionError naming the config.json field.
+"""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from nfjax.checkpoint.convert import convert  # noqa: E402
+from nfjax.checkpoint.orbax_io import load_model  # noqa: E402
+from nfjax.config import ConfigError, ModelConfig  # noqa: E402
+from nfjax.errors import UserError  # noqa: E402
+from nfjax.models import reference  # noqa: E402
+from nfjax.models.opt import OPTModel  # noqa: E402
+from tests.models.test_hf_parity import NEW_TOKENS, PROMPT_LEN, REL_TOL, _engine_greedy, _rel_err  # noqa: E402
+
+_SMALL = dict(vocab_size=384, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.2)
+CASES = {"opt-tied": {}, "opt-untied-3layers": dict(tie_word_embeddings=False, num_hidden_layers=3)}
+
+
+def _hf_opt(tmp_path, seed: int, **overrides):
+    torch.manual_seed(seed)
+    cfg = transformers.OPTConfig(**{**_SMALL, **overrides})
+    model = transformers.OPTForCausalLM(cfg).float().eval()
+    # OPT's init zeroes the biases and sets the LayerNorms to (1, 0): randomize them so parity covers them
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    return model, hf_dir
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opt_hf_parity(name, tmp_path):
+    hf, hf_dir = _hf_opt(tmp_path, sorted(CASES).index(name), **CASES[name])
+    out = tmp_path / "nfjax"
+    cfg = convert(hf_dir, out, progress=False)
+    assert cfg.model_type == "opt" and cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    model = load_model(out)
+    assert isinstance(model, OPTModel) and (model.lm_head is None) == hf.config.tie_word_embeddings
+
+    prompt = np.random.default_rng(0).integers(3, hf.config.vocab_size, PROMPT_LEN).tolist()
+    ours_tokens = reference.greedy(model, prompt, NEW_TOKENS)
+    engine_tokens = _engine_greedy(model, prompt)
+    ours_logits = np.asarray(reference.logits(model, jnp.asarray([prompt + ours_tokens[:-1]]))[0])
+
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+        hf_tokens = gen[0, PROMPT_LEN:].tolist()
+        hf_logits = hf(torch.tensor([prompt + ours_tokens[:-1]])).logits[0].float().numpy()
+
+    assert len(hf_tokens) == NEW_TOKENS
+    err = _rel_err(ours_logits, hf_logits)
+    assert err <= REL_TOL, err
+    assert ours_tokens == hf_tokens
+    assert engine_tokens == hf_tokens
+
+
+@pytest.mark.parametrize("field,value", [("do_layer_norm_before", False), ("word_embed_proj_dim", 32),
+                                         ("activation_function", "gelu"), ("enable_bias", False)])
+def test_unsupported_opt_config_names_the_field(tmp_path, field, value):
+    d = {**_SMALL, "model_type": "opt", field: value}
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(d)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match=field):
+        convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
