@@ -11,6 +11,18 @@ class Solved:
     solver: str
 
 
+def var(prob, name: str, low: float | None = None, cat: str = "Continuous"):
+    """A variable of `prob` (pulp 3.3 builds them through the problem; older pulp through LpVariable)."""
+    import pulp
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
+def binary(prob, name: str):
+    return var(prob, name, cat="Binary")
+
+
 def solver_name() -> str:
     try:
         import highspy  # noqa: F401
@@ -23,9 +35,13 @@ def solve(prob, time_limit: float) -> Solved:
     import time
 
     import pulp
+    import warnings
     name = solver_name()
     limit = max(1.0, float(time_limit))
-    s = pulp.HiGHS(msg=False, timeLimit=limit) if name == "HiGHS" else pulp.PULP_CBC_CMD(msg=False, timeLimit=limit)
+    with warnings.catch_warnings():          # pulp 3.3 deprecates the bundled CBC for 4.0 (`pulp[cbc]` then)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        s = pulp.HiGHS(msg=False, timeLimit=limit) if name == "HiGHS" else pulp.PULP_CBC_CMD(msg=False,
+                                                                                              timeLimit=limit)
     t0 = time.perf_counter()
     try:
         prob.solve(s)

@@ -26,7 +26,7 @@ class SearchOptions:
     top: int = 3                       # stage I structures per K that stage II ranks
     time_limit: float = 60.0           # seconds for the whole search
     min_overlaps: int = 0              # force at least this many side-by-side pairs (tests, ablations)
-    min_gain: float = 0.0              # a plan must model this fraction faster than Sequential
+    min_gain: float = 0.0              # a plan must model this fraction faster than Sequential (< 0: also slower)
     grid: int | None = None            # nano-batch boundaries (default: the profile's align, the kernels' tile)
 
 

@@ -109,14 +109,14 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
             for kk in range(k)}
     arcs[0] = [(a, b) for a, b in arcs[0] if a == 0]
     arcs[k - 1] = [(a, b) for a, b in arcs[k - 1] if b == T]
-    z = {(kk, a, b): pulp.LpVariable(f"z_{kk}_{a}_{b}", cat="Binary") for kk in range(k) for a, b in arcs[kk]}
+    z = {(kk, a, b): milp.binary(prob, f"z_{kk}_{a}_{b}") for kk in range(k) for a, b in arcs[kk]}
     for kk in range(k):
         prob += pulp.lpSum(z[kk, a, b] for a, b in arcs[kk]) == 1
         if kk:
             for x in pts:
                 prob += (pulp.lpSum(z[kk - 1, a, b] for a, b in arcs[kk - 1] if b == x)
                          == pulp.lpSum(z[kk, a, b] for a, b in arcs[kk] if a == x))
-    m = {op: pulp.LpVariable(f"m_{i}", cat="Binary") for i, op in enumerate(pr.ops)}
+    m = {op: milp.binary(prob, f"m_{i}") for i, op in enumerate(pr.ops)}
     for tie in pr.ties:
         for a, b in zip(tie, tie[1:]):
             prob += m[a] == m[b]
@@ -135,7 +135,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
         for i, j in itertools.product(range(k), repeat=2):
             if o.dependent and i == j:
                 continue
-            v = p[o.name, i, j] = pulp.LpVariable(f"p_{oi}_{i}_{j}", cat="Binary")
+            v = p[o.name, i, j] = milp.binary(prob, f"p_{oi}_{i}_{j}")
             paired.setdefault((o.a, i), []).append(v)
             paired.setdefault((o.b, j), []).append(v)
             for op in o.path:
@@ -146,7 +146,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
         prob += pulp.lpSum(vs) <= 1
     if pr.min_overlaps:
         prob += pulp.lpSum(p.values()) >= pr.min_overlaps
-    r = {(i, j): pulp.LpVariable(f"r_{i}_{j}", cat="Binary") for i in range(k) for j in range(k) if i != j}
+    r = {(i, j): milp.binary(prob, f"r_{i}_{j}") for i in range(k) for j in range(k) if i != j}
     for i, j in itertools.combinations(range(k), 2):
         prob += r[i, j] + r[j, i] == 1
     for i, j, l in itertools.permutations(range(k), 3):
@@ -158,7 +158,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
     obj, pair_of = [], {}
     for (n, i, j), v in p.items():
         o = by_name[n]
-        pv = pulp.LpVariable(f"P_{pr.overlaps.index(o)}_{i}_{j}", lowBound=0)
+        pv = milp.var(prob, f"P_{pr.overlaps.index(o)}_{i}_{j}", 0)
         prob += pv >= arc_cost(o.a, i) - big[o.a] * (1 - v)
         prob += pv >= arc_cost(o.b, j) - big[o.b] * (1 - v)
         pair_of.setdefault(o.a, []).append(pv)
@@ -168,7 +168,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
         obj.append((1 - m[op]) * pr.cost(op, 0, T))
         es = []
         for kk in range(k):
-            e = pulp.LpVariable(f"e_{pr.ops.index(op)}_{kk}", lowBound=0)
+            e = milp.var(prob, f"e_{pr.ops.index(op)}_{kk}", 0)
             prob += e >= arc_cost(op, kk) - big[op] * (1 - m[op]) - big[op] * pulp.lpSum(paired.get((op, kk), []))
             es.append(e)
         # a valid cut that tightens the relaxation: a split op costs at least its cheapest K-way split (a
@@ -177,7 +177,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
         obj += es
     for ei, (a, b, c) in enumerate(pr.edges):
         if c > 0:
-            u = pulp.LpVariable(f"u_{ei}", lowBound=0)
+            u = milp.var(prob, f"u_{ei}", 0)
             prob += u >= m[a] - m[b]
             obj.append(c * u)
     prob += pulp.lpSum(obj)

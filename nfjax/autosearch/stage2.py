@@ -59,7 +59,7 @@ def solve_stage2(groups: list[Group], budget: float = 1.0, time_limit: float = 2
         if not cs:
             return Stage2Result({}, {}, float("inf"), "none")
         for ci, c in enumerate(cs):
-            ys[gi, ci] = pulp.LpVariable(f"y_{gi}_{ci}", cat="Binary")
+            ys[gi, ci] = milp.binary(prob, f"y_{gi}_{ci}")
             cost[gi, ci] = (g.time(c), c)
         prob += pulp.lpSum(ys[gi, ci] for ci in range(len(cs))) == 1
         # the budget, stated on the chosen shares (the enumeration already keeps to it)
