@@ -1,0 +1,113 @@
+"""The compiled programs of offloaded generation: embed, one decoder layer on one GPU batch, head (+ sampling).
+
+A layer program runs the model's own named ops (`nfjax.models.llama.LAYER_OPS`; OPT's layer declares the same
+graph), as the reference forward does, with two swaps for a dense per-batch KV cache instead of pages:
+`rope_append` writes K/V into the batch's cache [B, S, KH, D] at each token's position, and attention is one
+masked softmax over that cache (a query at position p reads positions <= p of its own row). Off-GPU weights
+arrive compressed (`Packed`) and are decompressed inside the program. Each program compiles once per shape
+(prefill tokens, decode), whatever layer or batch it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nfjax.engine.sampler import sample
+from nfjax.models.llama import LAYER_OPS, LayerContext
+from nfjax.models.rope import inv_frequencies
+from nfjax.offload.compress import decompress_tree
+from pallas_kernels import MASK_VALUE
+
+_ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
+_ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
+assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update offload"
+
+
+@dataclass
+class BatchKV:
+    """One GPU batch's K/V of one layer, [B, S, KH, D]; stands in for the paged cache inside `rope_append`."""
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, layer, slots, k, v) -> "BatchKV":
+        b, s = self.k.shape[:2]
+        put = dict(mode="drop", unique_indices=True)
+        flat = lambda c: c.reshape(b * s, *c.shape[2:])                              # noqa: E731
+        return BatchKV(flat(self.k).at[slots].set(k.astype(self.k.dtype), **put).reshape(self.k.shape),
+                       flat(self.v).at[slots].set(v.astype(self.v.dtype), **put).reshape(self.v.shape))
+
+
+def dense_attention(q, kv: BatchKV, positions, scale: float):
+    """q [B*T, H, D] -> [B*T, H*D]: each query attends to its row's cache positions <= its own (f32 softmax)."""
+    b, t = positions.shape
+    _, s, kh, d = kv.k.shape
+    h = q.shape[1]
+    qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kv.k.astype(jnp.float32)) * scale
+    ok = jnp.arange(s)[None, None, :] <= positions[:, :, None]                      # [B, T, S]
+    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
+    w = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", w, kv.v.astype(jnp.float32))
+    return out.reshape(b * t, h * d).astype(q.dtype)
+
+
+def _layer(layer_gd, cfg, rows: bool, weights, x, k_cache, v_cache, positions):
+    """x [B, T, D], caches [B, S, KH, D], positions [B, T] -> (x out, and the whole caches, or with `rows` only
+    the K/V rows this call wrote [B, T, KH, D], for a cache that lives off the GPU)."""
+    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    b, t, d = x.shape
+    s = k_cache.shape[1]
+    slots = (jnp.arange(b, dtype=jnp.int32)[:, None] * s + positions).reshape(-1)
+    ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
+    env = {"x": x.reshape(b * t, d), "kv": BatchKV(k_cache, v_cache), "positions": positions.reshape(-1),
+           "slots": slots}
+    for spec in LAYER_OPS:
+        if spec is _ATTN_DECODE:
+            continue
+        if spec is _ATTN:
+            env["attn"] = dense_attention(env["q_rot"], env["kv"], positions, cfg.head_dim ** -0.5)
+        else:
+            env.update(spec(layer, ctx, env))
+    kv, out = env["kv"], env["out"].reshape(b, t, d)
+    if not rows:
+        return out, kv.k, kv.v
+    take = lambda c: c[jnp.arange(b)[:, None], positions]                                # noqa: E731
+    return out, take(kv.k), take(kv.v)
+
+
+def _embed(rest_gd, rest_state, tokens, positions):
+    model = nnx.merge(rest_gd, rest_state)
+    b, t = tokens.shape
+    return model.embed_input(tokens.reshape(-1), positions.reshape(-1)).reshape(b, t, -1)
+
+
+def _head(rest_gd, any_sampled: bool, rest_state, x, last, temperature, top_k, top_p, seeds, counters):
+    """Each row's token after its position `last` (sampled as the engine samples: same seeds, same tokens)."""
+    model = nnx.merge(rest_gd, rest_state)
+    h = x[jnp.arange(x.shape[0]), last]
+    logits = model.logits(model.norm(h))
+    return sample(logits, temperature, top_k, top_p, seeds, counters, any_sampled=any_sampled)
+
+
+def _token_logprobs(rest_gd, rest_state, x, targets):
+    """log p(targets[b, t] | tokens up to t) for every position: [B, T] (perplexity)."""
+    model = nnx.merge(rest_gd, rest_state)
+    b, t, d = x.shape
+    logits = model.logits(model.norm(x.reshape(b * t, d))).reshape(b, t, -1)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+class Programs:
+    """The jitted programs of one model (compiled on first use per shape, then cached by jax)."""
+
+    def __init__(self, cfg, rest_gd, layer_gd):
+        self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, rows), donate_argnums=() if rows else (2, 3))
+                      for rows in (False, True)}
+        self.embed = jax.jit(partial(_embed, rest_gd))
+        self.head = {s: jax.jit(partial(_head, rest_gd, s)) for s in (False, True)}
+        self.token_logprobs = jax.jit(partial(_token_logprobs, rest_gd))

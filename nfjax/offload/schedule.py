@@ -1,0 +1,211 @@
+"""The zig-zag block schedule (FlexGen Alg. 1) and the row-by-row baseline, over the per-layer programs.
+
+One pass runs every decoder layer over every GPU batch of a block for one step (the prefill, or one generated
+token). Zig-zag: for each layer j, for each GPU batch k:
+    load layer j+1's weights (once per layer, at k = 0) and batch k+1's KV cache and activations,
+    compute (j, k), store batch k's KV rows and activations (they finish while k+1 computes), synchronize.
+Loads and stores run on a pool of I/O threads (disk reads, host<->device copies); compute is dispatched
+asynchronously to the device, so each transfer overlaps the computations around it. The synchronization waits
+for (j, k-1)'s computation, so the host runs at most one computation ahead and at most three layers of
+weights are on the device at once. A load of a KV block or of activations first waits for the store that
+wrote it.
+
+Row-by-row (the baseline of Accelerate / DeepSpeed offloading): for each GPU batch, for each layer: load the
+layer's weights, then its KV, compute, store, each waiting for the one before; nothing overlaps.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+from nfjax.offload.policy import Policy
+from nfjax.offload.store import Tiers, WeightStore, index_tiers
+
+
+def _done(value=None) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class KVStore:
+    """The KV cache of a block: (layer j, batch k) -> K and V [B, S, KH, D], in the tier the policy puts it."""
+
+    def __init__(self, policy: Policy, tiers: Tiers, num_layers: int, shape: tuple, dtype):
+        nb = policy.num_gpu_batches
+        self.nb, self.tiers = nb, tiers
+        self.where = index_tiers(num_layers * nb, policy.cache)
+        self.blocks: dict[tuple[int, int], tuple] = {}
+        self.pending: dict = {}            # (j, k) -> the store of its newest rows (an I/O thread's future)
+        for j in range(num_layers):
+            for k in range(nb):
+                t = self.tier(j, k)
+                if t == "gpu":
+                    z = jax.device_put(np.zeros(shape, dtype), tiers.on_device)
+                    self.blocks[(j, k)] = (z, jax.device_put(np.zeros(shape, dtype), tiers.on_device))
+                elif t == "cpu":
+                    self.blocks[(j, k)] = (np.zeros(shape, dtype), np.zeros(shape, dtype))
+                else:
+                    self.blocks[(j, k)] = tuple(tiers.disk.memmap(f"kv{j}-{k}-{n}", shape, dtype) for n in "kv")
+
+    def tier(self, j: int, k: int) -> str:
+        return self.where[j * self.nb + k]
+
+    def load(self, j: int, k: int) -> tuple:
+        kc, vc = self.blocks[(j, k)]
+        if self.tier(j, k) == "gpu":
+            return kc, vc
+        out = (self.tiers.to_device(np.asarray(kc)), self.tiers.to_device(np.asarray(vc)))
+        jax.block_until_ready(out)
+        return out
+
+    def keep(self, j: int, k: int, kc, vc) -> None:
+        self.blocks[(j, k)] = (kc, vc)
+
+    def store_rows(self, j: int, k: int, k_rows, v_rows, positions: np.ndarray) -> None:
+        """The rows a computation wrote (at `positions` [B, T]) into the host or disk copy."""
+        kc, vc = self.blocks[(j, k)]
+        idx = (np.arange(positions.shape[0])[:, None], positions)
+        kc[idx] = np.asarray(k_rows)
+        vc[idx] = np.asarray(v_rows)
+
+    def close(self) -> None:
+        self.blocks.clear()
+
+
+class ActStore:
+    """Each GPU batch's activations (the residual stream between layers) in the tier the policy puts it."""
+
+    def __init__(self, policy: Policy, tiers: Tiers):
+        self.tiers = tiers
+        self.where = index_tiers(policy.num_gpu_batches, policy.activations)
+        self.vals: dict[int, object] = {}
+
+    def store(self, k: int, x) -> None:
+        t = self.where[k]
+        if t == "gpu":
+            self.vals[k] = x
+        elif t == "cpu":
+            self.vals[k] = np.asarray(x)
+        else:
+            self.vals[k] = self.tiers.disk.save(f"act{k}", np.asarray(x))
+
+    def load(self, k: int):
+        v = self.vals[k]
+        if self.where[k] == "gpu":
+            return v
+        out = self.tiers.to_device(v.read() if self.where[k] == "disk" else v)
+        return out.block_until_ready()
+
+
+class Executor:
+    """Runs passes of the layers over a block under the policy's schedule."""
+
+    def __init__(self, policy: Policy, programs, weights: WeightStore, trace=None):
+        self.policy, self.programs, self.weights, self.trace = policy, programs, weights, trace
+        self.pool = ThreadPoolExecutor(policy.io_threads, thread_name_prefix="nfjax-offload-io")
+        self.num_layers = len(weights.layers)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- task helpers -----------------------------------------------------------------------------------------
+    def _io(self, lane: str, label: str, fn, *args) -> Future:
+        if self.trace is None:
+            return self.pool.submit(fn, *args)
+        return self.pool.submit(self.trace.timed, lane, label, fn, *args)
+
+    def _after(self, dep: Future | None, lane: str, label: str, fn, *args) -> Future:
+        """`fn(*args)` on an I/O thread once `dep` has finished (a store must land before its data is read)."""
+        def run():
+            if dep is not None:
+                dep.result()
+            return fn(*args)
+        return self._io(lane, label, run)
+
+    def _compute(self, j: int, k: int, w, x, kv_tier: str, kvs, positions):
+        out = self.programs.layer[kv_tier != "gpu"](w, x, kvs[0], kvs[1], positions)
+        if self.trace is not None:
+            self.trace.computed(f"L{j} B{k}", out)
+        return out
+
+    # ---- passes -----------------------------------------------------------------------------------------------
+    def run(self, xs: list, positions: list, pos_np: list, kv: KVStore) -> list:
+        """One pass over all layers for every GPU batch: `xs[k]` [B, T, D] in, the last layer's out (device)."""
+        if self.policy.schedule == "row_by_row":
+            return self._row_by_row(xs, positions, pos_np, kv)
+        return self._zigzag(xs, positions, pos_np, kv)
+
+    def _zigzag(self, xs, positions, pos_np, kv: KVStore) -> list:
+        L, nb = self.num_layers, len(xs)
+        acts = ActStore(self.policy, self.weights.tiers)
+        act_stored = {k: self._io("store act", f"B{k}", acts.store, k, xs[k]) if acts.where[k] != "gpu"
+                      else _done(acts.store(k, xs[k])) for k in range(nb)}
+        kv_stored = kv.pending                 # (j, k) -> the previous pass's store of its rows, still landing
+        order = [(j, k) for j in range(L) for k in range(nb)]
+
+        def load_w(j):
+            return _done(self.weights.fetch(j)) if self.weights.resident(j) else \
+                self._io("load weights", f"L{j}", self.weights.fetch, j)
+
+        def load_kv(j, k):
+            return _done(kv.load(j, k)) if kv.tier(j, k) == "gpu" else \
+                self._after(kv_stored.pop((j, k), None), "load cache", f"L{j} B{k}", kv.load, j, k)
+
+        def load_act(j, k):          # after the store of (j-1, k)'s output
+            return None if acts.where[k] == "gpu" else \
+                self._after(act_stored[k], "load act", f"L{j} B{k}", acts.load, k)
+
+        wf = {0: load_w(0)}
+        kv_next, act_next = {order[0]: load_kv(*order[0])}, {order[0]: load_act(*order[0])}
+        final: list = [None] * nb
+        prev_out = None
+        for idx, (j, k) in enumerate(order):
+            if k == 0 and j + 1 < L:
+                wf[j + 1] = load_w(j + 1)                    # layer j+1's weights while layer j computes
+            nxt = order[idx + 1] if idx + 1 < len(order) else None
+            if nxt is not None:
+                kv_next[nxt] = load_kv(*nxt)                 # batch k+1's KV while (j, k) computes
+            w = wf[j].result()
+            af = act_next.pop((j, k))
+            x = acts.vals[k] if af is None else af.result()
+            out, kc, vc = self._compute(j, k, w, x, kv.tier(j, k), kv_next.pop((j, k)).result(), positions[k])
+            if kv.tier(j, k) == "gpu":
+                kv.keep(j, k, kc, vc)
+            else:
+                kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, kc, vc, pos_np[k])
+            if j == L - 1:
+                final[k] = out
+            elif acts.where[k] == "gpu":
+                acts.store(k, out)
+            else:
+                act_stored[k] = self._io("store act", f"L{j} B{k}", acts.store, k, out)
+            if nxt is not None:
+                act_next[nxt] = load_act(*nxt)               # batch k+1's activations (stored earlier)
+            if prev_out is not None:
+                jax.block_until_ready(prev_out)              # synchronize: (j, k-1) has finished
+            prev_out = out
+            if k == nb - 1:
+                wf.pop(j, None)
+        return final
+
+    def _row_by_row(self, xs, positions, pos_np, kv: KVStore) -> list:
+        outs = []
+        for k, x in enumerate(xs):
+            for j in range(self.num_layers):
+                w = self.weights.fetch(j) if self.trace is None else \
+                    self.trace.timed("load weights", f"L{j}", self.weights.fetch, j)
+                kvs = kv.load(j, k) if self.trace is None else \
+                    self.trace.timed("load cache", f"L{j} B{k}", kv.load, j, k)
+                x, kc, vc = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])
+                jax.block_until_ready(x)
+                if kv.tier(j, k) == "gpu":
+                    kv.keep(j, k, kc, vc)
+                elif self.trace is None:
+                    kv.store_rows(j, k, kc, vc, pos_np[k])
+                else:
+                    self.trace.timed("store cache", f"L{j} B{k}", kv.store_rows, j, k, kc, vc, pos_np[k])
+            outs.append(x)
+        return outs

@@ -1,0 +1,220 @@
+"""The three tiers: where each layer's weights, each (layer, GPU batch) KV block and each batch's activations
+live, and the transfers between a tier and the device.
+
+  * gpu: device arrays, resident.
+  * cpu: host memory. Weights as JAX arrays in the `pinned_host` memory kind (policy host_memory "pinned": a
+    device_put to the device memory kind is an asynchronous DMA) or as numpy arrays ("numpy"); the KV cache and
+    activations as numpy buffers (the KV rows of each step are written into them in place).
+  * disk: one .npy file per tensor in the run's folder (`DiskFolder`), read by the I/O threads (np.load) and
+    put on the device; KV blocks are memory-mapped .npy files whose new rows are written in place.
+
+Weights are split per layer by FlexGen's rule: the layer's tensors in order, each in the tier where the middle of
+its bytes falls on the cumulative percentages. KV blocks (layer j, batch k) are numbered j * num_gpu_batches + k
+and activations by batch, each in the tier where the middle of its index falls.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from nfjax.offload.compress import Packed, compress, compressible
+from nfjax.offload.policy import Policy, Split
+
+FOLDER_RE = re.compile(r"\.nfjax-offload-(\d+)-[0-9a-f]{8}")
+
+
+def tier_of(mid_fraction: float, split: Split) -> str:
+    g, c, _ = split.fractions()
+    return "gpu" if mid_fraction < g else "cpu" if mid_fraction < g + c else "disk"
+
+
+def weight_tiers(sizes: list[int], split: Split) -> list[str]:
+    """The tier of each of a layer's tensors (bytes `sizes`, in order) by the middle of its bytes."""
+    total, cum, out = float(sum(sizes)) or 1.0, 0, []
+    for s in sizes:
+        out.append(tier_of((cum + s / 2) / total, split))
+        cum += s
+    return out
+
+
+def index_tiers(n: int, split: Split) -> list[str]:
+    return [tier_of((i + 0.5) / n, split) for i in range(n)]
+
+
+# ---- the disk tier's folder ------------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Remove the folders that runs killed before they could clean up (SIGKILL, power loss) left in `root`: only
+    folders named as `DiskFolder` names them whose process is gone."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for d in root.iterdir():
+        m = FOLDER_RE.fullmatch(d.name)
+        if m and d.is_dir() and not d.is_symlink() and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            print(f"nfjax offload: removed {d}, left by an interrupted run", file=sys.stderr)
+    return removed
+
+
+def _storage(dtype) -> np.dtype:
+    """The dtype a .npy file can name: 16-bit floats numpy does not know (bfloat16) are stored as uint16."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind in "biuf" and dtype.isbuiltin else np.dtype(f"u{dtype.itemsize}")
+
+
+class DiskArray:
+    """One array in a .npy file, read back in its own dtype."""
+
+    def __init__(self, path: Path, dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+
+    def read(self) -> np.ndarray:
+        return np.load(self.path).view(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.path.stat().st_size
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM raised in the main thread like Ctrl-C, so that the disk tier is removed on the way out."""
+
+
+class DiskFolder:
+    """The run's disk-tier folder `ROOT/.nfjax-offload-PID-XXXXXXXX`. Removed by `close()`, at interpreter exit,
+    and on SIGINT / SIGTERM (while it exists, SIGTERM raises KeyboardInterrupt in the main thread so every
+    `finally` runs); a later run removes what a SIGKILLed one left (`remove_stale`)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.root)
+        self.path = self.root / f".nfjax-offload-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path.mkdir()
+        self._lock = threading.Lock()
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        atexit.register(self.close)
+
+    @staticmethod
+    def _on_term(signum, frame):
+        raise _Terminated()
+
+    def file(self, name: str) -> Path:
+        return self.path / f"{name}.npy"
+
+    def save(self, name: str, x: np.ndarray) -> DiskArray:
+        p = self.file(name)
+        np.save(p, x.view(_storage(x.dtype)))
+        return DiskArray(p, x.dtype)
+
+    def memmap(self, name: str, shape, dtype) -> np.ndarray:
+        """A writable array backed by a .npy file (rows written in place)."""
+        m = np.lib.format.open_memmap(self.file(name), mode="w+", dtype=_storage(dtype), shape=tuple(shape))
+        return m.view(np.dtype(dtype))
+
+    def close(self) -> None:
+        with self._lock:
+            if self.path.exists():
+                shutil.rmtree(self.path, ignore_errors=True)
+            if self._old_term is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
+        atexit.unregister(self.close)
+
+
+# ---- transfers --------------------------------------------------------------------------------------------------
+class Tiers:
+    """The device, the host memory kind, the disk folder, and moving arrays between them."""
+
+    def __init__(self, policy: Policy, device, disk: DiskFolder | None):
+        self.device = device
+        self.on_device = SingleDeviceSharding(device)
+        self.pinned = policy.host_memory == "pinned"
+        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host") if self.pinned else None
+        self.disk = disk
+
+    def to_device(self, x) -> jax.Array:
+        return jax.device_put(x, self.on_device)
+
+    def to_host_weight(self, x):
+        """A weight into host memory: pinned JAX array or numpy."""
+        if self.pinned:
+            return jax.device_put(x, self.host_sharding)
+        return np.asarray(jax.device_get(x))
+
+
+class WeightStore:
+    """Every decoder layer's weights in their tiers. `fetch(j)` (an I/O thread) returns layer j's weights as a
+    pytree of device arrays, `Packed` where compressed (decompressed inside the layer program)."""
+
+    def __init__(self, policy: Policy, tiers: Tiers, treedef, shapes: list[tuple], itemsize: int):
+        self.tiers, self.treedef = tiers, treedef
+        sizes = [int(np.prod(s)) * itemsize for s in shapes]
+        self.where = weight_tiers(sizes, policy.weights)
+        self.packed = [policy.compress_weights and t != "gpu" and compressible(s) for t, s in zip(self.where, shapes)]
+        self.layers: list[list] = []          # per layer, per leaf: device/host array, Packed, or disk path(s)
+
+    def put(self, j: int, leaves: list) -> None:
+        """Layer j's weights (arrays anywhere) into their tiers, compressed where the policy says."""
+        assert j == len(self.layers)
+        out = []
+        for i, (x, tier, pk) in enumerate(zip(leaves, self.where, self.packed)):
+            if pk:
+                x = compress(self.tiers.to_device(x))
+            if tier == "gpu":
+                out.append(self.tiers.to_device(x))
+            elif tier == "cpu":
+                out.append(jax.tree.map(self.tiers.to_host_weight, x))
+            else:
+                parts = x if isinstance(x, Packed) else None
+                if parts is None:
+                    out.append(self.tiers.disk.save(f"w{j}-{i}", np.asarray(jax.device_get(x))))
+                else:
+                    out.append(Packed(*(self.tiers.disk.save(f"w{j}-{i}-{n}", np.asarray(jax.device_get(a)))
+                                        for n, a in zip(("c", "s", "m"), (parts.codes, parts.scale, parts.center)))))
+        self.layers.append(out)
+
+    def resident(self, j: int) -> bool:
+        return all(t == "gpu" for t in self.where)
+
+    def fetch(self, j: int):
+        """Layer j on the device (waits until every transfer has landed)."""
+        def load(x):
+            if isinstance(x, DiskArray):
+                x = x.read()
+            return x if isinstance(x, jax.Array) and x.sharding == self.tiers.on_device else self.tiers.to_device(x)
+        leaves = [jax.tree.map(load, x, is_leaf=lambda v: isinstance(v, DiskArray)) for x in self.layers[j]]
+        jax.block_until_ready(leaves)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        out = {"gpu": 0, "cpu": 0, "disk": 0}
+        for layer in self.layers:
+            for x, t in zip(layer, self.where):
+                for a in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, DiskArray)):
+                    out[t] += a.nbytes
+        return out

@@ -1,0 +1,78 @@
+"""Offloaded generation gives the paged engine's tokens (float32) under every placement, for a tiny OPT and a tiny
+Llama: all on the GPU; weights half in host memory; the KV cache in host memory; weights partly on disk (with KV
+and activations spread over all three tiers); weights in host numpy arrays under the row-by-row baseline. Prompts
+of 4 to 24 tokens in blocks of several GPU batches (the last block padded with dummy rows)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nfjax.engine import SamplingParams
+from nfjax.offload import Policy, Split
+from nfjax.offload.engine import OffloadEngine
+from tests.offload.common import MAX_LEN, PROMPTS, engine_tokens, model, tokenizer
+
+POLICIES = {
+    "all-gpu": Policy(gpu_batch_size=2, num_gpu_batches=2),
+    "weights-half-cpu": Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(50, 50, 0)),
+    "kv-cpu": Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 100, 0), activations=Split(0, 100, 0)),
+    "weights-disk": Policy(gpu_batch_size=1, num_gpu_batches=3, weights=Split(20, 40, 40), cache=Split(30, 30, 40),
+                           activations=Split(0, 0, 100)),
+    "row-by-row-numpy": Policy(gpu_batch_size=4, num_gpu_batches=1, weights=Split(0, 100, 0), host_memory="numpy",
+                               cache=Split(0, 100, 0), schedule="row_by_row"),
+}
+
+
+@pytest.mark.parametrize("name", ["opt", "llama"])
+def test_tokens_equal_the_paged_engine(name, tmp_path):
+    want = engine_tokens(name)
+    for label, pol in POLICIES.items():
+        pol = pol.replace(offload_dir=str(tmp_path))
+        with OffloadEngine.from_model(model(name), tokenizer(name), pol, max_model_len=MAX_LEN) as eng:
+            if pol.uses_disk():
+                assert any(eng.disk.path.iterdir())
+                assert eng.weights.bytes_by_tier()["disk"] > 0
+            outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+        got = tuple(tuple(o.token_ids) for o in outs)
+        assert got == want, label
+        assert all(o.finish_reason == "length" for o in outs)
+        assert list(tmp_path.iterdir()) == [], f"{label}: the disk tier was not removed"
+
+
+def test_seeded_sampling_and_stops_match_the_engine():
+    """Temperature sampling draws with the engine's seeds and counters: the same tokens; a stop token ends one
+    request early while the rest of its block runs on."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    want = engine_tokens("opt", params)
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(50, 50, 0), cache=Split(50, 50, 0))
+    with OffloadEngine.from_model(model("opt"), tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+        assert tuple(tuple(o.token_ids) for o in eng.generate(PROMPTS, params)) == want
+        stop = want[1][3]
+        first = want[1].index(stop)
+        outs = eng.generate(PROMPTS[:2], [params, dataclasses.replace(params, stop_token_ids=(stop,))])
+    assert outs[0].token_ids == list(want[0]) and outs[0].finish_reason == "length"
+    assert outs[1].token_ids == list(want[1][:first + 1]) and outs[1].finish_reason == "stop"
+
+
+def test_compressed_weights_stay_close(tmp_path):
+    """4-bit weights off the GPU: the first tokens of most prompts agree with float32 and the stores hold the
+    packed bytes (0.5625 a value against 4)."""
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=3, weights=Split(0, 50, 50), compress_weights=True,
+                 offload_dir=str(tmp_path))
+    with OffloadEngine.from_model(model("opt"), tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+        by_tier = eng.weights.bytes_by_tier()
+        outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+    dense = sum(np.prod(s) for s in [(64, 64)] * 4 + [(64, 128), (128, 64)]) * 4 * 3
+    assert by_tier["gpu"] < 0.01 * dense and by_tier["cpu"] + by_tier["disk"] < 0.2 * dense
+    want = engine_tokens("opt")
+    assert sum(o.token_ids[0] == w[0] for o, w in zip(outs, want)) >= 3
+
+
+def test_unsupported_sampling_options_name_the_field():
+    from nfjax.errors import UserError
+    with OffloadEngine.from_model(model("llama"), tokenizer("llama"), Policy(), max_model_len=MAX_LEN) as eng:
+        for kw in (dict(presence_penalty=0.5), dict(logprobs=2), dict(min_tokens=2, max_tokens=4)):
+            with pytest.raises(UserError, match=next(iter(kw))):
+                eng.generate([PROMPTS[0]], SamplingParams(**kw))
