@@ -77,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="XLA CUDA-graph command buffers off")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
+    g.add_argument("--offload", metavar="POLICY.json", default=None,
+                   help="FlexGen mode for models larger than the GPU: weights, KV cache and activations placed "
+                        "across GPU, host memory and disk by the policy file (nfjax/offload/policy.py)")
 
 
 # flag -> (section, field); the flags not listed here (strategies, plan, dtype) are handled by name below
@@ -216,7 +219,11 @@ def from_flags(args: argparse.Namespace, *, progress: bool = False, **kw):
     """`build_engine` from parsed `add_engine_args` flags (plus `--model`, if the parser has it); prints what the
     engine holds (KV capacity, context, sequences, buckets) to stderr."""
     import sys
-    engine = build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
-                          progress=progress, **kw)
+    if getattr(args, "offload", None):
+        from nfjax.offload.engine import from_flags as offload_engine
+        engine = offload_engine(args, progress=progress)
+    else:
+        engine = build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
+                              progress=progress, **kw)
     print(f"[{engine.capacity_line()}]", file=sys.stderr, flush=True)
     return engine
