@@ -6,9 +6,9 @@ first (each a sequence at context `ctx`), then the prefill tokens as `chunks` eq
   * an op timed against token count: its time at hi - lo tokens (piecewise linear between profiled counts,
     linear past the last two);
   * decode attention: its time at the decode rows inside [lo, hi), at the class's context;
-  * prefill attention: its time at the causal work of the prefill rows inside [lo, hi) (the sum over those rows
-    of the keys each attends), interpolated between the profiled single chunks (work c(c+1)/2) and the
-    no-prefill-row time;
+  * prefill attention: for each prefill chunk's piece inside [lo, hi) (n rows continuing a sequence at position
+    s), the profiled time of an n-row chunk at start s (bilinear between the profiled chunk lengths and starts);
+    the pieces share one launch, so all but one drop the no-prefill-row time (`empty_ms`);
 and at a resource share s < 1 that time x the profiled slowdown at s (ops without a share profile run only at 1).
 Two ops in one horizontal kernel take the profiled interference factor (fused / slower part alone, the nearest
 profiled pair, interpolated over the share) x the slower part at its share. Joining a value's pieces for a
@@ -45,13 +45,14 @@ class BatchClass:
     def decodes_in(self, lo: int, hi: int) -> int:
         return max(0, min(hi, self.decodes) - lo)
 
-    def prefill_work(self, lo: int, hi: int) -> float:
-        w = 0.0
+    def prefill_pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(rows, start position) of every prefill chunk's piece inside the tokens [lo, hi)."""
+        out = []
         for a, b in self.prefill_chunks():
             x, y = max(a, lo) - a, min(b, hi) - a           # positions inside the chunk
             if x < y:
-                w += (y * (y + 1) - x * (x + 1)) / 2
-        return w
+                out.append((y - x, x))
+        return out
 
 
 def interp(xs, ys, x: float) -> float:
@@ -91,7 +92,7 @@ class CostModel:
         if k == "decode":
             return self._decode_ms(self.batch.decodes_in(lo, hi))
         if k == "prefill":
-            return self._prefill_ms(self.batch.prefill_work(lo, hi))
+            return self._prefill_ms(self.batch.prefill_pieces(lo, hi))
         t = self.tokens[op]
         return interp(t["tokens"], t["ms"], hi - lo)
 
@@ -100,11 +101,17 @@ class CostModel:
         rows = [interp(dec["decodes"], row, d) for row in dec["ms"]]
         return interp(dec["ctx"], rows, self.batch.ctx)
 
-    def _prefill_ms(self, work: float) -> float:
+    def _prefill_ms(self, pieces) -> float:
         pf = self.prefill
-        xs = [0.0] + [c * (c + 1) / 2 for c in pf["chunks"]]
-        ys = [pf["empty_ms"]] + list(pf["ms"])
-        return interp(xs, ys, work)
+        empty = float(pf["empty_ms"])
+        if not pieces:
+            return empty
+        starts = pf.get("starts", [0])
+        t = 0.0
+        for n, s in pieces:
+            rows = [interp(pf["chunks"], row, n) for row in pf["ms"]]
+            t += interp(starts, rows, s)
+        return max(empty, t - empty * (len(pieces) - 1))
 
     def share_grid(self, op: str) -> tuple[float, ...]:
         s = self.shares.get(op)

@@ -3,7 +3,8 @@
 A profile holds, for one decoder layer's op graph (fields, all times in ms for one layer):
   * `tokens`: every op's time against its token count (`{"op": {"tokens": [...], "ms": [...]}}`);
   * `decode`: decode attention against decode sequences x their context (`ms[c][d]` for `ctx[c]`, `decodes[d]`);
-  * `prefill`: prefill attention against chunk length (one chunk from position 0; `empty_ms`: no prefill row);
+  * `prefill`: prefill attention against chunk length x start position (`ms[s][c]`: one chunk of `chunks[c]` rows
+    continuing a sequence at `starts[s]`; `empty_ms`: a step with no prefill row);
   * `shares`: time against resource share (the kernel's CTA count = share x SMs) at one size, per op that takes a
     share (`{"op": {"at": {...}, "share": [...], "ms": [...]}}`);
   * `pairs`: the interference table (NanoFlow's R -> P): for each horizontal kernel that runs two ops side by side,

@@ -30,7 +30,8 @@ class Grid:
     tokens: tuple[int, ...]                 # token counts of the token-count ops
     decodes: tuple[int, ...] = ()           # decode attention: sequences ...
     ctxs: tuple[int, ...] = ()              # ... x contexts
-    chunks: tuple[int, ...] = ()            # prefill attention: chunk lengths
+    chunks: tuple[int, ...] = ()            # prefill attention: chunk lengths ...
+    starts: tuple[int, ...] = (0,)          # ... x the position each chunk starts at
     shares: tuple[float, ...] = (1.0,)      # the first op of a pair (decode attention); the other gets the rest
     share_decodes: int = 0                  # the sizes the share and pair rows are measured at
     share_ctx: int = 0
@@ -41,10 +42,25 @@ class Grid:
 
 
 GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 64, 128, 256, 512), ctxs=(1280,),
-                chunks=(256, 1024, 2048), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256, share_ctx=1280,
-                share_tokens=1792, min_pair_tokens=128)
-CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128),
+                chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256,
+                share_ctx=1280, share_tokens=1792, min_pair_tokens=128)
+CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128), starts=(0, 64),
                 share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
+
+
+def quick(grid: Grid) -> Grid:
+    """A smaller grid of the same ranges (smoke runs)."""
+    return Grid(tokens=tuple(sorted({*grid.tokens[::2], grid.tokens[-1]})), decodes=grid.decodes[::2],
+                ctxs=grid.ctxs, chunks=grid.chunks[-2:], starts=grid.starts, shares=grid.shares[1:2] + (1.0,),
+                share_decodes=grid.share_decodes, share_ctx=grid.share_ctx, share_tokens=grid.share_tokens,
+                min_pair_tokens=grid.min_pair_tokens, reps=3, target_ms=grid.target_ms)
+
+
+def pages_needed(grid: Grid, page_size: int) -> int:
+    """KV pages the largest case takes (every case lays its sequences out from page 1)."""
+    per = lambda n: -(-n // page_size)                                   # noqa: E731
+    return 2 + max(max(grid.decodes or (0,)) * per(max(grid.ctxs or (0,)) + 1),
+                   per(max(grid.starts) + max(grid.chunks or (0,))), per(max(grid.tokens)))
 
 
 class _Job:
@@ -174,8 +190,9 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
                 c = subject.decode_case(d, ctx, max(d, 8))
                 jobs.append(op_job(subject, ("decode", op, ctx, d), op, c))
     for op in pre:
-        for ch in grid.chunks:
-            jobs.append(op_job(subject, ("prefill", op, ch), op, subject.prefill_case(ch)))
+        for st in grid.starts:
+            for ch in grid.chunks:
+                jobs.append(op_job(subject, ("prefill", op, st, ch), op, subject.prefill_case(ch, st)))
         jobs.append(op_job(subject, ("prefill", op, 0), op, subject.decode_case(8, grid.ctxs[0], 8)))
     shares = [s for s in grid.shares if s < 1] if num_sms else []
     pairs = [k for k in HORIZONTAL_KERNELS.values() if all(op in g for op in k.replaces)]
@@ -222,8 +239,9 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         prof["decode"] = {"op": op, "ctx": list(grid.ctxs), "decodes": ds,
                           "ms": [[round(ms["decode", op, c, d], 6) for d in ds] for c in grid.ctxs]}
     for op in pre:
-        chs = [c for c in grid.chunks if ("prefill", op, c) in ms]
-        prof["prefill"] = {"op": op, "chunks": chs, "ms": [round(ms["prefill", op, c], 6) for c in chs],
+        chs = [c for c in grid.chunks if all(("prefill", op, st, c) in ms for st in grid.starts)]
+        prof["prefill"] = {"op": op, "chunks": chs, "starts": list(grid.starts),
+                           "ms": [[round(ms["prefill", op, st, c], 6) for c in chs] for st in grid.starts],
                            "empty_ms": round(ms.get(("prefill", op, 0), 0.0), 6)}
     prof["shares"], prof["pairs"] = {}, []
     for k in pairs:

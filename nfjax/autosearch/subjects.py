@@ -2,9 +2,9 @@
 
 `LlamaSubject`: the Llama decoder layer (ops declared with `@op`), one layer of random weights of a model
 shape, with a paged KV cache and real attention metadata: token-count cases (one prefill chunk of n tokens),
-decode cases (d sequences at context c, one token each) and prefill cases (one chunk of c tokens from position
-0). `TracedSubject`: any layer whose ops are declared by `mark` / `partition` (nfjax.schedule.annotate): every
-op is timed against its token count. Inputs are random (GEMMs run faster on zeros).
+decode cases (d sequences at context c, one token each) and prefill cases (one chunk of c tokens continuing a
+sequence at position s). `TracedSubject`: any layer whose ops are declared by `mark` / `partition`
+(nfjax.schedule.annotate): every op is timed against its token count. Inputs are random (GEMMs run faster on zeros).
 """
 from __future__ import annotations
 
@@ -120,8 +120,9 @@ class LlamaSubject:
         """`d` decodes at context `ctx` in a `tokens`-token nano-batch (rows past d: padding)."""
         return self._case(self._meta([(ctx, 1)] * d, tokens, d), tokens)
 
-    def prefill_case(self, chunk: int) -> Case:
-        return self._case(self._meta([(0, chunk)], chunk, 0), chunk)
+    def prefill_case(self, chunk: int, start: int = 0) -> Case:
+        """One prefill chunk of `chunk` rows continuing a sequence at position `start`."""
+        return self._case(self._meta([(start, chunk)], chunk, 0), chunk)
 
     def join_free(self) -> list[str]:
         """XLA fusions that read a merged value's pieces in place: the memory-bound ops that are not kernels."""

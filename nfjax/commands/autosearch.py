@@ -37,15 +37,18 @@ def add_parser(sub, name: str) -> None:
         a.add_argument("--shape", default=None, help="a random-weight model shape instead (llama3-8b, smoke, ...)")
         a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree the profile / plans are for")
     pr = acts.choices["profile"]
-    pr.add_argument("--out", default=None, help="profile file (default nfjax/plans/profiles/<model>_<device>_tp<N>.json)")
+    pr.add_argument("--out", default=None,
+                    help="profile file (default nfjax/plans/profiles/<model>_<device>_tp<N>.json)")
     pr.add_argument("--grid", choices=("quick", "full"), default="full",
                     help="sizes measured: full (the device's default grid) or quick (a few sizes, for smoke runs)")
-    pr.add_argument("--page-size", type=int, default=None, help="KV page size of the attention cases (GPU 64, CPU 16)")
+    pr.add_argument("--page-size", type=int, default=None,
+                    help="KV page size of the attention cases (GPU 64, CPU 16)")
     se = acts.choices["search"]
     se.add_argument("--profile", default=None, help="profile file (default: the one for the model, device and TP)")
     se.add_argument("--device", default=None, help="device the plans are for (default: this one), e.g. h100")
-    se.add_argument("--buckets", type=_ints, default=None, help="token buckets to plan for (default 2048,1024 on a "
-                                                                 "GPU profile, the largest profiled count on a CPU one)")
+    se.add_argument("--buckets", type=_ints, default=None,
+                    help="token buckets to plan for (default 2048,1024 on a GPU profile, the largest profiled count "
+                         "on a CPU one)")
     se.add_argument("--decodes", type=_ints, default=None,
                     help="decode counts representing the bands (default 128,256 on a GPU profile)")
     se.add_argument("--ctx", type=int, default=None, help="decode context length (default: the profile's)")
@@ -85,19 +88,15 @@ def _profile(args, cfg) -> int:
     import jax
 
     from nfjax.autosearch.profile import default_path, device_key, model_name, save_profile
-    from nfjax.autosearch.profiler import CPU_GRID, GPU_GRID, Grid, profile
+    from nfjax.autosearch.profiler import CPU_GRID, GPU_GRID, pages_needed, profile, quick
     from nfjax.autosearch.subjects import LlamaSubject
     from nfjax.compat import num_sms, on_gpu
     gpu = on_gpu()
     grid = GPU_GRID if gpu else CPU_GRID
     if args.grid == "quick":
-        grid = Grid(tokens=grid.tokens[::2] + grid.tokens[-1:], decodes=grid.decodes[::2], ctxs=grid.ctxs,
-                    chunks=grid.chunks[-1:], shares=grid.shares[:1] + (1.0,), share_decodes=grid.share_decodes,
-                    share_ctx=grid.share_ctx, share_tokens=grid.share_tokens, min_pair_tokens=grid.min_pair_tokens,
-                    reps=3, target_ms=grid.target_ms)
+        grid = quick(grid)
     ps = args.page_size or (64 if gpu else 16)
-    pages = 2 + max(grid.decodes or (1,)) * -(-(max(grid.ctxs or (1,)) + 1) // ps) + 2 * -(-max(grid.tokens) // ps)
-    subject = LlamaSubject(cfg, page_size=ps, max_seqs=512 if gpu else 64, max_pages=pages)
+    subject = LlamaSubject(cfg, page_size=ps, max_seqs=512 if gpu else 64, max_pages=pages_needed(grid, ps))
     dev = device_key()
     d = jax.devices()[0]
     prof = profile(subject, grid, device=dev, device_name=getattr(d, "device_kind", d.platform),

@@ -28,10 +28,12 @@ def test_missing_profile_is_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, field", [
-    (["--shape", "llama3-8b", "--device", "h200"], "llama3-8b_h100_tp1.json.device: the profile was measured on 'h100'"),
+    (["--shape", "llama3-8b", "--device", "h200"],
+     "llama3-8b_h100_tp1.json.device: the profile was measured on 'h100'"),
     (["--shape", "smoke", "--device", "h100"], "llama3-8b_h100_tp1.json.shape.hidden_size"),
     ([], "llama3-8b_h100_tp1.json.device"),                                   # this machine: a CPU
-    (["--shape", "llama3-8b", "--device", "h100", "--tp", "2"], "llama3-8b_h100_tp1.json.tp: the profile was measured at TP=1"),
+    (["--shape", "llama3-8b", "--device", "h100", "--tp", "2"],
+     "llama3-8b_h100_tp1.json.tp: the profile was measured at TP=1"),
 ])
 def test_mismatched_profile_is_an_error_naming_the_field(h100_profile, capsys, args, field):
     assert main(["autosearch", "search", "--profile", str(h100_profile), *args]) == 2

@@ -13,7 +13,7 @@ from nfjax.engine.engine import TINY_MODEL
 from nfjax.schedule.graph import layer_graph
 from nfjax.schedule.plan import load_plan, save_plan
 
-GRID = Grid(tokens=(16, 64), decodes=(0, 8), ctxs=(32,), chunks=(16, 64), share_decodes=8, share_ctx=32,
+GRID = Grid(tokens=(16, 64), decodes=(0, 8), ctxs=(32,), chunks=(16, 64), starts=(0, 32), share_decodes=8, share_ctx=32,
             share_tokens=56, reps=2, target_ms=2.0)
 PROMPTS = ["Once upon a time", "def main():", "The list type", "a" * 40, "import numpy as np", "x = [1, 2",
            "class Foo:", "Hello", "while True:", "The quick brown fox"]
@@ -27,6 +27,7 @@ def test_profile_search_plan_engine_gives_sequentials_tokens(tmp_path):
     assert not prof["errors"], prof["errors"]
     assert set(prof["tokens"]) == set(layer_graph().names) - {"attn_decode", "attn_prefill"}
     assert prof["decode"]["decodes"] == [0, 8] and prof["prefill"]["chunks"] == [16, 64] and prof["pairs"]
+    assert len(prof["prefill"]["ms"]) == len(GRID.starts)
     path = save_profile(prof, tmp_path / "tiny_cpu_tp1.json")
     prof = load_profile(path, device="cpu", shape=shape_of(cfg), tp=1)
     (r,) = search(layer_graph(), prof, [64], [8], 32, 2, SearchOptions(nano_batches=(2,), min_overlaps=1))

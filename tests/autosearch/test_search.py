@@ -15,8 +15,8 @@ from nfjax.schedule.plan import load_plan
 
 def test_search_finds_the_decodes_attention_beside_the_prefill_gate_up():
     """With 256 decodes in a 2048-token step, the search's plan is the hand-tuned `_mact` structure: the decodes'
-    attention beside the prefill tokens' gate/up on a quarter of the SMs, attention..gate/up split 256/1792, the
-    rest merged; the written plan records and models at the structure's time, which is no worse than the
+    attention beside the prefill tokens' gate/up on a quarter of the SMs, attention..gate/up split with every
+    decode in the first nano-batch, the rest merged; the written plan records and models at the structure's time, which is no worse than the
     hand-tuned plan's under the same model."""
     g = layer_graph()
     prof = h100_like()
@@ -29,7 +29,8 @@ def test_search_finds_the_decodes_attention_beside_the_prefill_gate_up():
     split = {op for gr in plan.groups if len(gr.nano_batches) == 2 for op in gr.ops}
     assert {"attn_decode", "attn_prefill", "o_proj_op", "ffn_norm", "up_gate"} <= split
     assert not split & {"attn_norm", "kqv", "act", "down"}
-    assert next(gr.nano_batches for gr in plan.groups if "up_gate" in gr.ops) == (256, 1792)
+    sizes = next(gr.nano_batches for gr in plan.groups if "up_gate" in gr.ops)
+    assert sizes[0] >= 256 and sum(sizes) == 2048 and all(n % 64 == 0 for n in sizes)   # all decodes in the pair
     model = CostModel(prof, BatchClass(2048, 256, 1280))
     ls = record(plan, g)
     assert schedule_ms(ls, model) == pytest.approx(r.best_ms, rel=1e-9)

@@ -1,0 +1,219 @@
+"""NanoFlow auto-search on one GPU: profile the model shape's layer ops (random weights), search plans for the
+benchmark's batch classes, and time the searched plans against the hand-tuned plan and Sequential on dense mixed
+batches, per step as bench/nanoflow.py times them (one process, one device call).
+
+Writes <out>/autosearch-<date>.json (summary: autosearch_vs_handtuned, overlap_ratio_1gpu, autosearch_solve_s,
+per bucket the same), the profile (<out>/<model>_<device>_tp1.json), the searched plans (<out>/plans/), and the
+timeline of one layer of the searched plan at the largest bucket from a real trace (PNG).
+
+usage: python -m bench.autosearch --shape llama3-8b --page-size 64 --out $OUT
+CPU smoke: python -m bench.autosearch --shape smoke --token-buckets 128,256 --decode 32 --ctx 64 --grid quick \\
+               --no-trace --out /tmp/as
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from bench.setup import add_bench_args
+
+HAND = "llama3-8b_h100_tp1_beside_mact"
+
+
+def profile_step(args, cfg, out: dict, log) -> dict:
+    import jax
+
+    from nfjax.autosearch.profile import device_key, save_profile
+    from nfjax.autosearch.profiler import CPU_GRID, GPU_GRID, Grid, pages_needed, profile, quick
+    from nfjax.autosearch.subjects import LlamaSubject
+    from nfjax.compat import num_sms, on_gpu
+    from bench.setup import setting
+    gpu = on_gpu()
+    if args.profile:
+        with open(args.profile) as f:
+            return json.load(f)
+    grid = GPU_GRID if gpu else CPU_GRID
+    if args.grid == "quick":
+        grid = quick(grid)
+    if not gpu:                     # the smoke shape: sizes of the smoke run's buckets
+        b = max(args.token_buckets)
+        grid = Grid(tokens=(16, b // 4, b), decodes=(0, args.decode), ctxs=(args.ctx,), chunks=(b // 4, b),
+                    starts=(0, b // 4), share_decodes=args.decode, share_ctx=args.ctx, share_tokens=b - args.decode,
+                    reps=2, target_ms=2.0)
+    ps = setting(args, "cache", "page_size")
+    t0 = time.perf_counter()
+    subject = LlamaSubject(cfg, page_size=ps, max_seqs=512 if gpu else 64, max_pages=pages_needed(grid, ps))
+    dev = device_key()
+    d = jax.devices()[0]
+    prof = profile(subject, grid, device=dev, device_name=getattr(d, "device_kind", d.platform),
+                   num_sms=num_sms() if gpu else 0, align=64 if gpu else 16, log=log)
+    prof["page_size"] = ps
+    out["profile_s"] = time.perf_counter() - t0
+    out["profile_file"] = str(save_profile(prof, os.path.join(args.out, f"{prof['model']}_{dev}_tp1.json")))
+    return prof
+
+
+def search_step(args, prof: dict, out: dict) -> dict:
+    """Plans for every (bucket, decode band) class; returns bucket -> the plan file the bench's batch gets."""
+    from nfjax.autosearch.costs import BatchClass, CostModel
+    from nfjax.autosearch.emit import schedule_ms
+    from nfjax.autosearch.search import SearchOptions, search
+    from nfjax.schedule.graph import layer_graph
+    from nfjax.schedule.plan import save_plan
+    g = layer_graph()
+    decodes = sorted({decode_of(args, b) for b in args.token_buckets})
+    t0 = time.perf_counter()
+    res = search(g, prof, args.token_buckets, decodes, args.ctx, 2, SearchOptions(time_limit=args.time_limit))
+    out["autosearch_solve_s"] = time.perf_counter() - t0
+    chosen, classes = {}, []
+    pdir = os.path.join(args.out, "plans")
+    for r in res:
+        f = str(save_plan(r.plan, os.path.join(pdir, f"{r.plan.name}.json"))) if r.plan else None
+        classes.append({"bucket": r.batch.tokens, "decodes": r.batch.decodes, "min_decode": r.min_decode,
+                        "plan": f, "modelled_layer_ms": r.best_ms, "modelled_sequential_ms": r.sequential_ms,
+                        "structure": {"bounds": r.structure.bounds, "split": sorted(r.structure.split),
+                                      "pairs": r.structure.pairs, "shares": {str(k): v for k, v in r.shares.items()}},
+                        "candidates": [{"bounds": s.bounds, "split": sorted(s.split), "pairs": s.pairs,
+                                        "stage1_ms": a, "stage2_ms": b} for s, a, b in r.candidates],
+                        "notes": r.notes, "seconds": r.seconds})
+    for b in args.token_buckets:                  # the band the runtime would choose for the bench's batch
+        d = decode_of(args, b)
+        mine = [c for c in classes if c["bucket"] == b and c["min_decode"] <= d]
+        best = max(mine, key=lambda c: c["min_decode"], default=None)
+        chosen[b] = best["plan"] if best else None
+        model = CostModel(prof, BatchClass(b, d, args.ctx))
+        try:
+            hand_ms = schedule_ms(_recorded(HAND, b, g), model)
+        except Exception as e:  # noqa: BLE001 - the hand plan at a bucket it does not take
+            hand_ms = repr(e)[:200]
+        out.setdefault("modelled", {})[str(b)] = {
+            "sequential_ms": best["modelled_sequential_ms"] if best else None,
+            "searched_ms": best["modelled_layer_ms"] if best else None, "handtuned_ms": hand_ms}
+    out["classes"] = classes
+    print(f"search: {len(res)} classes in {out['autosearch_solve_s']:.1f} s; plans for the bench's batches: "
+          f"{ {b: (os.path.basename(p) if p else 'Sequential') for b, p in chosen.items()} }", flush=True)
+    return chosen
+
+
+def _recorded(name: str, bucket: int, g):
+    from nfjax.schedule.api import ScheduleContext
+    from nfjax.schedule.plan import load_plan
+    from nfjax.schedule.strategies import NanoFlow
+    return NanoFlow(load_plan(name)).record(ScheduleContext(bucket, g))
+
+
+def decode_of(args, bucket: int) -> int:
+    return args.decode * bucket // max(args.token_buckets)
+
+
+def time_step(args, cfg, chosen: dict, out: dict) -> None:
+    import numpy as np
+
+    from bench.common import time_fn
+    from bench.nanoflow import _one_layer, dispatch_ms
+    from bench.setup import bench_runner, config_record, setting
+    from bench.step_bench import (kernel_table, make_step_input, mixed_batch, run_step, stream_timeline,
+                                  synthetic_context, synthetic_pages, trace)
+    from nfjax.config import StrategyConfig
+    ps = setting(args, "cache", "page_size")
+    batches = {b: mixed_batch(b, args.ctx, ps, num_decode=decode_of(args, b))[1] for b in args.token_buckets}
+    strats = [StrategyConfig("nanoflow", plan=HAND)] if args.hand else []
+    searched = {}
+    for b, f in chosen.items():
+        if f:
+            sc = StrategyConfig("nanoflow", plan=f)
+            searched[b] = sc.label
+            if sc.label not in [s.label for s in strats]:
+                strats.append(sc)
+    runner = bench_runner(args, context=synthetic_context(batches.values(), ps), compile=False,
+                          defaults={"cache": {"num_pages": synthetic_pages(batches.values())}},
+                          extra={"execution": {"strategies": tuple(strats)}})
+    out["engine_config"] = config_record(runner.config)
+    t0 = time.perf_counter()
+    runner.compile_all()
+    out["compile_s"] = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    hand_label = f"nanoflow:{HAND}"
+    for b in args.token_buckets:
+        inp = make_step_input(runner, batches[b], b, decode_of(args, b), rng)
+        res = {}
+        for label in runner.variants.by_bucket[b]:
+            t = time_fn(lambda: run_step(runner, b, label, inp), iters=5, reps=5, warmup=2)
+            res[label] = {"step_ms": t["median_s"] * 1e3, "per_layer_ms": t["median_s"] * 1e3 / cfg.num_layers,
+                          "dispatch_ms": dispatch_ms(lambda: run_step(runner, b, label, inp))}
+            print(f"[{b}] {label:44s} {res[label]['step_ms']:8.2f} ms", flush=True)
+        seq = res["sequential"]["step_ms"]
+        s_label = searched.get(b, "sequential")
+        srch = res[s_label]["step_ms"]
+        hand = res.get(hand_label, {}).get("step_ms")
+        out["buckets"][str(b)] = {"strategies": res, "decode": decode_of(args, b), "ctx": args.ctx,
+                                  "searched": s_label, "overlap_ratio": seq / srch,
+                                  "autosearch_vs_handtuned": hand / srch if hand else None,
+                                  "handtuned_vs_sequential": seq / hand if hand else None}
+        if args.trace and b == max(args.token_buckets) and s_label != "sequential":
+            pd = trace(lambda: run_step(runner, b, s_label, inp), "/tmp/nfjax_prof", f"autosearch_{b}", calls=1)
+            out["kernels"] = kernel_table(pd, calls=1, top=25)
+            out["timelines"] = {s_label: _one_layer(stream_timeline(pd), cfg.num_layers)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_args(ap)
+    ap.add_argument("--decode", type=int, default=256, help="decode sequences in the largest bucket (scaled)")
+    ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
+    ap.add_argument("--grid", choices=("full", "quick"), default="full", help="profile grid")
+    ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    ap.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole search")
+    ap.add_argument("--no-hand", dest="hand", action="store_false", help="leave the hand-tuned plan out")
+    ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="autosearch")
+    args = ap.parse_args()
+    args.token_buckets = tuple(sorted(args.token_buckets or (1024, 2048)))
+    args.out = args.out or os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(args.out, exist_ok=True)
+    from bench.common import device_info, print_table
+    from bench.setup import model_config
+    cfg = model_config(args)
+    out = {"device": device_info(), "config": cfg.to_json(), "buckets": {}}
+
+    def log(m):
+        print(m, flush=True)
+    prof = profile_step(args, cfg, out, log)
+    out["profile_errors"] = prof.get("errors", [])
+    chosen = search_step(args, prof, out)
+    save(args, out)
+    try:
+        time_step(args, cfg, chosen, out)
+    finally:
+        rows = [[b, lb, r["step_ms"], r["per_layer_ms"], out["buckets"][b]["strategies"]["sequential"]["step_ms"]
+                 / r["step_ms"]] for b, v in out["buckets"].items() for lb, r in v["strategies"].items()]
+        out["table"] = rows
+        if rows:
+            print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this"], rows)
+        save(args, out)
+
+
+def save(args, out: dict) -> None:
+    from bench.common import write_results
+    from bench.nanoflow import plot_timeline
+    summary = {"autosearch_solve_s": out.get("autosearch_solve_s"), "profile_s": out.get("profile_s")}
+    big = out["buckets"].get(str(max(args.token_buckets)), {})
+    if big:
+        summary["overlap_ratio_1gpu"] = big["overlap_ratio"]
+        summary["autosearch_vs_handtuned"] = big["autosearch_vs_handtuned"]
+        summary["searched_plan"] = big["searched"]
+    for b, r in out["buckets"].items():
+        summary[f"overlap_ratio_{b}"] = r["overlap_ratio"]
+        summary[f"autosearch_vs_handtuned_{b}"] = r["autosearch_vs_handtuned"]
+        summary[f"handtuned_vs_sequential_{b}"] = r["handtuned_vs_sequential"]
+        summary[f"sequential_step_ms_{b}"] = r["strategies"]["sequential"]["step_ms"]
+    path = write_results(args.name, summary, {"args": vars(args), **out}, out_dir=args.out)
+    if out.get("timelines"):
+        plot_timeline(path.replace(".json", "-timeline.png"), out["timelines"])
+
+
+if __name__ == "__main__":
+    main()
