@@ -10,8 +10,9 @@ first (each a sequence at context `ctx`), then the prefill tokens as `chunks` eq
     s), the profiled time of an n-row chunk at start s (bilinear between the profiled chunk lengths and starts);
     the pieces share one launch, so all but one drop the no-prefill-row time (`empty_ms`);
 and at a resource share s < 1 that time x the profiled slowdown at s (ops without a share profile run only at 1).
-Two ops in one horizontal kernel take the profiled interference factor (fused / slower part alone, the nearest
-profiled pair, interpolated over the share) x the slower part at its share. Joining a value's pieces for a
+Two ops in one horizontal kernel take the longer part at its share plus kappa x the shorter one, kappa the
+interference the profile measured ((fused - longer part alone) / shorter part alone, at the nearest profiled
+sizes, interpolated over the share): 0 is a perfect overlap, 1 the parts in turn. Joining a value's pieces for a
 merged reader costs its bytes read and written at the profiled copy rate, unless the reader is an XLA fusion
 that reads the pieces in place (the profile's `join_free` ops).
 """
@@ -129,19 +130,23 @@ class CostModel:
         return self.full_ms(op, lo, hi) * self.slowdown(op, share)
 
     # ---- horizontal kernels -------------------------------------------------------------------------------
-    def interference(self, ops: tuple[str, ...], sizes: tuple[float, ...], share: float) -> float:
-        """Fused time over its slower part alone, at the first op's `share`, from the profiled pair of these ops
-        nearest in size (log distance); 1 when none was profiled (then the kernel is assumed to overlap fully)."""
+    def kappa(self, ops: tuple[str, ...], sizes: tuple[float, ...], share: float) -> float:
+        """The share of the shorter part that running side by side does not hide: (fused - longer) / shorter, from
+        the profiled pair of these ops nearest in size (log distance), interpolated over the first op's share;
+        0 (a perfect overlap) when none was profiled. A CPU, where the parts run in turn, measures 1."""
         rows = [r for r in self.pairs if tuple(r["ops"]) == tuple(ops)]
         if not rows:
-            return 1.0
+            return 0.0
 
         def dist(r):
             return sum(abs(math.log((max(a, 1)) / max(b, 1))) for a, b in zip(r["sizes"], sizes))
+
+        def k(r):
+            lo, hi = sorted((r["a_ms"], r["b_ms"]))
+            return max(0.0, (r["fused_ms"] - hi) / lo) if lo > 0 else 0.0
         near = min(dist(r) for r in rows)
-        pts = sorted((r["share"], r["fused_ms"] / max(r["a_ms"], r["b_ms"], 1e-9)) for r in rows
-                     if dist(r) == near)
-        return interp([s for s, _ in pts], [f for _, f in pts], share) if len(pts) > 1 else pts[0][1]
+        pts = sorted((r["share"], k(r)) for r in rows if dist(r) == near)
+        return interp([s for s, _ in pts], [v for _, v in pts], share) if len(pts) > 1 else pts[0][1]
 
     def pair_sizes(self, a: str, ra: tuple[int, int], b: str, rb: tuple[int, int]) -> tuple[float, float]:
         """The sizes a pair row is matched on: decode rows for decode attention, else tokens."""
@@ -155,8 +160,8 @@ class CostModel:
         if shares is None:
             return max(self.full_ms(a, *ra), self.full_ms(b, *rb))
         sa, sb = shares
-        slow = max(self.op_ms(a, *ra, sa), self.op_ms(b, *rb, sb))
-        return slow * self.interference((a, b), self.pair_sizes(a, ra, b, rb), sa)
+        ta, tb = self.op_ms(a, *ra, sa), self.op_ms(b, *rb, sb)
+        return max(ta, tb) + self.kappa((a, b), self.pair_sizes(a, ra, b, rb), sa) * min(ta, tb)
 
     # ---- merges -------------------------------------------------------------------------------------------
     def merge_ms(self, value: str, tokens: int, reader: str | None = None) -> float:

@@ -2,13 +2,16 @@
 
 A batch class is a token bucket and a band of decode counts, represented by one decode count (`decodes`): the
 band runs from the geometric midpoint with the next smaller representative (half the smallest one) up to the
-next band. Per class: stage I for every nano-batch count K (its best `top` structures), stage II on each, the
-best modelled layer time wins; it becomes a plan when it beats Sequential's modelled time. The plans carry
+next band. Per class and nano-batch count K: stage I on the whole GPU without interference (NanoFlow's view; its
+best `top` structures), and stage I again once per profiled share with the pairs' parts at that share and its
+interference (so the sizes balance the pair as it really runs); stage II gives every structure its shares; the
+best modelled layer time wins and becomes a plan when it beats Sequential's modelled time. The plans carry
 `min_bucket = max_bucket = bucket` and `min_decode` = the band's lower edge, so the runtime's per-step choice
 (first variant in order whose limits the batch meets) picks the band's plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -109,6 +112,27 @@ def build_problem(graph, model: CostModel, grid: int, overlaps=(), min_overlaps:
     return Problem(graph.names, T, grid, model.full_ms, tuple(edges), tuple(overlaps), (), min_overlaps)
 
 
+def _pair_shares(pr: Problem, model: CostModel) -> list[float]:
+    """The shares the first part of a pair was profiled at (below the whole GPU)."""
+    out = set()
+    for o in pr.overlaps:
+        out |= {x for x in model.share_grid(o.a) if x < 1}
+        out |= {float(r["share"]) for r in model.pairs if tuple(r["ops"]) == (o.a, o.b)}
+    return sorted(out)
+
+
+def pair_costs_at(pr: Problem, model: CostModel, share: float) -> dict:
+    """Each overlap's parts at `share` (the first) and the rest (the second), with the interference (kappa)
+    profiled at that share for the class's decode / prefill sizes."""
+    out = {}
+    b = model.batch
+    for o in pr.overlaps:
+        kap = model.kappa((o.a, o.b), (b.decodes, b.tokens - b.decodes), share)
+        out[o.name] = (lambda lo, hi, o=o: model.op_ms(o.a, lo, hi, share),
+                       lambda lo, hi, o=o: model.op_ms(o.b, lo, hi, 1.0 - share), kap)
+    return out
+
+
 def stage2_groups(pr: Problem, model: CostModel, s) -> list[Group]:
     """One group per pair of the structure, named by its (overlap, i, j) key; the kernel gives the second part
     the rest of the GPU."""
@@ -134,23 +158,33 @@ def search_class(graph, profile: dict, batch: BatchClass, min_decode: int, opts:
     pr = build_problem(graph, model, grid, overlaps_of(graph, profile.get("pair_min_tokens")), opts.min_overlaps)
     seq = sequential(pr)
     notes, cands = [], []
+    # stage I on the whole GPU (its top structures), and again with the pairs' parts at each profiled share and
+    # its interference; stage II then gives every structure its shares and the best modelled time wins
+    views = [(pr, opts.top)] + [(dataclasses.replace(pr, pair_costs=pair_costs_at(pr, model, s)), 1)
+                                for s in _pair_shares(pr, model)]
     ks = [k for k in opts.nano_batches if k >= 1]
-    for idx, k in enumerate(ks):
+    jobs = [(k, v, top) for k in ks for v, top in (views if k > 1 else views[:1])]
+    seen = set()
+    for idx, (k, view, top) in enumerate(jobs):
         left = deadline - time.perf_counter()
         if left <= 0.5:
             notes.append(f"K={k}: skipped, the search's time limit was reached")
             continue
-        structs, more = solve_stage1(pr, k, top=opts.top if k > 1 else 1, time_limit=left / (len(ks) - idx))
+        structs, more = solve_stage1(view, k, top=top if k > 1 else 1, time_limit=left / (len(jobs) - idx))
         notes += more
-        for s in structs:
-            groups = stage2_groups(pr, model, s)
+        for st in structs:
+            key = (st.bounds, st.split, st.pairs)
+            if key in seen:
+                continue
+            seen.add(key)
+            groups = stage2_groups(pr, model, st)
             r2 = solve_stage2(groups, 1.0, max(1.0, deadline - time.perf_counter()))
             if r2.status == "none":
-                notes.append(f"K={k}: stage II found no share assignment for {s.pairs}")
+                notes.append(f"K={k}: stage II found no share assignment for {st.pairs}")
                 continue
             shares = dict(r2.shares)
-            total = stage1_time(pr, s, lambda key, o, ra, rb, sh=shares: model.pair_ms(o.a, ra, o.b, rb, sh[key]))
-            cands.append((s, s.objective, total, shares))
+            total = stage1_time(pr, st, lambda key, o, ra, rb, sh=shares: model.pair_ms(o.a, ra, o.b, rb, sh[key]))
+            cands.append((st, st.objective, total, shares))
     if not cands:
         notes.append("no structure was found in time; Sequential")
         return ClassResult(batch, min_decode, seq.objective, seq.objective, seq, {}, None, [], notes,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from nfjax.autosearch import milp
@@ -49,6 +49,22 @@ class Problem:
     overlaps: tuple[Overlap, ...] = ()
     ties: tuple[tuple[str, ...], ...] = ()
     min_overlaps: int = 0                                 # at least this many pairs (0: as the optimum says)
+    # overlap name -> (cost of a on [lo, hi), cost of b on [lo, hi), kappa) inside the pair: the pair takes
+    # max(a, b) + kappa min(a, b) (kappa: the share of the shorter part the overlap does not hide). Default: `cost`
+    # and kappa 0 (stage I's view: each part on the whole GPU, no interference). The search also solves with the
+    # parts at a profiled share and its measured kappa, which moves the sizes to where the pair really balances.
+    pair_costs: dict = field(default_factory=dict)
+
+    def part_cost(self, o: "Overlap", which: int) -> Callable[[int, int], float]:
+        f = self.pair_costs.get(o.name)
+        if f is not None:
+            return f[which]
+        op = o.a if which == 0 else o.b
+        return lambda lo, hi: self.cost(op, lo, hi)
+
+    def kappa(self, o: "Overlap") -> float:
+        f = self.pair_costs.get(o.name)
+        return float(f[2]) if f is not None else 0.0
 
     def points(self) -> list[int]:
         return list(range(0, self.tokens + 1, self.grid)) + ([self.tokens] if self.tokens % self.grid else [])
@@ -85,7 +101,11 @@ def stage1_time(pr: Problem, s: Structure, pair_ms: Callable | None = None) -> f
             t += sum(pr.cost(op, *r) for k, r in enumerate(rg) if (op, k) not in paired)
     for n, i, j in s.pairs:
         o = over[n]
-        t += pair_ms((n, i, j), o, rg[i], rg[j]) if pair_ms else max(pr.cost(o.a, *rg[i]), pr.cost(o.b, *rg[j]))
+        if pair_ms:
+            t += pair_ms((n, i, j), o, rg[i], rg[j])
+        else:
+            a, b = pr.part_cost(o, 0)(*rg[i]), pr.part_cost(o, 1)(*rg[j])
+            t += max(a, b) + pr.kappa(o) * min(a, b)
     t += sum(c for p, q, c in pr.edges if p in s.split and q not in s.split)
     return t
 
@@ -124,8 +144,17 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
     cost = {(op, a, b): pr.cost(op, a, b) for op in pr.ops for kk in range(k) for a, b in arcs[kk]}
     big = {op: max(cost[op, a, b] for kk in range(k) for a, b in arcs[kk]) + 1e-6 for op in pr.ops}
 
-    cheapest = {op: _cheapest_split(pts, k, lambda a, b, op=op: cost.get((op, a, b), pr.cost(op, a, b)))
-                for op in pr.ops}
+    part = {}                        # (op, a, b) -> the least a nano-op of op costs inside any pair
+    for o in pr.overlaps:
+        for w, op in ((0, o.a), (1, o.b)):
+            f = pr.part_cost(o, w)
+            for kk in range(k):
+                for a, b in arcs[kk]:
+                    part[op, a, b] = min(part.get((op, a, b), float("inf")), f(a, b))
+    def lower(op, a, b):
+        c = cost[op, a, b] if (op, a, b) in cost else pr.cost(op, a, b)
+        return min(c, part.get((op, a, b), c))
+    cheapest = {op: _cheapest_split(pts, k, lambda a, b, op=op: lower(op, a, b)) for op in pr.ops}
 
     def arc_cost(op, kk):
         return pulp.lpSum(cost[op, a, b] * z[kk, a, b] for a, b in arcs[kk])
@@ -159,8 +188,14 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
     for (n, i, j), v in p.items():
         o = by_name[n]
         pv = milp.var(prob, f"P_{pr.overlaps.index(o)}_{i}_{j}", 0)
-        prob += pv >= arc_cost(o.a, i) - big[o.a] * (1 - v)
-        prob += pv >= arc_cost(o.b, j) - big[o.b] * (1 - v)
+        parts, ub = [], 1e-6
+        for w, kk in ((0, i), (1, j)):
+            f = pr.part_cost(o, w)
+            ub += max(f(a, b) for a, b in arcs[kk])
+            parts.append(pulp.lpSum(f(a, b) * z[kk, a, b] for a, b in arcs[kk]))
+        kap = pr.kappa(o)               # max(x, y) + kappa min(x, y) = max(x + kappa y, y + kappa x)
+        prob += pv >= parts[0] + kap * parts[1] - ub * (1 + kap) * (1 - v)
+        prob += pv >= parts[1] + kap * parts[0] - ub * (1 + kap) * (1 - v)
         pair_of.setdefault(o.a, []).append(pv)
         pair_of.setdefault(o.b, []).append(pv)
         obj.append(pv)

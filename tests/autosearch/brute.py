@@ -25,7 +25,11 @@ def time_of(pr: Problem, bounds, split, pairs) -> float:
         else:
             t += pr.cost(op, 0, pr.tokens)
     for n, i, j in pairs:
-        t += max(pr.cost(by[n].a, *rg[i]), pr.cost(by[n].b, *rg[j]))
+        o = by[n]
+        f = pr.pair_costs.get(n)
+        a = f[0](*rg[i]) if f else pr.cost(o.a, *rg[i])
+        b = f[1](*rg[j]) if f else pr.cost(o.b, *rg[j])
+        t += max(a, b) + (f[2] if f else 0.0) * min(a, b)
     for p, c, cost in pr.edges:
         if p in split and c not in split:
             t += cost
