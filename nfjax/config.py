@@ -176,8 +176,13 @@ class CacheConfig:
     max_pages_per_seq: int | None = None   # page-table width (None: the model's context, see max_model_len)
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float = 0.9        # automatic num_pages: this share of device memory left after weights
+    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype, unquantized) | fp8 | int4 (kv_quant.py)
 
     def __post_init__(self):
+        from pallas_kernels.kv_quant import ALL_KV_DTYPES, KV_DTYPES
+        if self.kv_dtype not in ALL_KV_DTYPES:
+            raise ConfigError(f"cache.kv_dtype (--kv-dtype) {self.kv_dtype!r} is not a KV format; choices: "
+                              f"{', '.join(KV_DTYPES)}")
         for f in ("page_size", "num_pages", "max_pages_per_seq", "max_model_len"):
             v = getattr(self, f)
             if v is not None and v < (2 if f == "num_pages" else 1):

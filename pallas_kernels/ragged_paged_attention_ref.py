@@ -10,17 +10,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import MASK_VALUE
+from pallas_kernels.kv_quant import dequantize_kv
 
 
 def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],
                                v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                                token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
-                               seq_lens: Int[Array, "S"], scale: float) -> Float[Array, "T H D"]:
+                               seq_lens: Int[Array, "S"], scale: float, aux_pages=None) -> Float[Array, "T H D"]:
+    """`aux_pages` [N, PS, KH, W]: the pages are in a quantized format (kv_quant.py), dequantized here."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
-    k_seq = k_pages[page_table].reshape(s, p * ps, kh, d)      # [S, L, KH, D]
-    v_seq = v_pages[page_table].reshape(s, p * ps, kh, d)
+    aux = None if aux_pages is None else aux_pages[page_table].reshape(s, p * ps, kh, -1)
+    k_seq, v_seq = dequantize_kv(k_pages[page_table].reshape(s, p * ps, kh, -1),    # [S, L, KH, D] f32
+                                 v_pages[page_table].reshape(s, p * ps, kh, -1), aux)
     kt, vt = k_seq[token_seq], v_seq[token_seq]                # [T, L, KH, D]
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, kt.astype(jnp.float32)) * scale

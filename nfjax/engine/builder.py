@@ -14,6 +14,7 @@ from typing import Any
 
 from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig, ExecutionConfig, ModelConfig,
                           ParallelConfig, StrategyConfig, read_json)
+from pallas_kernels.kv_quant import KV_DTYPES
 
 SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
                              "parallel": ParallelConfig}
@@ -50,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=None, help="positions per KV page (default 16)")
     g.add_argument("--num-pages", type=int, default=None,
                    help="KV pages (default: what fits in --kv-memory-fraction of free GPU memory; 512 on CPU)")
+    g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
+                   help="KV cache format: bfloat16 (unquantized, the default), fp8 (e4m3, a scale per token and kv "
+                        "head) or int4 (groups of 64 with a scale and center each, two values a byte)")
     g.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="share of device memory left after the weights that the KV pages take (default 0.9)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -84,6 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 # flag -> (section, field); the flags not listed here (strategies, plan, dtype) are handled by name below
 _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cache", "max_model_len": "cache",
+         "kv_dtype": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
 
@@ -168,16 +173,19 @@ def engine_config(model: ModelConfig, overrides: dict | None = None) -> EngineCo
 def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> EngineConfig:
     """Every automatic (None) size made concrete. `free_bytes`: device memory free after the weights (None
     when the device keeps no statistics, as on CPU)."""
+    from nfjax.kv.attention import check_kv_format
     from nfjax.kv.cache import bytes_per_token
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
+    check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
     num_pages = c.num_pages
     if num_pages is None:
         if free_bytes is None:
             num_pages = CPU_NUM_PAGES
         else:
             local = m.replace(num_kv_heads=max(m.num_kv_heads, tp) // tp)     # KV heads each device holds
-            num_pages = max(2, int(free_bytes * c.kv_memory_fraction) // (bytes_per_token(local) * c.page_size))
+            per_page = bytes_per_token(local, kv_dtype=c.kv_dtype) * c.page_size     # compressed bytes + scales
+            num_pages = max(2, int(int(free_bytes * c.kv_memory_fraction) // per_page))
     max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     per_seq = c.max_pages_per_seq or c.pages_for(max_len)
     cache = dataclasses.replace(c, num_pages=num_pages, max_pages_per_seq=per_seq,

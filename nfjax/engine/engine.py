@@ -131,7 +131,8 @@ class Engine:
     def capacity_line(self) -> str:
         """What the resolved config holds, in one line (printed by the CLI at start)."""
         c, b = self.config.cache, self.config.batcher
-        return (f"KV cache: {self.pages_total:,} pages of {c.page_size} = {self.pages_total * c.page_size:,} tokens; "
+        kv = "" if c.kv_dtype == "bfloat16" else f" ({c.kv_dtype})"
+        return (f"KV cache{kv}: {self.pages_total:,} pages of {c.page_size} = {self.pages_total * c.page_size:,} tokens; "
                 f"context {c.max_model_len:,}; up to {b.max_seqs} sequences a step; token buckets "
                 f"{','.join(map(str, b.token_buckets))}")
 

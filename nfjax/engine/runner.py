@@ -60,7 +60,7 @@ def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, i
 
     if tp == 1:
         return body(layer_states, kv, x, meta, i0)
-    kvs = KVCache(kv_spec(), kv_spec())
+    kvs = kv.like(kv_spec())
     specs = (layer_specs,) * len(layer_states)
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
@@ -127,8 +127,8 @@ class Runner:
         del stacked
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
-        self.kv_sharding = KVCache(NamedSharding(mesh, kv_spec()), NamedSharding(mesh, kv_spec()))
-        self.kv = KVCache.create(model.cfg, cache, sharding=self.kv_sharding.k)
+        self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()))
+        self.kv_sharding = self.kv.like(NamedSharding(mesh, kv_spec()))
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.variants = Variants(sc, sched.token_buckets, tp)
@@ -239,13 +239,12 @@ class Runner:
             bar.close()
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
         blk_sh = self.kv_sharding.k
-        self._swap_out = jax.jit(lambda kv, pg: (kv.k[:, pg], kv.v[:, pg]),
-                                 out_shardings=(blk_sh, blk_sh)).lower(self.kv, pages).compile()
-        shape = (self.kv.k.shape[0], pages.shape[0], *self.kv.k.shape[2:])     # one sequence's pages, padded
-        blk = jax.ShapeDtypeStruct(shape, self.kv.k.dtype, sharding=blk_sh)
-        self._swap_in = jax.jit(
-            lambda kv, pg, k, v: KVCache(kv.k.at[:, pg].set(k, mode="drop"), kv.v.at[:, pg].set(v, mode="drop")),
-            donate_argnums=0, out_shardings=self.kv_sharding).lower(self.kv, pages, blk, blk).compile()
+        # one sequence's pages (padded), values and aux as stored: compressed formats move compressed
+        blks = [b.update(sharding=blk_sh) for b in jax.eval_shape(KVCache.take_pages, self.kv, pages)]
+        self._swap_out = jax.jit(KVCache.take_pages, out_shardings=(blk_sh,) * len(blks)).lower(self.kv,
+                                                                                                 pages).compile()
+        self._swap_in = jax.jit(lambda kv, pg, *b: kv.put_pages(pg, b), donate_argnums=0,
+                                out_shardings=self.kv_sharding).lower(self.kv, pages, *blks).compile()
         self.compile_seconds = time.perf_counter() - t0
 
     @property
@@ -268,18 +267,15 @@ class Runner:
         out[:len(pages)] = pages
         return jax.device_put(out, self.replicated)
 
-    def swap_out(self, pages: list[int]):
-        k, v = self._swap_out(self.kv, self._padded_pages(pages))
+    def swap_out(self, pages: list[int]) -> tuple:
         n = len(pages)
-        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+        return tuple(np.asarray(a)[:, :n] for a in self._swap_out(self.kv, self._padded_pages(pages)))
 
-    def swap_in(self, host_kv, pages: list[int]) -> None:
-        k, v = host_kv
-        pad = self.cache_cfg.max_pages_per_seq - k.shape[1]
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
-        dst = list(pages[:k.shape[1]])
-        k, v = jax.device_put((np.pad(k, widths), np.pad(v, widths)), self.kv_sharding.k)
-        self.kv = self._swap_in(self.kv, self._padded_pages(dst), k, v)
+    def swap_in(self, host_kv: tuple, pages: list[int]) -> None:
+        n = host_kv[0].shape[1]
+        pad = [(0, 0), (0, self.cache_cfg.max_pages_per_seq - n)]
+        blocks = jax.device_put(tuple(np.pad(a, pad + [(0, 0)] * (a.ndim - 2)) for a in host_kv), self.kv_sharding.k)
+        self.kv = self._swap_in(self.kv, self._padded_pages(list(pages[:n])), *blocks)
 
     # ---- steps ------------------------------------------------------------------------------------
     def launch(self, batch: Batch) -> StepHandle:

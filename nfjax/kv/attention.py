@@ -24,21 +24,49 @@ from jaxtyping import Array, Float, Int
 
 from nfjax.compat import num_sms, on_gpu
 from nfjax.kv.blocked_attention import blocked_paged_attention
-from nfjax.kv.cache import KVCache
+from nfjax.config import ConfigError, ModelConfig
+from nfjax.kv.cache import KVCache, check_format
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+from pallas_kernels.kv_quant import KV_DTYPES, is_quantized
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
+
+
+# KV formats the Pallas kernels read (dequantizing in the kernel); the references read every format.
+KERNEL_KV_DTYPES = ("bfloat16",)
 
 
 def kernels_support(q, kv: KVCache) -> bool:
     h, d = q.shape[1], q.shape[2]
     kvh = kv.k.shape[3]
+    if kv.kv_dtype not in KERNEL_KV_DTYPES:
+        return False
     return (d % 64 == 0 and h % kvh == 0 and h // kvh <= 64
             and jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype)
 
 
+def check_kv_format(model: ModelConfig, kv_dtype: str, gpu: bool) -> None:
+    """At start: a quantized format needs the kernels on a GPU (the references there read the whole page-table
+    width every step), so one they cannot serve for this model is a ConfigError naming the flag and choices."""
+    check_format(model, kv_dtype)
+    if not gpu or not is_quantized(kv_dtype):
+        return
+    why = None
+    if kv_dtype not in KERNEL_KV_DTYPES:
+        why = "no attention kernel reads it yet"
+    elif model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
+        why = (f"the kernels need head_dim % 64 == 0, at most 64 query heads a kv head and bfloat16 "
+               f"activations (head_dim {model.head_dim}, {model.num_heads}/{model.num_kv_heads} heads, {model.dtype})")
+    if why:
+        served = [f for f in KV_DTYPES if f in KERNEL_KV_DTYPES]
+        raise ConfigError(f"--kv-dtype / cache.kv_dtype {kv_dtype!r} cannot be served on this GPU: {why}; "
+                          f"choices here: {', '.join(served)} (all: {', '.join(KV_DTYPES)})")
+
+
 def _use_kernels(use_kernels, q, kv) -> bool:
+    if use_kernels and kv.kv_dtype not in KERNEL_KV_DTYPES:
+        raise ValueError(f"no attention kernel reads the {kv.kv_dtype} KV format")
     return (on_gpu() and kernels_support(q, kv)) if use_kernels is None else use_kernels
 
 
@@ -48,8 +76,9 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
     and the host could no longer run a step ahead."""
     t = q.shape[0]
     attend = ragged_paged_attention_ref if on_gpu() else blocked_paged_attention
-    return attend(q, kv.k[layer], kv.v[layer], meta.positions[:t], meta.token_seq[:t], meta.page_table,
-                  meta.seq_lens, scale)
+    k, v, aux = kv.layer_pages(layer)
+    return attend(q, k, v, meta.positions[:t], meta.token_seq[:t], meta.page_table, meta.seq_lens, scale,
+                  aux_pages=aux)
 
 
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,

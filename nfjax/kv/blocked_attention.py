@@ -14,14 +14,17 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import dequantize_kv
+
 BLOCK_POSITIONS = 256     # cache positions a loop iteration reads per sequence
 
 
 def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],
                             v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                             token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
-                            seq_lens: Int[Array, "S"], scale: float) -> Float[Array, "T H D"]:
-    """Same contract as `ragged_paged_attention_ref`; rows whose sequence is empty come back 0."""
+                            seq_lens: Int[Array, "S"], scale: float, aux_pages=None) -> Float[Array, "T H D"]:
+    """Same contract as `ragged_paged_attention_ref` (quantized pages with their `aux_pages` are dequantized
+    block by block); rows whose sequence is empty come back 0."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
@@ -36,8 +39,10 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
     def body(i, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)                 # [S, bp]
-        kb = k_pages[pages].reshape(s, width, kh, d)[token_seq].astype(jnp.float32)  # [T, B, KH, D]
-        vb = v_pages[pages].reshape(s, width, kh, d)[token_seq].astype(jnp.float32)
+        ab = None if aux_pages is None else aux_pages[pages].reshape(s, width, kh, -1)
+        kb, vb = dequantize_kv(k_pages[pages].reshape(s, width, kh, -1), v_pages[pages].reshape(s, width, kh, -1),
+                               ab)
+        kb, vb = kb[token_seq], vb[token_seq]                                         # [T, B, KH, D] f32
         sc = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
         j = i * width + jnp.arange(width)
         ok = ((j[None, :] <= positions[:, None]) & (j[None, :] < tok_len[:, None]))[:, None, None, :]
@@ -49,8 +54,8 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
         acc = acc * corr[..., None] + jnp.einsum("tkgb,tbkd->tkgd", pr, vb)
         return m_new, l, acc
 
-    init = (jnp.full((t, kh, g), -jnp.inf, jnp.float32), jnp.zeros((t, kh, g), jnp.float32),
-            jnp.zeros((t, kh, g, d), jnp.float32))
+    zero = qg * 0.0         # derived from q: under the TP shard_map the carries vary over devices as the body's do
+    init = (zero[..., 0] - jnp.inf, zero[..., 0], zero)
     num_blocks = jnp.minimum((jnp.max(seq_lens) + width - 1) // width, nb_static)
     _, l, acc = lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]

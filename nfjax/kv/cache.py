@@ -1,13 +1,19 @@
-"""Device KV arrays for all layers, stacked so the layer loop can carry them and update in place."""
+"""Device KV arrays for all layers, stacked so the layer loop can carry them and update in place.
+
+The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int4
+values with one bfloat16 `aux` row of scales (and int4 centers) per token and kv head. K and V are quantized
+here, where they enter the cache (`write`); attention dequantizes what it reads.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from nfjax.config import CacheConfig, ModelConfig
+from nfjax.config import CacheConfig, ConfigError, ModelConfig
+from pallas_kernels import kv_quant
 
 
 @jax.tree_util.register_dataclass
@@ -15,17 +21,48 @@ from nfjax.config import CacheConfig, ModelConfig
 class KVCache:
     k: Float[Array, "L N PS KH D"]   # layers x pages x page_size x kv_heads x head_dim
     v: Float[Array, "L N PS KH D"]
+    aux: Float[Array, "L N PS KH W"] | None = None      # quantized formats: scales (and centers), bfloat16
+    kv_dtype: str = field(default="bfloat16", metadata=dict(static=True))
 
     @staticmethod
     def create(model: ModelConfig, cache: CacheConfig, dtype=None, sharding=None) -> "KVCache":
-        shape = (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads, model.head_dim)
-        dt = dtype or jnp.dtype(model.dtype)
-        mk = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
-        return KVCache(mk(), mk())
+        fmt = cache.kv_dtype
+        check_format(model, fmt)
+        lead = (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads)
+        width = model.head_dim // 2 if fmt == "int4" else model.head_dim      # int4: two values a byte
+        dt = kv_quant.value_dtype(fmt, dtype or model.dtype)
+        mk = jax.jit(lambda: jnp.zeros(lead + (width,), dt), out_shardings=sharding)
+        aux = None
+        if kv_quant.is_quantized(fmt):
+            w = kv_quant.aux_width(fmt, model.head_dim)
+            aux = jax.jit(lambda: jnp.zeros(lead + (w,), kv_quant.AUX_DTYPE), out_shardings=sharding)()
+        return KVCache(mk(), mk(), aux, fmt)
 
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    def arrays(self) -> tuple:
+        """The device arrays (values, then aux when quantized): what swapping moves, as they are."""
+        return (self.k, self.v) if self.aux is None else (self.k, self.v, self.aux)
+
+    def with_arrays(self, arrays) -> "KVCache":
+        arrays = tuple(arrays)
+        return KVCache(arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None, self.kv_dtype)
+
+    def like(self, leaf) -> "KVCache":
+        """This cache's structure with `leaf` (a sharding, a PartitionSpec) in place of every array."""
+        return self.with_arrays([leaf] * len(self.arrays()))
+
+    def take_pages(self, pages: Int[Array, "P"]) -> tuple:
+        """Every array's rows of `pages` (all layers), as stored: swapping moves compressed pages and their
+        aux rows as they are."""
+        return tuple(a[:, pages] for a in self.arrays())
+
+    def put_pages(self, pages: Int[Array, "P"], blocks) -> "KVCache":
+        """`take_pages`'s blocks written back at `pages` (page ids past the cache are dropped)."""
+        return self.with_arrays(a.at[:, pages].set(b, mode="drop")
+                                for a, b in zip(self.arrays(), blocks))
 
     def write(self, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
               v: Float[Array, "T KH D"]) -> "KVCache":
@@ -33,14 +70,53 @@ class KVCache:
         ps = self.page_size
         page, off = slots // ps, slots % ps
         put = dict(mode="drop", unique_indices=True)
-        return KVCache(self.k.at[layer, page, off].set(k.astype(self.k.dtype), **put),
-                       self.v.at[layer, page, off].set(v.astype(self.v.dtype), **put))
+        if self.aux is None:
+            return KVCache(self.k.at[layer, page, off].set(k.astype(self.k.dtype), **put),
+                           self.v.at[layer, page, off].set(v.astype(self.v.dtype), **put))
+        if self.kv_dtype == "fp8_page":
+            return self._write_page_scaled(layer, page, off, k, v)
+        kq, vq, aux = kv_quant.quantize_kv(self.kv_dtype, k, v)
+        return KVCache(self.k.at[layer, page, off].set(kq, **put), self.v.at[layer, page, off].set(vq, **put),
+                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype)
+
+    def _write_page_scaled(self, layer, page, off, k, v) -> "KVCache":
+        """fp8 with one scale per page and kv head (accuracy comparison only): the layer is dequantized, the
+        new rows set, and every page requantized with its amax. A page whose scale did not change gets the
+        same codes back; one whose scale grew has its earlier rows rounded again. Costs the whole layer."""
+        put = dict(mode="drop", unique_indices=True)
+        aux = self.aux[layer]
+        outs = []
+        for vals, new, col in ((self.k[layer], k, 0), (self.v[layer], v, 1)):
+            x = kv_quant.dequantize_fp8(vals, aux[..., col])                      # [N, PS, KH, D]
+            x = x.at[page, off].set(new.astype(jnp.float32), **put)
+            scale = kv_quant.fp8_scale(jnp.abs(x).max(axis=(1, 3)))               # [N, KH]
+            scale = jnp.broadcast_to(scale[:, None, :], x.shape[:3])
+            q, _ = kv_quant.quantize_fp8(x, scale)
+            outs.append((q, scale))
+        (kq, ks), (vq, vs) = outs
+        aux = aux.at[..., 0].set(ks.astype(aux.dtype)).at[..., 1].set(vs.astype(aux.dtype))
+        return KVCache(self.k.at[layer].set(kq), self.v.at[layer].set(vq), self.aux.at[layer].set(aux),
+                       self.kv_dtype)
+
+    def layer_pages(self, layer) -> tuple:
+        """(k, v, aux) of one layer: [N, PS, KH, D] values as stored, aux [N, PS, KH, W] or None."""
+        return self.k[layer], self.v[layer], None if self.aux is None else self.aux[layer]
 
 
-def bytes_per_token(model: ModelConfig, dtype=None) -> int:
-    """KV bytes one token holds across all layers (K and V)."""
-    dt = jnp.dtype(dtype or model.dtype)
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dt.itemsize
+def check_format(model: ModelConfig, kv_dtype: str) -> None:
+    """A ConfigError naming the flag and the choices for a format this model cannot hold."""
+    if kv_dtype not in kv_quant.ALL_KV_DTYPES:
+        raise ConfigError(f"cache.kv_dtype (--kv-dtype) {kv_dtype!r} is not a KV format; choices: "
+                          f"{', '.join(kv_quant.KV_DTYPES)}")
+    if kv_dtype == "int4" and model.head_dim % kv_quant.INT4_GROUP:
+        raise ConfigError(f"--kv-dtype int4 needs head_dim a multiple of {kv_quant.INT4_GROUP} (its groups); this "
+                          f"model's is {model.head_dim}; choices: {', '.join(kv_quant.KV_DTYPES)}")
+
+
+def bytes_per_token(model: ModelConfig, dtype=None, kv_dtype: str = "bfloat16") -> float:
+    """KV bytes one token holds across all layers (K and V, scales included)."""
+    return model.num_layers * model.num_kv_heads * kv_quant.token_head_bytes(kv_dtype, model.head_dim,
+                                                                             dtype or model.dtype)
 
 
 def free_device_bytes(device=None) -> int | None:

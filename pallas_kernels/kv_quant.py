@@ -1,0 +1,176 @@
+"""KV cache formats: the one quantizer. K/V are quantized where they enter the paged cache (nfjax/kv/cache.py) and
+dequantized where attention reads them (the Pallas kernels, their pure-jnp references). Pure jnp, no nfjax
+import: the kernels, the references and the engine all use this module.
+
+Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
+  * "bfloat16": unquantized, in the model's dtype (bfloat16 on the GPU; a float32 model keeps float32 K/V).
+  * "fp8": float8 e4m3 values, one scale per token and kv head (amax / 448, rounded up to bfloat16, so no value
+    saturates). Two bytes of scale per 128-value row is 1.6% on top of the values.
+  * "int4": FlexGen's group-wise asymmetric 4-bit format: groups of 64 along head_dim, each with a scale and an
+    offset (16 levels spanning the group's [min, max]), two values a byte. Codes u in [0, 15] decode as
+    x = (u - 7.5) * scale + center, center = (min + max) / 2 rounded to bfloat16:
+    the same 16 levels as min + k * (max - min) / 15, k = 0..15, but with the offset kept at the group's
+    middle, where rounding it to bfloat16 costs at most a fraction of a step (a bfloat16 *minimum* far from 0
+    is off by up to 0.4% of its magnitude, which can exceed the whole step of a narrow group). The scale is
+    (max - center, center - min) / 7.5 rounded up, so the levels always cover the group.
+  * "fp8_page": float8 with one scale per page and kv head, for the accuracy comparison only (docs/design.md
+    section 10): a write that raises a page's maximum rescales the page's earlier rows. Its write rewrites the
+    whole layer (the reference path on a CPU); no kernel serves it.
+
+Layout of the stacked cache (`nfjax.kv.cache.KVCache`): values k, v [L, N, PS, KH, D] (fp8: float8_e4m3fn;
+int4: uint8 [..., D / 2], byte j holding code j in its low nibble and code j + D / 2 in its high one, so the two
+nibbles of a tile unpack into its two halves of head_dim with no interleaving) and, for every quantized format, `aux` [L, N, PS, KH, W] bfloat16: one
+row of W = AUX_WIDTH (8 for head_dim <= 128) values per token and kv head holding K's and V's parameters:
+  fp8 / fp8_page: [k_scale, v_scale, 0, ...]
+  int4:           [k_scale_0, k_center_0, ..., k_scale_{G-1}, k_center_{G-1}, v_scale_0, v_center_0, ...]
+The aux rows share the values' [L, N, PS, KH] leading layout, so a page's rows move with its values (the
+writes, swapping, the tensor-parallel split over kv heads), and one page's rows of one kv head are PS x W
+contiguous-by-row bfloat16 (16 bytes a row: one TMA copy of [PS, W] per page, as for the values).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+KV_DTYPES = ("bfloat16", "fp8", "int4")        # the formats offered (the flag's choices)
+MEASURE_ONLY = ("fp8_page",)                    # accepted by the config, served by the references only
+ALL_KV_DTYPES = KV_DTYPES + MEASURE_ONLY
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+INT4_GROUP = 64
+AUX_DTYPE = jnp.bfloat16
+_TINY = 1e-30                                   # the scale of an all-zero row / constant group
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in ALL_KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choices: {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+def is_quantized(kv_dtype: str) -> bool:
+    return check_kv_dtype(kv_dtype) != "bfloat16"
+
+
+def int4_groups(head_dim: int) -> int:
+    if head_dim % INT4_GROUP:
+        raise ValueError(f"int4 KV needs head_dim a multiple of {INT4_GROUP}, got {head_dim}")
+    return head_dim // INT4_GROUP
+
+
+def aux_width(kv_dtype: str, head_dim: int) -> int:
+    """Columns of a token-and-head's aux row (0: no aux array)."""
+    if not is_quantized(kv_dtype):
+        return 0
+    used = 2 if kv_dtype in ("fp8", "fp8_page") else 4 * int4_groups(head_dim)
+    return -(-used // 8) * 8                     # 16-byte rows (a TMA copy's least row width)
+
+
+def value_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
+    if kv_dtype == "int4":
+        return jnp.dtype(jnp.uint8)
+    if kv_dtype in ("fp8", "fp8_page"):
+        return jnp.dtype(FP8)
+    check_kv_dtype(kv_dtype)
+    return jnp.dtype(model_dtype)
+
+
+def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
+    """Device bytes one token's K and V of one kv head take, scales included (int4 values: two a byte)."""
+    if kv_dtype == "int4":
+        values = head_dim / 2
+    else:
+        values = head_dim * value_dtype(kv_dtype, model_dtype).itemsize
+    return 2 * values + aux_width(kv_dtype, head_dim) * jnp.dtype(AUX_DTYPE).itemsize
+
+
+def _bf16_up(x):
+    """x (f32, >= 0) rounded to a bfloat16 that is >= x (back in f32)."""
+    return (x * (1.0 + 2.0 ** -8)).astype(AUX_DTYPE).astype(jnp.float32)
+
+
+# ---- fp8 ----------------------------------------------------------------------------------------------
+def fp8_scale(amax):
+    return jnp.maximum(_bf16_up(amax / FP8_MAX), _TINY)
+
+
+def quantize_fp8(x, scale=None):
+    """x [..., D] -> (float8 values [..., D], f32 scale [...]): one scale per row (given, or the row's amax)."""
+    x = x.astype(jnp.float32)
+    if scale is None:
+        scale = fp8_scale(jnp.max(jnp.abs(x), axis=-1))
+    q = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
+    return q, scale
+
+
+def dequantize_fp8(q, scale):
+    return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+# ---- int4 ---------------------------------------------------------------------------------------------
+def pack_int4(codes):
+    """uint8 codes [..., D] in [0, 15] -> bytes [..., D / 2]: byte j = code j | code (j + D / 2) << 4."""
+    h = codes.shape[-1] // 2
+    return (codes[..., :h] | (codes[..., h:] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed):
+    """bytes [..., D / 2] -> uint8 codes [..., D]."""
+    return jnp.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+def quantize_int4(x):
+    """x [..., D] -> (packed codes uint8 [..., D / 2], f32 scale [..., G], f32 center [..., G]); groups of 64
+    along D."""
+    *lead, d = x.shape
+    g = int4_groups(d)
+    xg = x.astype(jnp.float32).reshape(*lead, g, INT4_GROUP)
+    lo, hi = xg.min(-1), xg.max(-1)
+    center = ((lo + hi) * 0.5).astype(AUX_DTYPE).astype(jnp.float32)
+    scale = jnp.maximum(_bf16_up(jnp.maximum(hi - center, center - lo) / 7.5), _TINY)
+    codes = jnp.clip(jnp.round((xg - center[..., None]) / scale[..., None] + 7.5), 0, 15)
+    return pack_int4(codes.astype(jnp.uint8).reshape(*lead, d)), scale, center
+
+
+def dequantize_int4(packed, scale, center):
+    """packed [..., D / 2] with scale, center [..., G] -> f32 [..., D]."""
+    c = unpack_int4(packed).astype(jnp.float32)
+    *lead, d = c.shape
+    g = d // INT4_GROUP
+    x = (c.reshape(*lead, g, INT4_GROUP) - 7.5) * scale.astype(jnp.float32)[..., None] \
+        + center.astype(jnp.float32)[..., None]
+    return x.reshape(*lead, d)
+
+
+# ---- K/V pairs with their aux rows ----------------------------------------------------------------------
+def quantize_kv(kv_dtype: str, k, v):
+    """k, v [..., D] -> (k values, v values, aux [..., W] bfloat16) in the cache's format (per-token formats;
+    fp8_page's rows are set by its page-wide write, nfjax.kv.cache)."""
+    d = k.shape[-1]
+    w = aux_width(kv_dtype, d)
+    if kv_dtype in ("fp8", "fp8_page"):
+        (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
+        cols = [ks[..., None], vs[..., None]]
+    elif kv_dtype == "int4":
+        (kq, ks, kc), (vq, vs, vc) = quantize_int4(k), quantize_int4(v)
+        cols = [jnp.stack([ks, kc], -1).reshape(*ks.shape[:-1], -1),
+                jnp.stack([vs, vc], -1).reshape(*vs.shape[:-1], -1)]
+    else:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not a quantized format")
+    aux = jnp.concatenate(cols, -1)
+    aux = jnp.pad(aux, [(0, 0)] * (aux.ndim - 1) + [(0, w - aux.shape[-1])])
+    return kq, vq, aux.astype(AUX_DTYPE)
+
+
+def dequantize_kv(k, v, aux, dtype=jnp.float32):
+    """(k, v) [..., D] in `dtype` from cache values and aux rows of any matching leading shape (values [..., D],
+    int4 [..., D / 2]; aux [..., W]); aux None: the values as they are. The format follows the values' dtype."""
+    if aux is None:
+        return k.astype(dtype), v.astype(dtype)
+    if k.dtype == jnp.uint8:
+        g = 2 * k.shape[-1] // INT4_GROUP
+        a = aux.astype(jnp.float32)
+        kp, vp = a[..., :2 * g].reshape(*a.shape[:-1], g, 2), a[..., 2 * g:4 * g].reshape(*a.shape[:-1], g, 2)
+        return (dequantize_int4(k, kp[..., 0], kp[..., 1]).astype(dtype),
+                dequantize_int4(v, vp[..., 0], vp[..., 1]).astype(dtype))
+    return dequantize_fp8(k, aux[..., 0]).astype(dtype), dequantize_fp8(v, aux[..., 1]).astype(dtype)

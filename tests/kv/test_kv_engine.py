@@ -1,0 +1,104 @@
+"""The engine with each KV format on the CPU (reference attention path): `--kv-dtype`, the pool sized by the
+compressed bytes, the start line, errors naming the flag, batch invariance under forced preemption (swapping
+moves compressed pages and their scales as they are), and logits close to the unquantized cache's."""
+import argparse
+
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from nfjax.config import BatcherConfig, CacheConfig, ConfigError, EngineConfig, ModelConfig
+from nfjax.engine import Engine, SamplingParams
+from nfjax.engine.builder import add_engine_args, engine_config, overrides_from_args, resolve
+from nfjax.kv.cache import bytes_per_token
+from nfjax.kv.metadata import build_metadata
+from nfjax.models.llama import LlamaModel
+from nfjax.tokenizer.byte import ByteTokenizer
+from tests.engine.conftest import make_engine
+
+# head_dim 64: int4's groups are 64 wide
+CFG = ModelConfig(vocab_size=258, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=64, max_position_embeddings=256, eos_token_ids=(257,), bos_token_id=256, dtype="bfloat16")
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_flag_and_config_field(capsys):
+    assert overrides_from_args(_parse("--kv-dtype", "int4"))["cache"]["kv_dtype"] == "int4"
+    assert engine_config(CFG, overrides_from_args(_parse("--kv-dtype", "fp8"))).cache.kv_dtype == "fp8"
+    assert engine_config(CFG).cache.kv_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        _parse("--kv-dtype", "int8")
+    err = capsys.readouterr().err
+    assert "--kv-dtype" in err and "'bfloat16', 'fp8', 'int4'" in err
+    with pytest.raises(ConfigError, match=r"cache.kv_dtype \(--kv-dtype\) 'int8'.*choices: bfloat16, fp8, int4"):
+        engine_config(CFG, {"cache": {"kv_dtype": "int8"}})
+
+
+def test_pool_is_sized_by_compressed_bytes():
+    free = 1 << 30
+    pages = {f: resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=free, on_gpu=False).cache.num_pages
+             for f in ("bfloat16", "fp8", "int4")}
+    for f, n in pages.items():     # the pool takes the KV share (less the sampler's penalty slots) in whole pages
+        assert 0.95 * free * 0.9 < n * bytes_per_token(CFG, kv_dtype=f) * 16 <= free * 0.9
+    assert pages["fp8"] / pages["bfloat16"] == pytest.approx(256 / 144, rel=1e-3)     # 64 values: 128 B -> 64 + 8
+    assert pages["int4"] / pages["bfloat16"] == pytest.approx(256 / 80, rel=1e-3)     # 64 values: 128 B -> 32 + 8
+
+
+def test_formats_the_device_cannot_serve_fail_at_start():
+    small = CFG.replace(head_dim=32)
+    with pytest.raises(ConfigError, match=r"--kv-dtype int4 needs head_dim a multiple of 64.*choices"):
+        resolve(engine_config(small, {"cache": {"kv_dtype": "int4"}}), free_bytes=None, on_gpu=False)
+    with pytest.raises(ConfigError, match=r"--kv-dtype / cache.kv_dtype 'fp8_page' cannot be served on this GPU"):
+        resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8_page"}}), free_bytes=1 << 30, on_gpu=True)
+    with pytest.raises(ConfigError, match=r"'fp8' cannot be served on this GPU.*choices here: bfloat16"):
+        resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8"}}), free_bytes=1 << 30, on_gpu=True)
+
+
+def _engine(fmt, tight):
+    cache = CacheConfig(page_size=8, num_pages=25 if tight else 64, max_pages_per_seq=12, kv_dtype=fmt)
+    return make_engine(cache, BatcherConfig(token_buckets=(32,), max_seqs=12, predict_memory=not tight), cfg=CFG)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_batch_invariance_with_swapping(fmt):
+    tight, roomy = _engine(fmt, tight=True), _engine(fmt, tight=False)
+    assert f"KV cache ({fmt}): 24 pages" in tight.capacity_line()
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, rng.integers(3, 30))] for _ in range(12)]
+    params = [SamplingParams.greedy(max_tokens=int(n), ignore_eos=True) for n in rng.integers(20, 50, 12)]
+    outs = tight.generate(prompts, params)
+    assert tight.preemptions > 0 and tight.pages_used == 0
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.token_ids == roomy.generate([p], sp)[0].token_ids
+
+
+def test_logits_close_to_the_unquantized_cache():
+    """Unscaled random weights (the engine tests' x10 weights make attention nearly one-hot, which amplifies any
+    change of K): every sequence's last logits through the engine's layer programs."""
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 256, n).tolist() for n in (90, 40, 7)]
+    off, meta_seqs = 1, []
+    for s in seqs:
+        n = -(-len(s) // 8)
+        meta_seqs.append((list(range(off, off + n)), 0, len(s)))
+        off += n
+    meta = build_metadata(meta_seqs, 160, 3, 12, 8)
+    tokens = np.zeros(160, np.int32)
+    tokens[:sum(map(len, seqs))] = np.concatenate(seqs)
+    logits = {}
+    for f in ("bfloat16", "fp8", "int4"):
+        cfg = EngineConfig(CFG, CacheConfig(page_size=8, num_pages=40, max_pages_per_seq=12, kv_dtype=f),
+                           BatcherConfig(token_buckets=(16,), max_seqs=4))
+        engine = Engine(LlamaModel(CFG, nnx.Rngs(0)), ByteTokenizer(), cfg)
+        logits[f] = np.asarray(engine.runner.logits(tokens, meta), np.float32)
+    ref = logits["bfloat16"]
+    for f, tol in (("fp8", 0.05), ("int4", 0.15)):       # measured 0.025 and 0.087
+        err = np.linalg.norm(logits[f] - ref) / np.linalg.norm(ref - ref.mean(-1, keepdims=True))
+        assert err < tol, (f, err)
+        assert (logits[f].argmax(-1) == ref.argmax(-1)).all(), f

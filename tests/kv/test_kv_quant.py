@@ -1,0 +1,90 @@
+"""The KV quantizer (pallas_kernels/kv_quant.py): round trips within each format's error bound, the packed int4
+layout, the aux rows, and the bytes each format takes."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kv_quant as kq
+
+
+def _draw(seed, shape, outliers=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if outliers:            # K-like: a few large channels, rows of very different norms
+        x[..., :3] *= 20.0
+        x *= np.exp(rng.standard_normal(shape[:-1] + (1,))).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_round_trip_is_relative_to_each_row(d):
+    x = _draw(1, (50, 3, d))
+    q, s = kq.quantize_fp8(jnp.asarray(x))
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (50, 3)
+    y = np.asarray(kq.dequantize_fp8(q, s))
+    amax = np.abs(x).max(-1, keepdims=True)
+    # e4m3: 3 mantissa bits, so |error| <= 2^-4 |x| for normal values, and below 2^-9 * scale for subnormal ones
+    assert np.all(np.abs(y - x) <= np.maximum(2.0 ** -4 * np.abs(x), amax / 448 * 2.0 ** -9) * 1.0001)
+    assert np.all(np.abs(np.asarray(q, np.float32)) <= 448)         # the scale is rounded up: nothing saturates
+    assert np.asarray(s, np.float32).dtype == np.float32 and np.all(np.asarray(s) == np.asarray(
+        jnp.asarray(s).astype(jnp.bfloat16).astype(jnp.float32)))    # scales are bfloat16 values
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_int4_round_trip_within_half_a_step_of_its_group(d):
+    x = _draw(2, (40, 2, d))
+    x[0, 0] = 3.25                               # a constant group: exact
+    x[1, 0, :64] = 1000.0 + np.linspace(0, 1, 64)   # narrow group far from 0 (a bfloat16 minimum would miss it)
+    packed, s, c = kq.quantize_int4(jnp.asarray(x))
+    assert packed.dtype == jnp.uint8 and packed.shape == (40, 2, d // 2) and s.shape == c.shape == (40, 2, d // 64)
+    y = np.asarray(kq.dequantize_int4(packed, s, c))
+    xg, yg = x.reshape(40, 2, -1, 64), y.reshape(40, 2, -1, 64)
+    step = np.asarray(s)[..., None]
+    assert np.all(np.abs(yg - xg) <= step / 2 * 1.0001 + 1e-6 * np.abs(xg))
+    # the step is (max - min) / 15, widened by the center's rounding to bfloat16 (at most 2^-9 of its magnitude)
+    lo, hi = xg.min(-1, keepdims=True), xg.max(-1, keepdims=True)
+    assert np.all(step <= ((hi - lo) / 2 + np.abs(hi + lo) / 2 * 2.0 ** -9) / 7.5 * 1.01 + 1e-30)
+    assert np.array_equal(y[0, 0], x[0, 0])
+    assert np.abs(y[1, 0, :64] - x[1, 0, :64]).max() <= (0.5 + 1000 * 2.0 ** -9) / 15 * 1.01
+
+
+def test_int4_packing_puts_the_two_halves_in_the_two_nibbles():
+    codes = np.arange(16, dtype=np.uint8)[None].repeat(2, 0)[:, np.r_[0:16, 15:-1:-1]][:, :32]   # [2, 32]
+    packed = np.asarray(kq.pack_int4(jnp.asarray(codes)))
+    assert packed.shape == (2, 16)
+    assert np.array_equal(packed & 15, codes[:, :16]) and np.array_equal(packed >> 4, codes[:, 16:])
+    assert np.array_equal(np.asarray(kq.unpack_int4(jnp.asarray(packed))), codes)
+
+
+@pytest.mark.parametrize("fmt,d", [("fp8", 64), ("fp8", 128), ("int4", 64), ("int4", 128)])
+def test_kv_pairs_and_their_aux_rows(fmt, d):
+    k, v = _draw(3, (7, 2, d)), _draw(4, (7, 2, d), outliers=False)
+    kq_, vq_, aux = kq.quantize_kv(fmt, jnp.asarray(k), jnp.asarray(v))
+    w = kq.aux_width(fmt, d)
+    assert aux.shape == (7, 2, w) and aux.dtype == jnp.bfloat16 and w % 8 == 0
+    kd, vd = (np.asarray(a) for a in kq.dequantize_kv(kq_, vq_, aux))
+    if fmt == "fp8":
+        assert np.array_equal(np.asarray(aux[..., 2:], np.float32), np.zeros((7, 2, w - 2)))
+        ref = [np.asarray(kq.dequantize_fp8(*kq.quantize_fp8(jnp.asarray(a)))) for a in (k, v)]
+    else:
+        ref = [np.asarray(kq.dequantize_int4(*kq.quantize_int4(jnp.asarray(a)))) for a in (k, v)]
+    assert np.array_equal(kd, ref[0]) and np.array_equal(vd, ref[1])
+    for a, b in ((kd, k), (vd, v)):
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        # int4 on k: three outlier channels stretch every group's range (rms error ~ range / 15 / sqrt(12))
+        assert err < (0.04 if fmt == "fp8" else 0.2 if b is k else 0.1), err
+    # unquantized: dequantize is a cast
+    a, b = kq.dequantize_kv(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), None)
+    assert a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(jnp.asarray(k, jnp.bfloat16), np.float32))
+
+
+def test_bytes_per_token_and_head():
+    assert kq.token_head_bytes("bfloat16", 128, "bfloat16") == 512
+    assert kq.token_head_bytes("bfloat16", 64, "float32") == 512
+    assert kq.token_head_bytes("fp8", 128, "bfloat16") == 256 + 16           # values + one 8-wide bf16 aux row
+    assert kq.token_head_bytes("int4", 128, "bfloat16") == 128 + 16          # 4.5 bits a value
+    assert kq.token_head_bytes("int4", 64, "bfloat16") == 64 + 16
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kq.aux_width("int4", 96)
+    with pytest.raises(ValueError, match="choices: bfloat16, fp8, int4"):
+        kq.check_kv_dtype("int8")
