@@ -20,6 +20,7 @@ import time
 from bench.setup import add_bench_args
 
 HAND = "llama3-8b_h100_tp1_beside_mact"
+T0 = time.perf_counter()
 
 
 def profile_step(args, cfg, out: dict, log) -> dict:
@@ -152,7 +153,8 @@ def time_step(args, cfg, chosen: dict, out: dict) -> None:
                                   "searched": s_label, "overlap_ratio": seq / srch,
                                   "autosearch_vs_handtuned": hand / srch if hand else None,
                                   "handtuned_vs_sequential": seq / hand if hand else None}
-        if args.trace and b == max(args.token_buckets) and s_label != "sequential":
+        late = time.perf_counter() - T0 > args.trace_after
+        if args.trace and not late and b == max(args.token_buckets) and s_label != "sequential":
             pd = trace(lambda: run_step(runner, b, s_label, inp), "/tmp/nfjax_prof", f"autosearch_{b}", calls=1)
             out["kernels"] = kernel_table(pd, calls=1, top=25)
             out["timelines"] = {s_label: _one_layer(stream_timeline(pd), cfg.num_layers)}
@@ -168,6 +170,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole search")
     ap.add_argument("--no-hand", dest="hand", action="store_false", help="leave the hand-tuned plan out")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--trace-after", type=float, default=420.0,
+                    help="skip the timeline trace when the run has already taken this many seconds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="autosearch")
     args = ap.parse_args()

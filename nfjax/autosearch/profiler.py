@@ -1,15 +1,18 @@
 """The op profiler: times every op of a layer's graph on its own, at the sizes and resource shares of a grid,
 and the horizontal kernels' pairs (the interference table); returns a profile (nfjax/autosearch/profile.py).
 
-Every measurement is one jitted op (or fused kernel) on random inputs of its real shapes, lowered in turn and
-compiled on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per call of
-`reps` batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it and gets
-its own output back on the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
+Every measurement is one jitted program running an op (or fused kernel) `copies` times on random inputs of its
+real shapes (so the host's dispatch cost, more than a small op's kernel time on the H100's host, is paid once
+per `copies` ops: measured 0.09 ms an op for every small op with one op a program), lowered in turn and compiled
+on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per op of `reps`
+batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
+its copies and gets its own output back on the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
 SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import datetime
 import math
 import os
@@ -39,21 +42,22 @@ class Grid:
     min_pair_tokens: int = 0                # smallest nano-batch the fused kernel's GEMM takes (its tile)
     reps: int = 5
     target_ms: float = 20.0                 # per timed batch of calls
+    copies: int = 1                         # ops per timed program: token-count ops (XLA fusions, GEMMs) ...
+    kernel_copies: int = 1                  # ... and attention / share / pair measurements (Pallas kernels)
 
 
-GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 64, 128, 256, 512), ctxs=(1280,),
+GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 128, 256, 512), ctxs=(1280,),
                 chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256,
-                share_ctx=1280, share_tokens=1792, min_pair_tokens=128)
+                share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3)
 CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128), starts=(0, 64),
                 share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
 
 
 def quick(grid: Grid) -> Grid:
     """A smaller grid of the same ranges (smoke runs)."""
-    return Grid(tokens=tuple(sorted({*grid.tokens[::2], grid.tokens[-1]})), decodes=grid.decodes[::2],
-                ctxs=grid.ctxs, chunks=grid.chunks[-2:], starts=grid.starts, shares=grid.shares[1:2] + (1.0,),
-                share_decodes=grid.share_decodes, share_ctx=grid.share_ctx, share_tokens=grid.share_tokens,
-                min_pair_tokens=grid.min_pair_tokens, reps=3, target_ms=grid.target_ms)
+    return dataclasses.replace(grid, tokens=tuple(sorted({*grid.tokens[::2], grid.tokens[-1]})),
+                               decodes=grid.decodes[::2], chunks=grid.chunks[-2:], shares=grid.shares[1:2] + (1.0,),
+                               reps=3)
 
 
 def pages_needed(grid: Grid, page_size: int) -> int:
@@ -64,36 +68,58 @@ def pages_needed(grid: Grid, page_size: int) -> int:
 
 
 class _Job:
-    def __init__(self, key, fn, args, feedback=None):
-        self.key, self.fn, self.args, self.feedback = key, fn, list(args), feedback
+    def __init__(self, key, fn, args, feedback=None, copies: int = 1):
+        self.key, self.fn, self.args, self.feedback, self.copies = key, fn, list(args), feedback, copies
         self.compiled = None
         self.error = None
 
 
-def _op_fn(subject, spec, num_ctas):
+def _repeat(call, ins, glob, copies: int, writes):
+    """`copies` calls of `call(ins, glob)` in one program, each on its own opaque copy of the inputs (an
+    optimization barrier with the copy's index: no CSE, no hoisting), each output kept (no DCE); a written global
+    (the cache) is chained from copy to copy. One launch runs them all: the host's dispatch cost (~0.09 ms a call
+    on the H100 host, more than a small op's kernel) is paid once per `copies` ops."""
+    outs = []
+    for r in range(copies):
+        (ins_r, glob_r), _ = jax.lax.optimization_barrier(((ins, glob), jnp.int32(r)))
+        out = call(ins_r, glob_r)
+        outs.append(out)
+        if writes:
+            res = out if isinstance(out, (tuple, list)) else (out,)
+            glob = tuple(res[k] for k in writes)
+    return outs
+
+
+def _op_fn(subject, spec, num_ctas, copies: int):
     gd = nnx.graphdef(subject.layer)
     globs = [i for i, v in enumerate(spec.ins) if v in GLOBAL_VALUES]
+    writes = [k for k, v in enumerate(spec.outs) if v in GLOBAL_VALUES and v in spec.ins]
 
     def f(state, ctx_args, ins, glob):
-        ins = list(ins)
-        for i, g in zip(globs, glob):
-            ins.insert(i, g)
-        return spec.fn(nnx.merge(gd, state), subject.make_ctx(ctx_args, num_ctas), *ins)
-    writes = [k for k, v in enumerate(spec.outs) if v in GLOBAL_VALUES and v in spec.ins]
-    return f, globs, writes
+        layer, ctx = nnx.merge(gd, state), subject.make_ctx(ctx_args, num_ctas)
+
+        def call(ins, glob):
+            ins = list(ins)
+            for i, g in zip(globs, glob):
+                ins.insert(i, g)
+            return spec.fn(layer, ctx, *ins)
+        outs = _repeat(call, ins, glob, copies, writes)
+        return outs[-1] if copies == 1 else outs
+    return f, writes
 
 
-def op_job(subject, key, op: str, case, num_ctas=None) -> _Job:
+def op_job(subject, key, op: str, case, num_ctas=None, copies: int = 1) -> _Job:
     spec = subject.graph[op].spec
-    f, globs, writes = _op_fn(subject, spec, num_ctas)
+    f, writes = _op_fn(subject, spec, num_ctas, copies)
     ins = tuple(case.env[v] for v in spec.ins if v not in GLOBAL_VALUES)
     glob = tuple(case.env[v] for v in spec.ins if v in GLOBAL_VALUES)
     donate = (3,) if writes else ()
+    feedback = [(copies - 1, k) for k in writes] if writes else None
     return _Job(key, jax.jit(f, donate_argnums=donate),
-                (nnx.state(subject.layer), case.ctx_args, ins, glob), writes or None)
+                (nnx.state(subject.layer), case.ctx_args, ins, glob), feedback, copies)
 
 
-def pair_job(subject, key, kernel, case_a, case_b, ctas_a) -> _Job:
+def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _Job:
     from nfjax.schedule.api import Step
     gd = nnx.graphdef(subject.layer)
     specs = [subject.graph[op].spec for op in kernel.replaces]
@@ -101,10 +127,12 @@ def pair_job(subject, key, kernel, case_a, case_b, ctas_a) -> _Job:
     parts = tuple(Step((s.name,), (0,), 0, c.tokens, s.ins, s.outs, s.fn, s.resource) for s, c in zip(specs, cases))
 
     def f(state, ctx_args, ins):
+        layer = nnx.merge(gd, state)
         ctxs = [subject.make_ctx(ctx_args[0], ctas_a), subject.make_ctx(ctx_args[1], None)]
-        return kernel.fn(nnx.merge(gd, state), ctxs, ins, parts)
+        return _repeat(lambda i, _: kernel.fn(layer, ctxs, i, parts), ins, (), copies, ())
     ins = [tuple(c.env[v] for v in s.ins) for s, c in zip(specs, cases)]
-    return _Job(key, jax.jit(f), (nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins))
+    return _Job(key, jax.jit(f), (nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins), None,
+                copies)
 
 
 def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
@@ -133,7 +161,7 @@ def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
 
 
 def time_job(j: _Job, reps: int, target_ms: float) -> float:
-    """Median ms per call."""
+    """Median ms per op (a call runs `j.copies` of them)."""
     args = list(j.args)
     if j.feedback:                             # its own copy of the cache: donated from call to call
         args[3] = jax.tree.map(jnp.copy, args[3])
@@ -141,8 +169,9 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
     def call():
         out = j.compiled(*args)
         if j.feedback:                         # the donated cache comes back for the next call
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            args[3] = tuple(outs[k] for k in j.feedback)
+            last = out[-1] if j.copies > 1 else out
+            last = last if isinstance(last, (tuple, list)) else (last,)
+            args[3] = tuple(last[k] for _, k in j.feedback)
         return out
     jax.block_until_ready(call())
     t = time.perf_counter()
@@ -156,7 +185,7 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
         for _ in range(iters):
             out = call()
         jax.block_until_ready(out)
-        per.append((time.perf_counter() - t) * 1e3 / iters)
+        per.append((time.perf_counter() - t) * 1e3 / iters / j.copies)
     return statistics.median(per)
 
 
@@ -164,7 +193,7 @@ def copy_rate(nbytes: int) -> float:
     """Bytes per ms a device copy moves, counting bytes read and written."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    j = _Job("copy", f, (x,))
+    j = _Job("copy", f, (x,))             # one large copy: no dispatch cost to amortize
     j.compiled = f.lower(x).compile()
     return 2 * nbytes / time_job(j, 5, 20.0)
 
@@ -181,19 +210,21 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     token_ops = [n.name for n in g if subject.kind(n.name) == "tokens"]
     for n in grid.tokens:
         cases["tokens", n] = c = subject.token_case(n)
-        jobs += [op_job(subject, ("tokens", op, n), op, c) for op in token_ops]
+        jobs += [op_job(subject, ("tokens", op, n), op, c, copies=grid.copies) for op in token_ops]
     dec = [op for op in g.names if subject.kind(op) == "decode"]
     pre = [op for op in g.names if subject.kind(op) == "prefill"]
     for op in dec:
         for ctx in grid.ctxs:
             for d in grid.decodes:
                 c = subject.decode_case(d, ctx, max(d, 8))
-                jobs.append(op_job(subject, ("decode", op, ctx, d), op, c))
+                jobs.append(op_job(subject, ("decode", op, ctx, d), op, c, copies=grid.kernel_copies))
     for op in pre:
         for st in grid.starts:
             for ch in grid.chunks:
-                jobs.append(op_job(subject, ("prefill", op, st, ch), op, subject.prefill_case(ch, st)))
-        jobs.append(op_job(subject, ("prefill", op, 0), op, subject.decode_case(8, grid.ctxs[0], 8)))
+                jobs.append(op_job(subject, ("prefill", op, st, ch), op, subject.prefill_case(ch, st),
+                                   copies=grid.kernel_copies))
+        jobs.append(op_job(subject, ("prefill", op, 0), op, subject.decode_case(8, grid.ctxs[0], 8),
+                           copies=grid.kernel_copies))
     shares = [s for s in grid.shares if s < 1] if num_sms else []
     pairs = [k for k in HORIZONTAL_KERNELS.values() if all(op in g for op in k.replaces)]
     pair_cases = {}
@@ -205,12 +236,13 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         pair_cases[k.name] = (ca, cb)
         for s in (shares or [0.25]):
             na = max(1, round(s * num_sms)) if num_sms else None
-            jobs.append(pair_job(subject, ("pair", k.name, s), k, ca, cb, na))
-            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, na))
-            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, (num_sms - na) if num_sms else None))
+            kc = grid.kernel_copies
+            jobs.append(pair_job(subject, ("pair", k.name, s), k, ca, cb, na, kc))
+            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, na, kc))
+            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, (num_sms - na) if num_sms else None, kc))
         for s in ([1.0] if num_sms else []):           # each op on all SMs through its share-taking kernel
-            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, num_sms))
-            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, num_sms))
+            jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, num_sms, grid.kernel_copies))
+            jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, num_sms, grid.kernel_copies))
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
