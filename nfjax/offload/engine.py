@@ -27,7 +27,7 @@ from nfjax.offload import budget
 from nfjax.offload.compute import Programs
 from nfjax.offload.policy import Policy
 from nfjax.offload.schedule import Executor, KVStore
-from nfjax.offload.store import DiskFolder, Tiers, WeightStore
+from nfjax.offload.store import DiskFolder, Tiers, WeightStore, check_interrupt
 from nfjax.offload.trace import Trace
 
 PREFILL_ALIGN = 16          # prefill passes are padded to a multiple of this many tokens (fewer compiles)
@@ -59,6 +59,7 @@ class OffloadEngine:
             itemsize = 2 if cfg.dtype == "bfloat16" else 4
             self.weights = WeightStore(policy, self.tiers, treedef, [tuple(x.shape) for x in leaves], itemsize)
             for j in range(cfg.num_layers):
+                check_interrupt()
                 self.weights.put(j, jax.tree_util.tree_leaves(first if j == 0 else layer_source(j)))
                 first = None
             self.programs = Programs(cfg, rest_gd, layer_gd)
@@ -212,6 +213,7 @@ class OffloadEngine:
                                                            dev(np.full(bs, step, np.int32)))
                            for h, r in zip(hs, rows)]
                 new = np.concatenate([np.asarray(x) for x in sampled])
+                check_interrupt()
                 now = time.perf_counter()
                 for r, (ids, p, _) in enumerate(reqs):
                     if reasons[r] is not None:
@@ -234,8 +236,7 @@ class OffloadEngine:
                 xs = [self.programs.embed(self.rest_state, dev(new[r, None].astype(np.int32)), dev(pos[r]))
                       for r in rows]
         finally:
-            for f in kv.pending.values():
-                f.result()
+            self.executor.drain()
             if self.trace is not None:
                 self.trace.flush()
             kv.close()
@@ -270,8 +271,7 @@ class OffloadEngine:
             try:
                 hs = self.executor.run(xs, [dev(pos[r]) for r in rows], [pos[r] for r in rows], kv)
             finally:
-                for f in kv.pending.values():
-                    f.result()
+                self.executor.drain()
                 kv.close()
             tgt = np.concatenate([toks[:, 1:], np.zeros((toks.shape[0], 1), np.int32)], axis=1)
             lp = np.concatenate([np.asarray(self.programs.token_logprobs(self.rest_state, h, dev(tgt[r])))

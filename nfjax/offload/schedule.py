@@ -7,7 +7,8 @@ token). Zig-zag: for each layer j, for each GPU batch k:
 Loads and stores run on a pool of I/O threads (disk reads, host<->device copies); compute is dispatched
 asynchronously to the device, so each transfer overlaps the computations around it. The synchronization waits
 for (j, k-1)'s computation, so the host runs at most one computation ahead and at most three layers of
-weights are on the device at once. A load of a KV block or of activations first waits for the store that
+weights are on the device at once. The last layer's computations also cover the load of layer 0's weights for
+the next pass (weights do not change between passes). A load of a KV block or of activations first waits for the store that
 wrote it.
 
 Row-by-row (the baseline of Accelerate / DeepSpeed offloading): for each GPU batch, for each layer: load the
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 
 from nfjax.offload.policy import Policy
-from nfjax.offload.store import Tiers, WeightStore, index_tiers
+from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers
 
 
 def _done(value=None) -> Future:
@@ -57,7 +58,9 @@ class KVStore:
         kc, vc = self.blocks[(j, k)]
         if self.tier(j, k) == "gpu":
             return kc, vc
-        out = (self.tiers.to_device(np.asarray(kc)), self.tiers.to_device(np.asarray(vc)))
+        if self.tier(j, k) == "disk":         # read the file now, here (a device array must not alias the map)
+            kc, vc = np.array(kc), np.array(vc)
+        out = (self.tiers.to_device(kc), self.tiers.to_device(vc))
         jax.block_until_ready(out)
         return out
 
@@ -107,15 +110,30 @@ class Executor:
         self.policy, self.programs, self.weights, self.trace = policy, programs, weights, trace
         self.pool = ThreadPoolExecutor(policy.io_threads, thread_name_prefix="nfjax-offload-io")
         self.num_layers = len(weights.layers)
+        self._next_w0: Future | None = None
+        self._inflight: set[Future] = set()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
+    def drain(self) -> None:
+        """Wait for every transfer in flight (their errors are not raised here): a block's end, or an interrupted
+        pass, leaves no thread writing into buffers about to be freed or reading files about to be removed."""
+        for f in list(self._inflight):
+            try:
+                f.result()
+            except BaseException:        # noqa: BLE001 - the pass that needed it has raised already
+                pass
+
     # ---- task helpers -----------------------------------------------------------------------------------------
     def _io(self, lane: str, label: str, fn, *args) -> Future:
         if self.trace is None:
-            return self.pool.submit(fn, *args)
-        return self.pool.submit(self.trace.timed, lane, label, fn, *args)
+            f = self.pool.submit(fn, *args)
+        else:
+            f = self.pool.submit(self.trace.timed, lane, label, fn, *args)
+        self._inflight.add(f)
+        f.add_done_callback(self._inflight.discard)
+        return f
 
     def _after(self, dep: Future | None, lane: str, label: str, fn, *args) -> Future:
         """`fn(*args)` on an I/O thread once `dep` has finished (a store must land before its data is read)."""
@@ -158,16 +176,22 @@ class Executor:
             return None if acts.where[k] == "gpu" else \
                 self._after(act_stored[k], "load act", f"L{j} B{k}", acts.load, k)
 
-        wf = {0: load_w(0)}
+        # layer 0's weights were loaded during the previous pass's last layer (they never change between passes)
+        wf = {0: self._next_w0 or load_w(0)}
+        self._next_w0 = None
         kv_next, act_next = {order[0]: load_kv(*order[0])}, {order[0]: load_act(*order[0])}
         final: list = [None] * nb
         prev_out = None
         for idx, (j, k) in enumerate(order):
-            if k == 0 and j + 1 < L:
-                wf[j + 1] = load_w(j + 1)                    # layer j+1's weights while layer j computes
+            if k == 0:                                       # layer j+1's weights while layer j computes
+                if j + 1 < L:
+                    wf[j + 1] = load_w(j + 1)
+                elif not self.weights.resident(0):
+                    self._next_w0 = load_w(0)                # the next pass's first layer
             nxt = order[idx + 1] if idx + 1 < len(order) else None
             if nxt is not None:
                 kv_next[nxt] = load_kv(*nxt)                 # batch k+1's KV while (j, k) computes
+            check_interrupt()
             w = wf[j].result()
             af = act_next.pop((j, k))
             x = acts.vals[k] if af is None else af.result()
@@ -195,6 +219,7 @@ class Executor:
         outs = []
         for k, x in enumerate(xs):
             for j in range(self.num_layers):
+                check_interrupt()
                 w = self.weights.fetch(j) if self.trace is None else \
                     self.trace.timed("load weights", f"L{j}", self.weights.fetch, j)
                 kvs = kv.load(j, k) if self.trace is None else \

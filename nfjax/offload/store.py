@@ -102,10 +102,25 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM raised in the main thread like Ctrl-C, so that the disk tier is removed on the way out."""
 
 
+_INTERRUPTED: list[int] = []             # signals received while a disk tier existed, not yet acted on
+
+
+def check_interrupt() -> None:
+    """Raise KeyboardInterrupt for a SIGINT / SIGTERM that arrived while a disk tier existed. The handler only
+    records the signal: raised at an arbitrary bytecode it could land inside JAX's own Python code (its
+    garbage-collection callback swallowed one; an interrupted one left the process to crash at exit), so the
+    schedule and the engine call this at safe points, between computations. A second signal raises at once."""
+    if _INTERRUPTED:
+        sig = _INTERRUPTED.pop()
+        _INTERRUPTED.clear()
+        raise _Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
+
+
 class DiskFolder:
     """The run's disk-tier folder `ROOT/.nfjax-offload-PID-XXXXXXXX`. Removed by `close()`, at interpreter exit,
-    and on SIGINT / SIGTERM (while it exists, SIGTERM raises KeyboardInterrupt in the main thread so every
-    `finally` runs); a later run removes what a SIGKILLed one left (`remove_stale`)."""
+    and on SIGINT / SIGTERM (while it exists, both raise KeyboardInterrupt in the main thread at the schedule's
+    next safe point, `check_interrupt`, so every `finally` runs); a later run removes what a SIGKILLed one left
+    (`remove_stale`)."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -114,14 +129,18 @@ class DiskFolder:
         self.path = self.root / f".nfjax-offload-{os.getpid()}-{secrets.token_hex(4)}"
         self.path.mkdir()
         self._lock = threading.Lock()
-        self._old_term = None
+        self._old: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+            _INTERRUPTED.clear()
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         atexit.register(self.close)
 
     @staticmethod
-    def _on_term(signum, frame):
-        raise _Terminated()
+    def _on_signal(signum, frame):
+        if _INTERRUPTED:                      # a second signal: stop now
+            _INTERRUPTED.clear()
+            raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        _INTERRUPTED.append(signum)
 
     def file(self, name: str) -> Path:
         return self.path / f"{name}.npy"
@@ -140,9 +159,10 @@ class DiskFolder:
         with self._lock:
             if self.path.exists():
                 shutil.rmtree(self.path, ignore_errors=True)
-            if self._old_term is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, self._old_term)
-                self._old_term = None
+            if self._old and threading.current_thread() is threading.main_thread():
+                for sig, h in self._old.items():
+                    signal.signal(sig, h)
+                self._old = {}
         atexit.unregister(self.close)
 
 

@@ -28,7 +28,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     pol = tmp_path / "policy.json"
     Policy(gpu_batch_size=1, weights=Split(0, 50, 50), cache=Split(0, 0, 100), offload_dir=str(off)).save(pol)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "nfjax.cli", "generate", "--offload", str(pol), "--token-ids", "1 2 3",
+    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "nfjax.cli", "generate", "--offload", str(pol), "--token-ids", "1 2 3",
                           "--max-tokens", "1000", "--temperature", "0", "--max-model-len", "1024"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
@@ -74,12 +74,17 @@ def test_trace_shows_weight_loads_overlapping_compute(tmp_path):
     lanes = {e["lane"] for e in events}
     assert {"compute", "load weights", "load cache", "store cache"} <= lanes
     compute = sorted((e for e in events if e["lane"] == "compute"), key=lambda e: e["start_ms"])
-    loads = sorted((e for e in events if e["lane"] == "load weights"), key=lambda e: e["start_ms"])
     L, nb = model("opt").cfg.num_layers, 2
-    assert len(compute) == 3 * L * nb and len(loads) == 3 * L          # prefill + 2 decode passes
+    loads = {j: sorted((e for e in events if e["lane"] == "load weights" and e["label"] == f"L{j}"),
+                       key=lambda e: e["start_ms"]) for j in range(L)}
+    assert len(compute) == 3 * L * nb                                   # prefill + 2 decode passes
+    assert [len(loads[j]) for j in range(L)] == [4] + [3] * (L - 1)     # L0 also for the pass after the last
     for p in range(3):
-        for j in range(1, L):
-            load, last_of_prev = loads[p * L + j], compute[p * L * nb + j * nb - 1]
-            assert load["label"] == f"L{j}" and last_of_prev["label"] == f"L{j - 1} B{nb - 1}"
-            # layer j's weights were on their way while layer j-1's batches computed
-            assert load["start_ms"] < last_of_prev["end_ms"], (p, j)
+        for j in range(L):
+            # layer j's weights were on their way while layer j-1's batches computed (layer 0: the previous
+            # pass's last layer)
+            if p == 0 and j == 0:
+                continue
+            last_of_prev = compute[p * L * nb + j * nb - 1]
+            assert last_of_prev["label"] == f"L{(j - 1) % L} B{nb - 1}"
+            assert loads[j][p]["start_ms"] < last_of_prev["end_ms"], (p, j)

@@ -1,0 +1,200 @@
+"""FlexGen mode: output tokens/s of a model larger than the GPU's share, the best of a grid of offload policies
+against the row-by-row baseline (each GPU batch loads each layer's weights synchronously, nothing overlaps:
+what Accelerate and DeepSpeed offloading do), with and without 4-bit weights, and a timeline of one traced
+decode pass (transfers and computations as they really ran).
+
+    python -m bench.flexgen                                   # OPT-30B shape, bf16 random weights, GPU capped at 16 GB
+    python -m bench.flexgen --policies w20-kvcpu-32x4,int4-w0-48x4 --gen-len 32
+    python -m bench.flexgen --shape opt-smoke --layers 2 --prompt-len 16 --gen-len 4 --gpu-memory-gb 1   # a CPU
+
+Throughput is FlexGen's: a block's generated tokens (block size x gen-len) over the time from its prefill to its
+last token, after a warm-up block of the same shapes (so nothing compiles in the timed one); placing the weights
+is not counted. The baseline runs one GPU batch of the best policy's size row by row with the same placement: its
+tokens/s does not depend on how many batches run one after another. Policies that do not fit the caps
+(`nfjax.offload.budget`) are skipped and listed with the reason. `--offload FILE` adds a policy file to the grid.
+Summary keys: flexgen_out_tok_s_<shape>_<N>gb, flexgen_vs_rowbyrow, flexgen_out_tok_s_<shape>_<N>gb_int4.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from bench.common import print_table, result_path, write_results
+from bench.setup import add_bench_args
+
+# name -> policy fields (weights / cache / activations as gpu-cpu-disk percentages); the default grid of a shape
+GRIDS = {
+    "opt-30b": {
+        "w20-kvcpu-32x4": dict(gpu_batch_size=32, num_gpu_batches=4, weights=(20, 80, 0), cache=(0, 100, 0)),
+        "w15-kvcpu-48x2": dict(gpu_batch_size=48, num_gpu_batches=2, weights=(15, 85, 0), cache=(0, 100, 0)),
+        "w20-kvcpu-24x4": dict(gpu_batch_size=24, num_gpu_batches=4, weights=(20, 80, 0), cache=(0, 100, 0)),
+        "w10-kvdisk-32x4": dict(gpu_batch_size=32, num_gpu_batches=4, weights=(10, 90, 0), cache=(0, 50, 50)),
+        "int4-w0-32x4": dict(gpu_batch_size=32, num_gpu_batches=4, weights=(0, 100, 0), cache=(0, 100, 0),
+                             compress_weights=True),
+        "int4-w50-48x2": dict(gpu_batch_size=48, num_gpu_batches=2, weights=(50, 50, 0), cache=(0, 100, 0),
+                              compress_weights=True),
+    },
+    "opt-smoke": {
+        "w50-kvcpu-2x4": dict(gpu_batch_size=2, num_gpu_batches=4, weights=(50, 50, 0), cache=(0, 100, 0)),
+        "w0-disk-4x2": dict(gpu_batch_size=4, num_gpu_batches=2, weights=(0, 50, 50), cache=(0, 100, 0)),
+        "int4-w0-2x4": dict(gpu_batch_size=2, num_gpu_batches=4, weights=(0, 100, 0), cache=(0, 100, 0),
+                            compress_weights=True),
+    },
+}
+
+
+def make_policy(fields: dict, args):
+    from nfjax.offload import Policy, Split
+    kw = dict(fields)
+    for f in ("weights", "cache", "activations"):
+        if isinstance(kw.get(f), tuple):
+            kw[f] = Split(*kw[f])
+    return Policy(**kw, gpu_memory_gb=args.gpu_memory_gb, cpu_memory_gb=args.cpu_memory_gb, disk_gb=args.disk_gb,
+                  offload_dir=args.offload_dir)
+
+
+def grid(args) -> dict:
+    from nfjax.offload import Policy
+    shape = args.shape if args.shape in GRIDS else "opt-smoke"
+    pols = {n: make_policy(f, args) for n, f in GRIDS[shape].items()}
+    if args.policies:
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        bad = [n for n in names if n not in pols]
+        if bad:
+            raise SystemExit(f"--policies: unknown {bad[0]!r}; the {shape} grid has {', '.join(pols)}")
+        pols = {n: pols[n] for n in names}
+    if args.offload:
+        pols[os.path.basename(args.offload)] = Policy.load(args.offload)
+    return pols
+
+
+def run_policy(cfg, policy, args, trace: bool = False) -> dict:
+    """Place random weights by `policy`, run a warm-up block, then the timed block; returns its numbers."""
+    import numpy as np
+
+    from nfjax.engine import SamplingParams
+    from nfjax.offload.engine import OffloadEngine
+    from nfjax.offload.random_layers import random_parts
+    from nfjax.tokenizer.silent import SilentTokenizer
+    rng = np.random.default_rng(0)
+    n = policy.block_size
+    prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(n)]
+    rest_gd, rest_state, layer_gd, source = random_parts(cfg)
+    t0 = time.perf_counter()
+    eng = OffloadEngine(cfg, rest_state, layer_gd, source, SilentTokenizer(cfg.vocab_size), policy,
+                        max_model_len=args.prompt_len + args.gen_len, rest_gd=rest_gd, trace=trace)
+    try:
+        place_s = time.perf_counter() - t0
+        eng.generate(prompts, SamplingParams.greedy(max_tokens=2, ignore_eos=True))        # compiles the shapes
+        gen = 3 if trace else args.gen_len
+        if trace:
+            eng.trace.flush()
+            eng.trace.events.clear()
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=gen, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        res = {"block": n, "gen_len": gen, "seconds": dt, "out_tok_s": sum(len(o.token_ids) for o in outs) / dt,
+               "place_s": place_s, "tier_bytes": eng.tier_bytes, "weight_bytes": eng.weights.bytes_by_tier(),
+               "policy": policy.to_json()}
+        if trace:
+            eng.trace.flush()
+            res["events"] = eng.trace.to_json()
+        return res
+    finally:
+        eng.close()
+
+
+def overlap_stats(events: list[dict]) -> dict:
+    """Busy ms per lane and the share of transfer time that ran while a computation ran."""
+    comp = sorted((e["start_ms"], e["end_ms"]) for e in events if e["lane"] == "compute")
+    out = {}
+    for lane in sorted({e["lane"] for e in events}):
+        spans = [(e["start_ms"], e["end_ms"]) for e in events if e["lane"] == lane]
+        busy = sum(b - a for a, b in spans)
+        out[f"busy_ms_{lane.replace(' ', '_')}"] = busy
+        if lane != "compute" and busy > 0:
+            hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in comp)
+            out[f"overlapped_pct_{lane.replace(' ', '_')}"] = 100 * hidden / busy
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_args(p, shape="opt-30b")
+    g = p.add_argument_group("flexgen")
+    g.add_argument("--prompt-len", type=int, default=512)
+    g.add_argument("--gen-len", type=int, default=32)
+    g.add_argument("--gpu-memory-gb", type=float, default=16.0, help="the engine's GPU cap (default 16)")
+    g.add_argument("--cpu-memory-gb", type=float, default=None, help="host memory cap (default: what is free)")
+    g.add_argument("--disk-gb", type=float, default=None, help="disk cap (default: what is free)")
+    g.add_argument("--offload-dir", default=None, help="the disk tier's folder (default $NFJAX_CACHE/offload)")
+    g.add_argument("--policies", default=None, help="names from the shape's grid, comma-separated (default all)")
+    g.add_argument("--no-baseline", action="store_true", help="skip the row-by-row baseline")
+    g.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    g.add_argument("--name", default="flexgen")
+    args = p.parse_args(argv)
+    from bench.setup import model_config
+    from nfjax.offload import PolicyError
+    from nfjax.offload.trace import plot
+    cfg = model_config(args)
+    runs, skipped = {}, {}
+    for name, pol in grid(args).items():
+        try:
+            runs[name] = run_policy(cfg, pol, args)          # the budget is checked before anything is placed
+        except PolicyError as e:
+            skipped[name] = str(e)
+            print(f"[skip {name}: {e}]", flush=True)
+            continue
+        print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s]", flush=True)
+    if not runs:
+        raise SystemExit("no policy of the grid fits the caps: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    plain = {k: v for k, v in runs.items() if not v["policy"]["compress_weights"]}
+    packed = {k: v for k, v in runs.items() if v["policy"]["compress_weights"]}
+    best = max(plain or runs, key=lambda k: runs[k]["out_tok_s"])
+    tag = f"{args.shape.replace('-', '')}_{args.gpu_memory_gb:g}gb"
+    summary = {f"flexgen_out_tok_s_{tag}": runs[best]["out_tok_s"], "flexgen_best_policy": best}
+    if packed:
+        best4 = max(packed, key=lambda k: runs[k]["out_tok_s"])
+        summary.update({f"flexgen_out_tok_s_{tag}_int4": runs[best4]["out_tok_s"], "flexgen_best_policy_int4": best4})
+    data = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "runs": runs, "skipped": skipped}
+    if not args.no_baseline:
+        base_pol = make_policy({**_fields(runs[best]["policy"]), "num_gpu_batches": 1, "schedule": "row_by_row"}, args)
+        data["rowbyrow"] = run_policy(cfg, base_pol, args)
+        summary["flexgen_rowbyrow_out_tok_s"] = data["rowbyrow"]["out_tok_s"]
+        summary["flexgen_vs_rowbyrow"] = runs[best]["out_tok_s"] / data["rowbyrow"]["out_tok_s"]
+    traced = run_policy(cfg, make_policy(_fields(runs[best]["policy"]), args), args, trace=True)
+    events = traced.pop("events")
+    passes = [e for e in events if e["lane"] == "compute"]
+    per = cfg.num_layers * runs[best]["policy"]["num_gpu_batches"]
+    # the first decode pass: from the prefill's last computation to its own last one
+    window = (passes[per - 1]["end_ms"], passes[2 * per - 1]["end_ms"]) if len(passes) >= 2 * per else None
+    data["trace"] = {"events": events, "decode_window_ms": window, **overlap_stats(
+        [e for e in events if window is None or window[0] <= e["start_ms"] <= window[1]])}
+    summary.update({f"trace_{k}": v for k, v in data["trace"].items() if k.startswith("overlapped_pct")})
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:                      # what the engine really took of the GPU, all runs
+        summary["flexgen_gpu_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
+    png = result_path(args.name, args.out_dir).replace(".json", "-timeline.png")
+    os.makedirs(os.path.dirname(png), exist_ok=True)
+    plot(events, png, f"{args.shape}, policy {best}: one decode pass (measured)", window)
+    data["timeline_png"] = png
+    print_table(["policy", "block", "out tok/s", "s", "weights gpu/cpu/disk MB"],
+                [[k, v["block"], v["out_tok_s"], v["seconds"], "/".join(f"{x / 1e6:.1f}" for x in
+                                                                      v["weight_bytes"].values())]
+                 for k, v in {**runs, **({"row-by-row": data["rowbyrow"]} if "rowbyrow" in data else {})}.items()])
+    write_results(args.name, summary, data, args.out_dir)
+    return 0
+
+
+def _fields(policy_json: dict) -> dict:
+    d = {k: v for k, v in policy_json.items() if k not in ("gpu_memory_gb", "cpu_memory_gb", "disk_gb", "offload_dir")}
+    for f in ("weights", "cache", "activations"):
+        d[f] = tuple(d[f].values())
+    return d
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
