@@ -1,12 +1,12 @@
 """The op profiler: times every op of a layer's graph on its own, at the sizes and resource shares of a grid,
 and the horizontal kernels' pairs (the interference table); returns a profile (nfjax/autosearch/profile.py).
 
-Every measurement is one jitted program running an op (or fused kernel) `copies` times on random inputs of its
-real shapes (so the host's dispatch cost, more than a small op's kernel time on the H100's host, is paid once
-per `copies` ops: measured 0.09 ms an op for every small op with one op a program), lowered in turn and compiled
+Every measurement is one jitted program running an op (or fused kernel) on `copies` distinct sets of random
+inputs of its real shapes (so the host's dispatch cost, more than a small op's kernel time on the H100's host, is
+paid once per `copies` ops: with one op a program every small op measured 0.09 ms), lowered in turn and compiled
 on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per op of `reps`
 batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
-its copies and gets its own output back on the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
+its copies and gets it back for the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
 SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured.
 """
 from __future__ import annotations
@@ -68,55 +68,58 @@ def pages_needed(grid: Grid, page_size: int) -> int:
 
 
 class _Job:
-    def __init__(self, key, fn, args, feedback=None, copies: int = 1):
-        self.key, self.fn, self.args, self.feedback, self.copies = key, fn, list(args), feedback, copies
+    """One measurement: `fn(state, ctx_args, ins_list, glob)` runs the op once per entry of `ins_list` (`copies`
+    distinct input sets, made just before timing so that only one job's copies live at a time)."""
+
+    def __init__(self, key, fn, state, ctx_args, ins, glob=(), copies: int = 1, writes=False):
+        self.key, self.fn, self.copies, self.writes = key, fn, copies, writes
+        self.state, self.ctx_args, self.ins, self.glob = state, ctx_args, ins, glob
         self.compiled = None
         self.error = None
 
+    def lower(self):
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if x is not None else None, self.ins)
+        return self.fn.lower(self.state, self.ctx_args, (spec,) * self.copies, self.glob)
 
-def _repeat(call, ins, glob, copies: int, writes):
-    """`copies` calls of `call(ins, glob)` in one program, each on its own opaque copy of the inputs (an
-    optimization barrier with the copy's index: no CSE, no hoisting), each output kept (no DCE); a written global
-    (the cache) is chained from copy to copy. One launch runs them all: the host's dispatch cost (~0.09 ms a call
-    on the H100 host, more than a small op's kernel) is paid once per `copies` ops."""
-    outs = []
-    for r in range(copies):
-        (ins_r, glob_r), _ = jax.lax.optimization_barrier(((ins, glob), jnp.int32(r)))
-        out = call(ins_r, glob_r)
-        outs.append(out)
-        if writes:
-            res = out if isinstance(out, (tuple, list)) else (out,)
-            glob = tuple(res[k] for k in writes)
-    return outs
+    def args(self) -> list:
+        """The inputs of a timed call: `copies` distinct copies of the op's inputs (XLA would merge identical
+        computations on identical inputs: an optimization barrier did not stop it; the first device runs timed 8
+        copies of a GEMM as one), the cache shared or, when the op writes it, its own copy."""
+        ins = tuple(jax.tree.map(jnp.copy, self.ins) for _ in range(self.copies))
+        glob = jax.tree.map(jnp.copy, self.glob) if self.writes else self.glob
+        return [self.state, self.ctx_args, ins, glob]
 
 
-def _op_fn(subject, spec, num_ctas, copies: int):
+def _op_fn(subject, spec, num_ctas):
     gd = nnx.graphdef(subject.layer)
     globs = [i for i, v in enumerate(spec.ins) if v in GLOBAL_VALUES]
     writes = [k for k, v in enumerate(spec.outs) if v in GLOBAL_VALUES and v in spec.ins]
 
-    def f(state, ctx_args, ins, glob):
+    def f(state, ctx_args, ins_list, glob):
+        """Every copy's outputs are returned (no DCE); a written global (the cache) is chained from copy to copy
+        and returned once."""
         layer, ctx = nnx.merge(gd, state), subject.make_ctx(ctx_args, num_ctas)
-
-        def call(ins, glob):
+        outs = []
+        for ins in ins_list:
             ins = list(ins)
             for i, g in zip(globs, glob):
                 ins.insert(i, g)
-            return spec.fn(layer, ctx, *ins)
-        outs = _repeat(call, ins, glob, copies, writes)
-        return outs[-1] if copies == 1 else outs
-    return f, writes
+            res = spec.fn(layer, ctx, *ins)
+            res = tuple(res) if len(spec.outs) > 1 else (res,)
+            if writes:
+                glob = tuple(res[k] for k in writes)
+            outs.append(tuple(r for k, r in enumerate(res) if k not in writes))
+        return outs, glob
+    return f, bool(writes)
 
 
 def op_job(subject, key, op: str, case, num_ctas=None, copies: int = 1) -> _Job:
     spec = subject.graph[op].spec
-    f, writes = _op_fn(subject, spec, num_ctas, copies)
+    f, writes = _op_fn(subject, spec, num_ctas)
     ins = tuple(case.env[v] for v in spec.ins if v not in GLOBAL_VALUES)
     glob = tuple(case.env[v] for v in spec.ins if v in GLOBAL_VALUES)
-    donate = (3,) if writes else ()
-    feedback = [(copies - 1, k) for k in writes] if writes else None
-    return _Job(key, jax.jit(f, donate_argnums=donate),
-                (nnx.state(subject.layer), case.ctx_args, ins, glob), feedback, copies)
+    return _Job(key, jax.jit(f, donate_argnums=(3,) if writes else ()), nnx.state(subject.layer), case.ctx_args,
+                ins, glob, copies, writes)
 
 
 def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _Job:
@@ -125,14 +128,24 @@ def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _
     specs = [subject.graph[op].spec for op in kernel.replaces]
     cases = [case_a, case_b]
     parts = tuple(Step((s.name,), (0,), 0, c.tokens, s.ins, s.outs, s.fn, s.resource) for s, c in zip(specs, cases))
+    glob_at = [[i for i, v in enumerate(s.ins) if v in GLOBAL_VALUES] for s in specs]
 
-    def f(state, ctx_args, ins):
+    def f(state, ctx_args, ins_list, glob):
         layer = nnx.merge(gd, state)
         ctxs = [subject.make_ctx(ctx_args[0], ctas_a), subject.make_ctx(ctx_args[1], None)]
-        return _repeat(lambda i, _: kernel.fn(layer, ctxs, i, parts), ins, (), copies, ())
-    ins = [tuple(c.env[v] for v in s.ins) for s, c in zip(specs, cases)]
-    return _Job(key, jax.jit(f), (nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins), None,
-                copies)
+        outs = []
+        for ins in ins_list:
+            full = []
+            for part, at, g in zip(ins, glob_at, glob):
+                part = list(part)
+                for i, x in zip(at, g):
+                    part.insert(i, x)
+                full.append(tuple(part))
+            outs.append(kernel.fn(layer, ctxs, full, parts))
+        return outs, ()
+    ins = tuple(tuple(c.env[v] for v in s.ins if v not in GLOBAL_VALUES) for s, c in zip(specs, cases))
+    glob = tuple(tuple(c.env[v] for v in s.ins if v in GLOBAL_VALUES) for s, c in zip(specs, cases))
+    return _Job(key, jax.jit(f), nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins, glob, copies)
 
 
 def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
@@ -141,7 +154,7 @@ def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
     t0 = time.perf_counter()
     for j in jobs:
         try:
-            lowered.append((j, j.fn.lower(*j.args)))
+            lowered.append((j, j.lower()))
         except Exception as e:  # noqa: BLE001 - one op that does not lower must not lose the others
             j.error = f"lower: {e!r}"[:300]
     log(f"[profile] lowered in {time.perf_counter() - t0:.1f} s")
@@ -162,16 +175,12 @@ def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
 
 def time_job(j: _Job, reps: int, target_ms: float) -> float:
     """Median ms per op (a call runs `j.copies` of them)."""
-    args = list(j.args)
-    if j.feedback:                             # its own copy of the cache: donated from call to call
-        args[3] = jax.tree.map(jnp.copy, args[3])
+    args = j.args()
 
     def call():
-        out = j.compiled(*args)
-        if j.feedback:                         # the donated cache comes back for the next call
-            last = out[-1] if j.copies > 1 else out
-            last = last if isinstance(last, (tuple, list)) else (last,)
-            args[3] = tuple(last[k] for _, k in j.feedback)
+        out, glob = j.compiled(*args)
+        if j.writes:                           # the donated cache comes back for the next call
+            args[3] = glob
         return out
     jax.block_until_ready(call())
     t = time.perf_counter()
@@ -193,9 +202,15 @@ def copy_rate(nbytes: int) -> float:
     """Bytes per ms a device copy moves, counting bytes read and written."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    j = _Job("copy", f, (x,))             # one large copy: no dispatch cost to amortize
-    j.compiled = f.lower(x).compile()
-    return 2 * nbytes / time_job(j, 5, 20.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        y.block_until_ready()
+        ts.append((time.perf_counter() - t) * 1e3 / 10)
+    return 2 * nbytes / statistics.median(ts)
 
 
 def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int, command: str | None = None,
