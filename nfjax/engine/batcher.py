@@ -3,6 +3,9 @@
 Admission uses NanoFlow's memory prediction (the pages every running request will hold at its predicted end,
 using the average output length seen so far); when pages still run out, the newest running request is
 preempted: its KV pages move to host memory and come back later without recomputation.
+
+A request with penalties also takes a penalty slot at admission (its token counts on the device,
+nfjax/engine/penalties.py) and keeps it, swapped out or not, until it finishes; with none free, admission waits.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nfjax.config import EngineConfig
+from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 
@@ -48,6 +52,7 @@ class Batcher:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in arrival order
         self.swapped: deque[Request] = deque()
+        self.free_penalty_slots = list(range(num_penalty_slots(sched.max_seqs)))[::-1]     # pop(): the lowest
         self._out_len_sum = 0                      # outputs of finished (not aborted) requests: sum, count
         self._out_len_count = 0
 
@@ -64,12 +69,19 @@ class Batcher:
             self.allocator.free(req.pages)
             req.pages = []
         req.host_kv = None
+        # a step in flight may still count a token in the slot; the next owner's first step clears it after that
+        self._release_slot(req)
         for q in (self.running, self.waiting, self.swapped):
             if req in q:
                 q.remove(req)
         if reason != "abort":
             self._out_len_sum += len(req.output_ids)
             self._out_len_count += 1
+
+    def _release_slot(self, req: Request) -> None:
+        if req.penalty_slot is not None:
+            self.free_penalty_slots.append(req.penalty_slot)
+            req.penalty_slot = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -179,11 +191,16 @@ class Batcher:
                 peak = self._predicted_peak()
             if not self._fits_prediction(req, peak):
                 break
+            if req.penalized:
+                if not self.free_penalty_slots:
+                    break       # every penalty slot is taken: wait (first come, first served)
+                req.penalty_slot = self.free_penalty_slots.pop()
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             took = self._add_chunk(batch, req, left)
             if took == 0:       # no pages even for one chunk: put it back
+                self._release_slot(req)
                 self.running.remove(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)

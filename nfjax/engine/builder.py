@@ -174,9 +174,12 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     """Every automatic (None) size made concrete. `free_bytes`: device memory free after the weights (None
     when the device keeps no statistics, as on CPU)."""
     from nfjax.kv.attention import check_kv_format
+    from nfjax.engine.penalties import num_penalty_slots, state_bytes
     from nfjax.kv.cache import bytes_per_token
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
+    buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
+    seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
     num_pages = c.num_pages
     if num_pages is None:
@@ -185,13 +188,15 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
         else:
             local = m.replace(num_kv_heads=max(m.num_kv_heads, tp) // tp)     # KV heads each device holds
             per_page = bytes_per_token(local, kv_dtype=c.kv_dtype) * c.page_size     # compressed bytes + scales
-            num_pages = max(2, int(int(free_bytes * c.kv_memory_fraction) // per_page))
+            # the penalty slots' token counts (nfjax/engine/penalties.py, on every device) come out of the KV share
+            kv_bytes = int(free_bytes * c.kv_memory_fraction) - state_bytes(num_penalty_slots(seqs_bound),
+                                                                             m.vocab_size)
+            num_pages = max(2, int(kv_bytes // per_page))
     max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     per_seq = c.max_pages_per_seq or c.pages_for(max_len)
     cache = dataclasses.replace(c, num_pages=num_pages, max_pages_per_seq=per_seq,
                                 max_model_len=min(max_len, per_seq * c.page_size))
-    buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
-    max_seqs = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets), num_pages - 1)
+    max_seqs = min(seqs_bound, num_pages - 1) if b.max_seqs is None else b.max_seqs
     batcher = dataclasses.replace(b, token_buckets=buckets, max_seqs=max_seqs)
     return dataclasses.replace(config, cache=cache, batcher=batcher)
 

@@ -18,13 +18,18 @@ class OutputText:
         self.released = 0
         self.stopped = False
 
-    def add(self, token_ids: list[int]) -> None:
+    def add(self, token_ids: list[int], check_stops: bool = True) -> None:
+        """`check_stops=False` (under SamplingParams.min_tokens): no stop string ends the text here, and a later
+        match must end in text added after (as vLLM: a stop string is sought in the newly added text)."""
         if self.stopped:
             return
+        before = len(self.text)
         self.text += self.detok.add(token_ids)
+        if not check_stops:
+            return
         for s in self.stops:
-            # search only where a new match can start
-            i = self.text.find(s, max(0, self.released - len(s)))
+            # search only where a new match can end: in the text just added
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i >= 0:
                 self.text, self.stopped = self.text[:i], True
 

@@ -9,7 +9,8 @@ from typing import Iterable, Iterator, Sequence
 
 from nfjax.config import EngineConfig
 from nfjax.engine.detok import OutputText
-from nfjax.engine.outputs import RequestOutput
+from nfjax.engine.outputs import RequestOutput, TokenLogprob
+from nfjax.engine.penalties import MAX_BANNED, banned_ids
 from nfjax.engine.request import Request, Status
 from nfjax.engine.runner import Runner, StepHandle
 from nfjax.engine.sampling_params import SamplingParams
@@ -96,6 +97,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise UserError(f"request id {rid!r} is already in use")
+        if params.min_tokens and len(banned_ids(params, self._eos)) > MAX_BANNED:
+            raise UserError(f"stop_token_ids: with min_tokens, at most {MAX_BANNED} ids (the model's EOS ids "
+                            "included unless ignore_eos) can be held back")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(rid, ids, params, seed)
         self._requests[rid] = req
@@ -159,43 +163,56 @@ class Engine:
             return []
         t1 = time.perf_counter()
         tokens = self.runner.read(prev)
+        logprobs = self.runner.read_logprobs(prev)
         t2 = time.perf_counter()
         self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,
                           prev.dispatch_ms)
-        return self._process(prev, tokens)
+        return self._process(prev, tokens, logprobs)
 
-    def _process(self, handle: StepHandle, tokens) -> list[RequestOutput]:
+    def _process(self, handle: StepHandle, tokens, logprobs=None) -> list[RequestOutput]:
         now = time.perf_counter()
         outs = []
         eos = self._eos
+        if logprobs is not None:     # as lists once (per row from numpy took twice the host time, 256 rows x 20)
+            lp_token, lp_ids, lp_top = logprobs.token.tolist(), logprobs.top_ids.tolist(), logprobs.top.tolist()
         for i, sq in enumerate(handle.batch.seqs):
             req = sq.req
             if not sq.samples or req.finished:
                 continue          # a mid-prompt chunk, or a token past EOS / abort (dropped)
             tok = int(tokens[i])
             req.output_ids.append(tok)
+            p = req.params
+            new_lp = None
+            if p.logprobs is not None:           # its step ran the full head (penalties.needs_full)
+                k = p.logprobs
+                new_lp = [TokenLogprob(tok, lp_token[i], tuple(zip(lp_ids[i][:k], lp_top[i][:k])))]
+                req.logprobs.append(new_lp[0])
+                req.cumulative_logprob += new_lp[0].logprob
             if req.timings.first_token is None:
                 req.timings.first_token = now
             text = self._texts[req.request_id]
-            text.add([tok])
+            n = len(req.output_ids)
+            text.add([tok], check_stops=n > p.min_tokens)       # as vLLM: stop strings after min_tokens
             reason = None
-            p = req.params
-            if text.stopped or tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+            if n >= p.min_tokens and (text.stopped or tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
                 reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
                 reason = "length"
             if reason:
                 self.batcher.finish(req, reason)
                 req.timings.finished = now
-            outs.append(self._output(req, [tok]))
+            outs.append(self._output(req, [tok], new_lp))
         return outs
 
-    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob] | None = None
+                ) -> RequestOutput:
         text = self._texts[req.request_id]
         new_text = text.release(final=req.finished)
+        on = req.params.logprobs is not None
         out = RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), text.text if req.finished
                             else text.text[:text.released], new_ids, new_text, req.finished, req.finish_reason,
-                            req.timings.as_dict())
+                            req.timings.as_dict(), new_logprobs, list(req.logprobs) if on else None,
+                            req.cumulative_logprob if on else None)
         if req.finished:
             self._requests.pop(req.request_id, None)
             self._texts.pop(req.request_id, None)

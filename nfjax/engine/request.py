@@ -40,6 +40,18 @@ class Request:
     num_launched_outputs: int = 0  # outputs that launched steps will produce (host learns them one step late)
     finish_reason: str | None = None
     host_kv: object = None       # swapped-out KV (host arrays) while SWAPPED
+    penalty_slot: int | None = None   # row of the device's token counts (penalties), held from admission to finish
+    logprobs: list = field(default_factory=list)   # TokenLogprob per output (SamplingParams.logprobs set)
+    cumulative_logprob: float = 0.0
+    # What the step's head must do for it (set from params; read per step, so plain flags): penalties in every
+    # step, logprobs / min_tokens where it samples (nfjax/engine/penalties.py, `needs_full`)
+    penalized: bool = field(init=False, default=False)
+    full_when_sampling: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        p = self.params
+        self.penalized = p.has_penalties
+        self.full_when_sampling = p.logprobs is not None or p.min_tokens > 0
     timings: Timings = field(default_factory=Timings)
 
     @property

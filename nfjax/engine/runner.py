@@ -31,7 +31,9 @@ from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
 from nfjax.config import EngineConfig
 from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
-from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
+from nfjax.engine.penalties import (FullInput, Logprobs, PenaltyState, full_input, full_sample, needs_full,
+                                    num_penalty_slots)
+from nfjax.engine.step_input import StepInput, pack, stage, unpack, unpack_into
 from nfjax.kv.cache import KVCache, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
@@ -75,6 +77,16 @@ def _head(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array,
     return jnp.pad(out, (0, max_seqs - out.shape[0]))
 
 
+def _full_head(rest_gd, max_seqs: int, like: FullInput, rest_state, x: Float[Array, "T D"], inp: StepInput,
+               packed: Int[Array, "N"], state: PenaltyState) -> tuple[Int[Array, "M"], Logprobs, PenaltyState]:
+    """The head of a batch with penalties, min_tokens or logprobs (nfjax/engine/penalties.py): `packed` holds
+    the step's `FullInput` (shaped like `like`), `state` the penalty slots (donated, updated in place)."""
+    model = nnx.merge(rest_gd, rest_state)
+    logits = model.logits(model.norm(x[inp.meta.logits_index]))
+    out, logprobs, state = full_sample(logits, inp, unpack(like, packed), state)
+    return jnp.pad(out, (0, max_seqs - out.shape[0])), logprobs, state
+
+
 def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
     """(first layer, count) of each program's layers: `size` at a time, the remainder last."""
     return [(i, min(size, num_layers - i)) for i in range(0, num_layers, size)]
@@ -97,6 +109,7 @@ class StepHandle:
     batch: Batch
     sampled: jax.Array               # [S] on device
     launched_at: float
+    logprobs: Logprobs | None = None  # on device, from the full head (penalties, min_tokens, logprobs)
     host_ms: float = 0.0             # host time spent forming and launching it, of which:
     put_ms: float = 0.0              #   copying its inputs to the device
     dispatch_ms: float = 0.0         #   enqueueing its programs
@@ -131,6 +144,9 @@ class Runner:
         self.kv_sharding = self.kv.like(NamedSharding(mesh, kv_spec()))
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
+        self.penalty_slots = num_penalty_slots(self.max_seqs)
+        self.penalty_state = PenaltyState.create(self.penalty_slots, model.cfg.vocab_size, self.replicated)
+        self.last_logprobs: Logprobs | None = None      # the latest full head's, on device
         self.variants = Variants(sc, sched.token_buckets, tp)
         self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
         g = max(1, min(sc.layers_per_program, model.cfg.num_layers))
@@ -143,6 +159,7 @@ class Runner:
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[tuple[int, bool], object] = {}      # (bucket, any_sampled) -> compiled head
+        self._full_head: dict[int, object] = {}              # bucket -> head with penalties/min_tokens/logprobs
         self._stage: dict[int, object] = {}                  # bucket -> compiled copy into the staged inputs
         self._unpack: dict[int, object] = {}                 # bucket -> the same from one packed int32 vector
         self._staged: dict[int, StepInput] = {}              # bucket -> the step inputs' device buffers
@@ -166,6 +183,9 @@ class Runner:
         z = np.zeros(s, np.int32)
         return self._to_device(StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta,
                                          z.astype(np.float32), z, z.astype(np.float32) + 1, z.astype(np.uint32), z))
+
+    def _full_like(self, bucket: int) -> FullInput:
+        return FullInput.empty(self.sched.seqs_for(bucket), bucket, self.penalty_slots, self.cfg.vocab_size)
 
     def _to_device(self, inp: StepInput) -> StepInput:
         return jax.device_put(inp, self.replicated)
@@ -207,6 +227,11 @@ class Runner:
                 jobs.append((self._head, (b, any_sampled), jax.jit(
                     partial(_head, self.rest_gd, any_sampled, self.max_seqs), out_shardings=rep).lower(
                     self.rest_state, x, inp), xo))
+            like = self._full_like(b)
+            packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32, sharding=rep)
+            jobs.append((self._full_head, b, jax.jit(
+                partial(_full_head, self.rest_gd, self.max_seqs, like), donate_argnums=4,
+                out_shardings=rep).lower(self.rest_state, x, inp, packed, self.penalty_state), xo))
             for v in self.variants.by_bucket[b].values():
                 self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
                 opts = {**self.xla_options, **v.compiler_options()} or None
@@ -289,6 +314,7 @@ class Runner:
         seeds = np.zeros(s, np.uint32)
         counters = np.zeros(s, np.int32)
         off = 0
+        any_full = False
         for i, sq in enumerate(batch.seqs):
             r = sq.req
             if sq.prev_slot is not None:
@@ -299,30 +325,43 @@ class Runner:
             temp[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
             seeds[i] = r.seed & 0xFFFFFFFF
             counters[i] = r.num_launched_outputs - 1 if sq.samples else 0
+            any_full = any_full or needs_full(sq)
         meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
                               num_decode=batch.num_decode)
         t0 = time.perf_counter()
         inp = self.put_input(t, StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
+        full = None
+        if any_full:            # penalties, min_tokens or logprobs in the batch: its inputs, copied over as one
+            full = jax.device_put(pack(full_input(batch, s, self.penalty_slots, self.cfg.vocab_size,
+                                                  self.cfg.eos_token_ids)), self.replicated)
         t1 = time.perf_counter()
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
         sampled = self.run_step(t, label, inp, any_sampled=bool((temp > 0).any()),
-                                decode_only=batch.num_decode == len(batch.seqs))
+                                decode_only=batch.num_decode == len(batch.seqs), full=full)
         t2 = time.perf_counter()
-        return StepHandle(batch, sampled, t2, put_ms=(t1 - t0) * 1e3, dispatch_ms=(t2 - t1) * 1e3)
+        return StepHandle(batch, sampled, t2, self.last_logprobs, put_ms=(t1 - t0) * 1e3,
+                          dispatch_ms=(t2 - t1) * 1e3)
 
     def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True,
-                 decode_only: bool = False) -> jax.Array:
+                 decode_only: bool = False, full: jax.Array | None = None) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
         0); `decode_only=True` that every row is a decode (then the programs without the prefill kernel run,
-        where compiled). Benchmarks call this with synthetic inputs."""
+        where compiled). `full`: the packed `FullInput` of a batch that needs the full head (penalties,
+        min_tokens, logprobs); its logprobs are left in `last_logprobs`. Benchmarks call this with synthetic
+        inputs."""
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         x = self._embed[bucket](self.rest_state, self._prev, inp)
         for i0, n, prog in self.layer_programs(bucket, label, decode_only):
             x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
-        self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
+        if full is None:
+            self.last_logprobs = None
+            self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
+        else:
+            self._prev, self.last_logprobs, self.penalty_state = self._full_head[bucket](
+                self.rest_state, x, inp, full, self.penalty_state)
         return self._prev
 
     def layer_programs(self, bucket: int, label: str, decode_only: bool = False) -> list[tuple[int, int, object]]:
@@ -355,3 +394,8 @@ class Runner:
     @staticmethod
     def read(handle: StepHandle) -> np.ndarray:
         return np.asarray(handle.sampled)
+
+    @staticmethod
+    def read_logprobs(handle: StepHandle) -> Logprobs | None:
+        """The step's logprobs on the host (a full-head step; else None), read with its tokens."""
+        return None if handle.logprobs is None else jax.device_get(handle.logprobs)

@@ -43,17 +43,22 @@ def pack(inp: StepInput) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unpack_into(old: StepInput, packed: Int[Array, "N"]) -> StepInput:
-    """`pack`'s vector written over `old`'s (donated) buffers, field by field."""
-    leaves, treedef = jax.tree.flatten(old)
+def unpack(like, packed: Int[Array, "N"]):
+    """`pack`'s vector as a tree of `like`'s structure, shapes and dtypes (any tree of arrays: `StepInput`, the
+    full head's `FullInput`)."""
+    leaves, treedef = jax.tree.flatten(like)
     out, off = [], 0
     for o in leaves:
-        piece = lax.bitcast_convert_type(packed[off:off + o.size], o.dtype).reshape(o.shape)
-        out.append(lax.dynamic_update_slice(o, piece, (0,) * o.ndim))
+        out.append(lax.bitcast_convert_type(packed[off:off + o.size], o.dtype).reshape(o.shape))
         off += o.size
     if off != packed.shape[0]:
         raise ValueError(f"packed step input has {packed.shape[0]} words, the fields take {off}")
     return treedef.unflatten(out)
+
+
+def unpack_into(old: StepInput, packed: Int[Array, "N"]) -> StepInput:
+    """`pack`'s vector written over `old`'s (donated) buffers, field by field."""
+    return jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, unpack(old, packed))
 
 
 def stage(old: StepInput, new: StepInput) -> StepInput:

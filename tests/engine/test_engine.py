@@ -139,8 +139,8 @@ def test_step_inputs_staged_in_the_same_buffers():
     seen: dict[int, set] = {}
     run_step = eng.runner.run_step
 
-    def spy(bucket, label, inp, any_sampled=True, decode_only=False):
-        out = run_step(bucket, label, inp, any_sampled, decode_only)
+    def spy(bucket, label, inp, any_sampled=True, decode_only=False, full=None):
+        out = run_step(bucket, label, inp, any_sampled, decode_only, full)
         staged = jax.tree.leaves(eng.runner._staged[bucket])
         assert [a.dtype for a in staged] == [a.dtype for a in jax.tree.leaves(inp)]
         seen.setdefault(bucket, set()).add(tuple(a.unsafe_buffer_pointer() for a in staged))

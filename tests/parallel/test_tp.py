@@ -77,3 +77,23 @@ def test_skip_collectives_drops_the_layer_all_reduces():
         hlo = r._steps[(64, "sequential")].as_text()
         counts[skip] = len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo))
     assert counts[False] == 2 * LLAMA3.num_layers and counts[True] == 0, counts     # one program, both layers
+
+
+def test_tp_full_head_penalties_and_logprobs_match_tp1():
+    """The full head (penalties, min_tokens, logprobs; nfjax/engine/penalties.py) runs on the replicated logits
+    with its penalty state replicated: TP = 2 gives TP = 1's tokens and logprobs."""
+    params = [SamplingParams.greedy(max_tokens=12, ignore_eos=True, frequency_penalty=-2.0, logprobs=3),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.5),
+              SamplingParams.greedy(max_tokens=12, min_tokens=6, stop_token_ids=(101,), logprobs=0),
+              SamplingParams.greedy(max_tokens=12, ignore_eos=True)]
+    outs = {tp: engine_for(LLAMA3, tp).generate(PROMPTS, params) for tp in (1, 2)}
+    plain = engine_for(LLAMA3, 1).generate(PROMPTS, SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+    assert outs[1][0].token_ids != plain[0].token_ids          # the penalty changed something
+    for a, b in zip(outs[1], outs[2]):
+        assert a.token_ids == b.token_ids
+        if a.logprobs is not None:
+            np.testing.assert_allclose([lp.logprob for lp in b.logprobs], [lp.logprob for lp in a.logprobs],
+                                       atol=2e-3)
+            assert [lp.top[:1] and lp.top[0][0] for lp in b.logprobs] == [lp.top[:1] and lp.top[0][0]
+                                                                            for lp in a.logprobs]
