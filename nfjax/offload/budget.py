@@ -22,6 +22,7 @@ from nfjax.config import ModelConfig
 from nfjax.offload.compress import compressible, packed_bytes
 from nfjax.offload.policy import Policy, PolicyError
 from nfjax.offload.store import index_tiers, weight_tiers
+from pallas_kernels import kv_quant
 
 GB = 1e9
 CAP_FIELDS = {"gpu": "gpu_memory_gb", "cpu": "cpu_memory_gb", "disk": "disk_gb"}
@@ -68,7 +69,8 @@ def needs(cfg: ModelConfig, policy: Policy, max_len: int) -> list[Need]:
     if off:
         out.append(Need("gpu", "3 layers of off-GPU weights in flight + 1 decompressed",
                         3 * off + sum(n for n, tt in zip(sizes, tiers) if tt != "gpu")))
-    kv_block = 2 * bs * max_len * cfg.num_kv_heads * cfg.head_dim * item
+    kv_block = bs * max_len * cfg.num_kv_heads * (
+        kv_quant.token_head_bytes("int4", cfg.head_dim, None) if policy.compress_cache else 2 * cfg.head_dim * item)
     kv_tiers = index_tiers(L * nb, policy.cache)
     for t in ("gpu", "cpu", "disk"):
         n = kv_tiers.count(t)
@@ -109,6 +111,9 @@ def caps(policy: Policy, device=None, offload_dir: Path | None = None) -> dict[s
 
 def check(cfg: ModelConfig, policy: Policy, max_len: int, limits: dict[str, float | None]) -> dict[str, int]:
     """Bytes per tier; a tier over its cap is a PolicyError naming the cap's field and what fills the tier."""
+    if policy.compress_cache and cfg.head_dim % kv_quant.INT4_GROUP:
+        raise PolicyError(f"policy compress_cache: the int4 KV format groups head_dim in {kv_quant.INT4_GROUP}s; "
+                          f"this model's head_dim is {cfg.head_dim}")
     ns = needs(cfg, policy, max_len)
     total = {t: sum(n.bytes for n in ns if n.tier == t) for t in CAP_FIELDS}
     for t, f in CAP_FIELDS.items():

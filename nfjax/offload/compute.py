@@ -2,8 +2,9 @@
 
 A layer program runs the model's own named ops (`nfjax.models.llama.LAYER_OPS`; OPT's layer declares the same
 graph), as the reference forward does, with two swaps for a dense per-batch KV cache instead of pages:
-`rope_append` writes K/V into the batch's cache [B, S, KH, D] at each token's position, and attention is one
-masked softmax over that cache (a query at position p reads positions <= p of its own row). Off-GPU weights
+`rope_append` writes K/V into the batch's cache [B, S, KH, D] at each token's position (quantized to the KV
+cache's int4 format under `compress_cache`), and attention is one masked softmax over that cache (a query at
+position p reads positions <= p of its own row). Off-GPU weights
 arrive compressed (`Packed`) and are decompressed inside the program. Each program compiles once per shape
 (prefill tokens, decode), whatever layer or batch it runs.
 """
@@ -20,7 +21,7 @@ from nfjax.engine.sampler import sample
 from nfjax.models.llama import LAYER_OPS, LayerContext
 from nfjax.models.rope import inv_frequencies
 from nfjax.offload.compress import decompress_tree
-from pallas_kernels import MASK_VALUE
+from pallas_kernels import MASK_VALUE, kv_quant
 
 _ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
 _ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
@@ -29,41 +30,48 @@ assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op
 
 @dataclass
 class BatchKV:
-    """One GPU batch's K/V of one layer, [B, S, KH, D]; stands in for the paged cache inside `rope_append`."""
-    k: jax.Array
-    v: jax.Array
+    """One GPU batch's K/V of one layer, [B, S, KH, D] (or, compressed, int4 codes [B, S, KH, D / 2] with their
+    bfloat16 scale/center rows [B, S, KH, W]: pallas_kernels/kv_quant.py); stands in for the paged cache inside
+    `rope_append`."""
+    arrays: tuple
 
     def write(self, layer, slots, k, v) -> "BatchKV":
-        b, s = self.k.shape[:2]
+        b, s = self.arrays[0].shape[:2]
         put = dict(mode="drop", unique_indices=True)
-        flat = lambda c: c.reshape(b * s, *c.shape[2:])                              # noqa: E731
-        return BatchKV(flat(self.k).at[slots].set(k.astype(self.k.dtype), **put).reshape(self.k.shape),
-                       flat(self.v).at[slots].set(v.astype(self.v.dtype), **put).reshape(self.v.shape))
+        new = (k, v) if len(self.arrays) == 2 else kv_quant.quantize_kv("int4", k, v)
+        return BatchKV(tuple(c.reshape(b * s, *c.shape[2:]).at[slots].set(x.astype(c.dtype), **put).reshape(c.shape)
+                             for c, x in zip(self.arrays, new)))
+
+    def dense(self):
+        """(k, v) [B, S, KH, D] in float32."""
+        return kv_quant.dequantize_kv(*self.arrays[:2], self.arrays[2] if len(self.arrays) > 2 else None,
+                                      jnp.float32)
 
 
 def dense_attention(q, kv: BatchKV, positions, scale: float):
     """q [B*T, H, D] -> [B*T, H*D]: each query attends to its row's cache positions <= its own (f32 softmax)."""
     b, t = positions.shape
-    _, s, kh, d = kv.k.shape
+    k, v = kv.dense()
+    _, s, kh, d = k.shape
     h = q.shape[1]
     qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kv.k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale
     ok = jnp.arange(s)[None, None, :] <= positions[:, :, None]                      # [B, T, S]
     scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
     w = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", w, kv.v.astype(jnp.float32))
+    out = jnp.einsum("bkgts,bskd->btkgd", w, v)
     return out.reshape(b * t, h * d).astype(q.dtype)
 
 
-def _layer(layer_gd, cfg, rows: bool, weights, x, k_cache, v_cache, positions):
-    """x [B, T, D], caches [B, S, KH, D], positions [B, T] -> (x out, and the whole caches, or with `rows` only
-    the K/V rows this call wrote [B, T, KH, D], for a cache that lives off the GPU)."""
+def _layer(layer_gd, cfg, rows: bool, weights, x, cache: tuple, positions):
+    """x [B, T, D], the batch's cache arrays (`BatchKV`), positions [B, T] -> (x out, and the whole cache, or with
+    `rows` only the rows this call wrote [B, T, ...], for a cache that lives off the GPU)."""
     layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
     b, t, d = x.shape
-    s = k_cache.shape[1]
+    s = cache[0].shape[1]
     slots = (jnp.arange(b, dtype=jnp.int32)[:, None] * s + positions).reshape(-1)
     ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
-    env = {"x": x.reshape(b * t, d), "kv": BatchKV(k_cache, v_cache), "positions": positions.reshape(-1),
+    env = {"x": x.reshape(b * t, d), "kv": BatchKV(tuple(cache)), "positions": positions.reshape(-1),
            "slots": slots}
     for spec in LAYER_OPS:
         if spec is _ATTN_DECODE:
@@ -74,9 +82,8 @@ def _layer(layer_gd, cfg, rows: bool, weights, x, k_cache, v_cache, positions):
             env.update(spec(layer, ctx, env))
     kv, out = env["kv"], env["out"].reshape(b, t, d)
     if not rows:
-        return out, kv.k, kv.v
-    take = lambda c: c[jnp.arange(b)[:, None], positions]                                # noqa: E731
-    return out, take(kv.k), take(kv.v)
+        return out, kv.arrays
+    return out, tuple(c[jnp.arange(b)[:, None], positions] for c in kv.arrays)
 
 
 def _embed(rest_gd, rest_state, tokens, positions):
@@ -106,7 +113,7 @@ class Programs:
     """The jitted programs of one model (compiled on first use per shape, then cached by jax)."""
 
     def __init__(self, cfg, rest_gd, layer_gd):
-        self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, rows), donate_argnums=() if rows else (2, 3))
+        self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, rows), donate_argnums=() if rows else (2,))
                       for rows in (False, True)}
         self.embed = jax.jit(partial(_embed, rest_gd))
         self.head = {s: jax.jit(partial(_head, rest_gd, s)) for s in (False, True)}

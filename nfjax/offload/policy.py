@@ -60,7 +60,7 @@ class Policy:
     cache: Split = field(default_factory=Split)
     activations: Split = field(default_factory=Split)
     compress_weights: bool = False     # off-GPU weights stored, moved as 4-bit groups of 64 (nfjax/offload/compress.py)
-    compress_cache: bool = False       # KV cache in 4-bit groups (not yet)
+    compress_cache: bool = False       # KV cache stored and moved as int4 groups of 64 (kv_quant.py), every tier
     cpu_attention: bool = False        # decode attention on the CPU where the KV cache lives there (not yet)
     host_memory: str = "pinned"        # host tier: "pinned" (JAX pinned_host arrays) | "numpy" (host arrays)
     schedule: str = "zigzag"           # "zigzag" (FlexGen Alg. 1) | "row_by_row" (the baseline: each batch in
@@ -92,9 +92,6 @@ class Policy:
         if self.cpu_attention:
             raise PolicyError("policy cpu_attention: not yet (attention on the CPU comes with FlexGen part 2, "
                               "issue #25); set it to false")
-        if self.compress_cache:
-            raise PolicyError("policy compress_cache: not yet (the offloaded KV cache is stored uncompressed); "
-                              "set it to false")
 
     @property
     def block_size(self) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 
 from nfjax.offload.policy import Policy
 from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers
+from pallas_kernels import kv_quant
 
 
 def _done(value=None) -> Future:
@@ -31,8 +32,17 @@ def _done(value=None) -> Future:
     return f
 
 
+def kv_arrays(policy: Policy, shape: tuple, dtype) -> list[tuple[tuple, object]]:
+    """(shape, dtype) of each array of one KV block [B, S, KH, D]: K and V, or under `compress_cache` the int4
+    codes of K and V and their scale/center rows (pallas_kernels/kv_quant.py)."""
+    if not policy.compress_cache:
+        return [(shape, dtype)] * 2
+    *lead, d = shape
+    return [((*lead, d // 2), np.uint8)] * 2 + [((*lead, kv_quant.aux_width("int4", d)), kv_quant.AUX_DTYPE)]
+
+
 class KVStore:
-    """The KV cache of a block: (layer j, batch k) -> K and V [B, S, KH, D], in the tier the policy puts it."""
+    """The KV cache of a block: (layer j, batch k) -> its arrays (`kv_arrays`), in the tier the policy puts it."""
 
     def __init__(self, policy: Policy, tiers: Tiers, num_layers: int, shape: tuple, dtype):
         nb = policy.num_gpu_batches
@@ -40,39 +50,39 @@ class KVStore:
         self.where = index_tiers(num_layers * nb, policy.cache)
         self.blocks: dict[tuple[int, int], tuple] = {}
         self.pending: dict = {}            # (j, k) -> the store of its newest rows (an I/O thread's future)
+        specs = kv_arrays(policy, shape, dtype)
         for j in range(num_layers):
             for k in range(nb):
                 t = self.tier(j, k)
                 if t == "gpu":
-                    z = jax.device_put(np.zeros(shape, dtype), tiers.on_device)
-                    self.blocks[(j, k)] = (z, jax.device_put(np.zeros(shape, dtype), tiers.on_device))
+                    self.blocks[(j, k)] = tuple(jax.device_put(np.zeros(s, d), tiers.on_device) for s, d in specs)
                 elif t == "cpu":
-                    self.blocks[(j, k)] = (np.zeros(shape, dtype), np.zeros(shape, dtype))
+                    self.blocks[(j, k)] = tuple(np.zeros(s, d) for s, d in specs)
                 else:
-                    self.blocks[(j, k)] = tuple(tiers.disk.memmap(f"kv{j}-{k}-{n}", shape, dtype) for n in "kv")
+                    self.blocks[(j, k)] = tuple(tiers.disk.memmap(f"kv{j}-{k}-{n}", s, d)
+                                                for n, (s, d) in enumerate(specs))
 
     def tier(self, j: int, k: int) -> str:
         return self.where[j * self.nb + k]
 
     def load(self, j: int, k: int) -> tuple:
-        kc, vc = self.blocks[(j, k)]
+        arrays = self.blocks[(j, k)]
         if self.tier(j, k) == "gpu":
-            return kc, vc
+            return arrays
         if self.tier(j, k) == "disk":         # read the file now, here (a device array must not alias the map)
-            kc, vc = np.array(kc), np.array(vc)
-        out = (self.tiers.to_device(kc), self.tiers.to_device(vc))
+            arrays = tuple(np.array(a) for a in arrays)
+        out = tuple(self.tiers.to_device(a) for a in arrays)
         jax.block_until_ready(out)
         return out
 
-    def keep(self, j: int, k: int, kc, vc) -> None:
-        self.blocks[(j, k)] = (kc, vc)
+    def keep(self, j: int, k: int, arrays) -> None:
+        self.blocks[(j, k)] = tuple(arrays)
 
-    def store_rows(self, j: int, k: int, k_rows, v_rows, positions: np.ndarray) -> None:
+    def store_rows(self, j: int, k: int, rows, positions: np.ndarray) -> None:
         """The rows a computation wrote (at `positions` [B, T]) into the host or disk copy."""
-        kc, vc = self.blocks[(j, k)]
         idx = (np.arange(positions.shape[0])[:, None], positions)
-        kc[idx] = np.asarray(k_rows)
-        vc[idx] = np.asarray(v_rows)
+        for buf, r in zip(self.blocks[(j, k)], rows):
+            buf[idx] = np.asarray(r)
 
     def close(self) -> None:
         self.blocks.clear()
@@ -144,7 +154,7 @@ class Executor:
         return self._io(lane, label, run)
 
     def _compute(self, j: int, k: int, w, x, kv_tier: str, kvs, positions):
-        out = self.programs.layer[kv_tier != "gpu"](w, x, kvs[0], kvs[1], positions)
+        out = self.programs.layer[kv_tier != "gpu"](w, x, tuple(kvs), positions)
         if self.trace is not None:
             self.trace.computed(f"L{j} B{k}", out)
         return out
@@ -195,11 +205,11 @@ class Executor:
             w = wf[j].result()
             af = act_next.pop((j, k))
             x = acts.vals[k] if af is None else af.result()
-            out, kc, vc = self._compute(j, k, w, x, kv.tier(j, k), kv_next.pop((j, k)).result(), positions[k])
+            out, cache = self._compute(j, k, w, x, kv.tier(j, k), kv_next.pop((j, k)).result(), positions[k])
             if kv.tier(j, k) == "gpu":
-                kv.keep(j, k, kc, vc)
+                kv.keep(j, k, cache)
             else:
-                kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, kc, vc, pos_np[k])
+                kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, cache, pos_np[k])
             if j == L - 1:
                 final[k] = out
             elif acts.where[k] == "gpu":
@@ -224,13 +234,13 @@ class Executor:
                     self.trace.timed("load weights", f"L{j}", self.weights.fetch, j)
                 kvs = kv.load(j, k) if self.trace is None else \
                     self.trace.timed("load cache", f"L{j} B{k}", kv.load, j, k)
-                x, kc, vc = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])
+                x, cache = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])
                 jax.block_until_ready(x)
                 if kv.tier(j, k) == "gpu":
-                    kv.keep(j, k, kc, vc)
+                    kv.keep(j, k, cache)
                 elif self.trace is None:
-                    kv.store_rows(j, k, kc, vc, pos_np[k])
+                    kv.store_rows(j, k, cache, pos_np[k])
                 else:
-                    self.trace.timed("store cache", f"L{j} B{k}", kv.store_rows, j, k, kc, vc, pos_np[k])
+                    self.trace.timed("store cache", f"L{j} B{k}", kv.store_rows, j, k, cache, pos_np[k])
             outs.append(x)
         return outs

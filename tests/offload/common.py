@@ -34,8 +34,11 @@ def tokenizer(name: str):
 @functools.lru_cache(maxsize=None)
 def engine_tokens(name: str, params: SamplingParams = GREEDY) -> tuple:
     """The paged engine's tokens for PROMPTS (the all-on-device reference)."""
-    m = model(name)
-    eng = Engine(m, tokenizer(name), EngineConfig(m.cfg, CacheConfig(page_size=16, num_pages=32, max_pages_per_seq=4),
-                                                  BatcherConfig(token_buckets=(16, 64), max_seqs=8)),
-                 take_weights=False)
+    return engine_tokens_of(model(name), params)
+
+
+def engine_tokens_of(m, params: SamplingParams = GREEDY) -> tuple:
+    eng = Engine(m, SilentTokenizer(m.cfg.vocab_size), EngineConfig(
+        m.cfg, CacheConfig(page_size=16, num_pages=32, max_pages_per_seq=4),
+        BatcherConfig(token_buckets=(16, 64), max_seqs=8)), take_weights=False)
     return tuple(tuple(o.token_ids) for o in eng.generate(PROMPTS, params))

@@ -76,3 +76,23 @@ def test_unsupported_sampling_options_name_the_field():
         for kw in (dict(presence_penalty=0.5), dict(logprobs=2), dict(min_tokens=2, max_tokens=4)):
             with pytest.raises(UserError, match=next(iter(kw))):
                 eng.generate([PROMPTS[0]], SamplingParams(**kw))
+
+
+def test_compressed_kv_cache_is_the_same_on_every_tier(tmp_path):
+    """The KV cache in int4 (head_dim 64): the same tokens whether its blocks stay on the GPU or move through host
+    memory and disk (codes and scales move as stored), and the files hold codes and scales. Its accuracy is
+    measured on a real model (tests/offload/test_perplexity.py)."""
+    from nfjax.models.random_init import random_model
+    from tests.offload.common import OPT
+    m = random_model(OPT.replace(hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64), seed=5, std=0.25,
+                     host=True)
+    params = SamplingParams.greedy(max_tokens=8, ignore_eos=True)
+    got = []
+    for cache in (Split(100, 0, 0), Split(30, 30, 40)):
+        pol = Policy(gpu_batch_size=2, num_gpu_batches=3, cache=cache, compress_cache=True, offload_dir=str(tmp_path))
+        with OffloadEngine.from_model(m, tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+            got.append([o.token_ids for o in eng.generate(PROMPTS, params)])
+            if cache.disk:
+                names = {p.name for p in eng.disk.path.iterdir()}
+                assert any(n.startswith("kv") and n.endswith("-2.npy") for n in names)   # codes K, codes V, scales
+    assert got[0] == got[1]

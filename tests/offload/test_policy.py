@@ -34,7 +34,6 @@ def test_json_round_trip(tmp_path):
     (dict(gpu_batch_size=0), "gpu_batch_size"),
     (dict(num_gpu_batches=1.5), "num_gpu_batches"),
     (dict(cpu_attention=True), "cpu_attention"),
-    (dict(compress_cache=True), "compress_cache"),
     (dict(host_memory="cuda"), "host_memory"),
     (dict(schedule="fast"), "schedule"),
     (dict(gpu_memory_gb=0), "gpu_memory_gb"),
@@ -59,6 +58,12 @@ def test_a_tier_over_its_cap_is_an_error_before_anything_loads(tmp_path, change,
     assert calls == [] and not (tmp_path / "off").exists()
 
 
+def test_compress_cache_needs_head_dim_in_groups_of_64(tmp_path):
+    pol = Policy(compress_cache=True, offload_dir=str(tmp_path / "off"))
+    with pytest.raises(PolicyError, match="compress_cache.*head_dim is 16"):
+        OffloadEngine.from_model(model("llama"), tokenizer("llama"), pol, max_model_len=MAX_LEN)
+
+
 def test_the_budget_counts_what_each_tier_holds():
     cfg = model("llama").cfg
     pol = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0, 50, 50), cache=Split(0, 0, 100))
@@ -69,6 +74,12 @@ def test_the_budget_counts_what_each_tier_holds():
     with_compression = budget.check(cfg, pol.replace(compress_weights=True), MAX_LEN,
                                     {"gpu": None, "cpu": None, "disk": None})
     assert with_compression["cpu"] < by["cpu"] / 4
+    head64 = cfg.replace(num_heads=1, num_kv_heads=1, head_dim=64)
+    plain = budget.check(head64, pol, MAX_LEN, {"gpu": None, "cpu": None, "disk": None})
+    packed = budget.check(head64, pol.replace(compress_cache=True), MAX_LEN, {"gpu": None, "cpu": None, "disk": None})
+    kv_plain = 3 * 2 * 2 * MAX_LEN * 2 * 64 * 4                           # L x nb blocks, float32 K and V
+    # int4: 32 bytes of codes for K and for V, and one row of 8 bfloat16 scales and centers for both
+    assert plain["disk"] - packed["disk"] == kv_plain - kv_plain * (2 * 32 + 16) // (2 * 64 * 4)
 
 
 def test_generate_offload_flag_errors(tmp_path, capsys):
