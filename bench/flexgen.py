@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         summary["flexgen_vs_rowbyrow"] = runs[best]["out_tok_s"] / data["rowbyrow"]["out_tok_s"]
     traced = run_policy(cfg, make_policy(_fields(runs[best]["policy"]), args), args, trace=True)
     events = traced.pop("events")
-    passes = [e for e in events if e["lane"] == "compute"]
+    passes = [e for e in events if e["lane"] == "compute" and "unpack" not in e["label"]]
     per = cfg.num_layers * runs[best]["policy"]["num_gpu_batches"]
     # the first decode pass: from the prefill's last computation to its own last one
     window = (passes[per - 1]["end_ms"], passes[2 * per - 1]["end_ms"]) if len(passes) >= 2 * per else None

@@ -6,7 +6,8 @@ graph), as the reference forward does, with two swaps for a dense per-batch KV c
 cache's int4 format under `compress_cache`), and attention is one masked softmax over that cache (a query at
 position p reads positions <= p of its own row). Off-GPU weights
 arrive compressed (`Packed`) and are decompressed inside the program. Each program compiles once per shape
-(prefill tokens, decode), whatever layer or batch it runs.
+(prefill tokens, decode), whatever layer or batch it runs. Under the zig-zag schedule a layer's 4-bit weights are
+decompressed once a pass, by a program of their own, before its GPU batches run.
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ class Programs:
     def __init__(self, cfg, rest_gd, layer_gd):
         self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, rows), donate_argnums=() if rows else (2,))
                       for rows in (False, True)}
+        # 4-bit weights decompressed once per layer and pass, before the layer's GPU batches (not once per batch)
+        self.decompress = jax.jit(partial(decompress_tree, dtype=jnp.dtype(cfg.dtype)))
         self.embed = jax.jit(partial(_embed, rest_gd))
         self.head = {s: jax.jit(partial(_head, rest_gd, s)) for s in (False, True)}
         self.token_logprobs = jax.jit(partial(_token_logprobs, rest_gd))

@@ -202,7 +202,12 @@ class Executor:
             if nxt is not None:
                 kv_next[nxt] = load_kv(*nxt)                 # batch k+1's KV while (j, k) computes
             check_interrupt()
-            w = wf[j].result()
+            if k == 0:
+                w = wf[j].result()
+                if self.weights.any_packed:               # once for the layer's batches
+                    w = self.programs.decompress(w)
+                    if self.trace is not None:
+                        self.trace.computed(f"L{j} unpack", w)
             af = act_next.pop((j, k))
             x = acts.vals[k] if af is None else af.result()
             out, cache = self._compute(j, k, w, x, kv.tier(j, k), kv_next.pop((j, k)).result(), positions[k])

@@ -196,6 +196,7 @@ class WeightStore:
         sizes = [int(np.prod(s)) * itemsize for s in shapes]
         self.where = weight_tiers(sizes, policy.weights)
         self.packed = [policy.compress_weights and t != "gpu" and compressible(s) for t, s in zip(self.where, shapes)]
+        self.any_packed = any(self.packed)
         self.layers: list[list] = []          # per layer, per leaf: device/host array, Packed, or disk path(s)
 
     def put(self, j: int, leaves: list) -> None:
