@@ -84,3 +84,39 @@ def test_unsupported_opt_config_names_the_field(tmp_path, field, value):
     with pytest.raises(UserError, match=field):
         convert(tmp_path / "hf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_opt_tensor_parallel_gives_the_tp1_tokens():
+    """OPT's modules carry the Llama layer's names, so TP shards them by the same rules; its o_proj / fc2 biases
+    are added after the all-reduce (once, not once per device)."""
+    from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ParallelConfig
+    from nfjax.engine import Engine, SamplingParams
+    from nfjax.models.random_init import random_model
+    from nfjax.tokenizer.silent import SilentTokenizer
+    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=4, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
+                      qkv_bias=True, model_type="opt")
+    prompts = [np.random.default_rng(i).integers(3, 320, 5 + 4 * i).tolist() for i in range(3)]
+    outs = []
+    for tp in (1, 2):
+        m = _random_biases(random_model(cfg, seed=1, std=0.25, host=True))
+        eng = Engine(m, SilentTokenizer(cfg.vocab_size), EngineConfig(
+            cfg, CacheConfig(page_size=16, num_pages=32, max_pages_per_seq=4),
+            BatcherConfig(token_buckets=(16,), max_seqs=4), ParallelConfig(tp=tp)))
+        outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams.greedy(max_tokens=12,
+                                                                                       ignore_eos=True))])
+    assert outs[0] == outs[1]
+
+
+def _random_biases(m):
+    """random_model zeroes biases; the TP test must see them."""
+    import jax
+    from flax import nnx
+    state = nnx.state(m, nnx.Param)
+    rng = np.random.default_rng(0)
+    pure = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype) if str(getattr(p[-1], "key", p[-1])) == "bias"
+        else x, nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(m, state)
+    return m
