@@ -217,6 +217,49 @@ def save(args, out: dict) -> None:
     path = write_results(args.name, summary, {"args": vars(args), **out}, out_dir=args.out)
     if out.get("timelines"):
         plot_timeline(path.replace(".json", "-timeline.png"), out["timelines"])
+    if out["buckets"]:
+        plot_steps(path.replace(".json", "-steps.png"), out)
+
+
+def plot_steps(path: str, out: dict) -> str | None:
+    """Step time per bucket: Sequential, the hand-tuned plan, the searched plan (bars), and the modelled layer times
+    x layers (ticks)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    buckets = sorted(out["buckets"], key=int)
+    kinds = [("sequential", "Sequential"), (f"nanoflow:{HAND}", "hand-tuned"), (None, "searched")]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    layers = out["config"]["num_layers"]
+    for i, (label, name) in enumerate(kinds):
+        xs, ys = [], []
+        for j, b in enumerate(buckets):
+            r = out["buckets"][b]
+            lb = label or r["searched"]
+            if lb in r["strategies"]:
+                xs.append(j + (i - 1) * 0.27)
+                ys.append(r["strategies"][lb]["step_ms"])
+        bars = ax.bar(xs, ys, width=0.25, label=name)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        mod = [out.get("modelled", {}).get(b, {}) for b in buckets]
+        key = {"Sequential": "sequential_ms", "hand-tuned": "handtuned_ms", "searched": "searched_ms"}[name]
+        pts = [(j + (i - 1) * 0.27, m[key] * layers) for j, m in enumerate(mod) if isinstance(m.get(key), float)]
+        if pts:
+            ax.scatter(*zip(*pts), marker="_", s=200, color="k", zorder=3,
+                       label="modelled (layer x layers)" if i == 0 else None)
+    ax.set_xticks(range(len(buckets)))
+    ax.set_xticklabels([f"{b} tokens, {out['buckets'][b]['decode']} decodes" for b in buckets])
+    ax.set_ylabel("step ms")
+    ax.set_title(f"auto-search vs hand-tuned vs Sequential ({out['device'].get('name', '')})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 if __name__ == "__main__":

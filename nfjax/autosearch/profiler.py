@@ -97,7 +97,8 @@ def _op_fn(subject, spec, num_ctas):
 
     def f(state, ctx_args, ins_list, glob):
         """Every copy's outputs are returned (no DCE); a written global (the cache) is chained from copy to copy
-        and returned once."""
+        and returned once; one only read is not returned (the third device run returned it: a copy of the 2.8 GB
+        cache in every attention measurement, 0.8 ms)."""
         layer, ctx = nnx.merge(gd, state), subject.make_ctx(ctx_args, num_ctas)
         outs = []
         for ins in ins_list:
@@ -109,7 +110,7 @@ def _op_fn(subject, spec, num_ctas):
             if writes:
                 glob = tuple(res[k] for k in writes)
             outs.append(tuple(r for k, r in enumerate(res) if k not in writes))
-        return outs, glob
+        return outs, (glob if writes else ())
     return f, bool(writes)
 
 

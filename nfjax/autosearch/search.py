@@ -112,13 +112,15 @@ def build_problem(graph, model: CostModel, grid: int, overlaps=(), min_overlaps:
     return Problem(graph.names, T, grid, model.full_ms, tuple(edges), tuple(overlaps), (), min_overlaps)
 
 
-def _pair_shares(pr: Problem, model: CostModel) -> list[float]:
-    """The shares the first part of a pair was profiled at (below the whole GPU)."""
-    out = set()
+def _pair_shares(pr: Problem, model: CostModel, keep: int = 2) -> list[float]:
+    """The shares stage I is also solved at: of those a pair was profiled at, the `keep` with the shortest fused
+    time (each view is one more MILP per K; the 2-core time limit allows about two)."""
+    out = {}
     for o in pr.overlaps:
-        out |= {x for x in model.share_grid(o.a) if x < 1}
-        out |= {float(r["share"]) for r in model.pairs if tuple(r["ops"]) == (o.a, o.b)}
-    return sorted(out)
+        for r in model.pairs:
+            if tuple(r["ops"]) == (o.a, o.b):
+                out[float(r["share"])] = min(out.get(float(r["share"]), float("inf")), float(r["fused_ms"]))
+    return sorted(sorted(out, key=lambda x: out[x])[:keep])
 
 
 def pair_costs_at(pr: Problem, model: CostModel, share: float) -> dict:

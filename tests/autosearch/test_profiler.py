@@ -1,5 +1,6 @@
 """The profiler's measurements: copies of an op in one program stay separate computations (XLA merges identical
-ones: the first device runs timed 8 GEMM copies as one), and an op that writes the cache chains its own copy."""
+ones: a device run timed 8 GEMM copies as one), an op that writes the cache chains its own copy, and one that only
+reads it does not return it (a device run copied the whole cache in every attention measurement)."""
 import jax
 import pytest
 
@@ -32,3 +33,13 @@ def test_a_cache_writer_chains_its_own_cache(subject):
     time_job(j, 2, 1.0)                       # a second timing: the subject's cache was not donated away
     assert not case.env["kv"].k.is_deleted()
     jax.block_until_ready(case.env["kv"].k)
+
+
+def test_a_cache_reader_does_not_return_the_cache(subject):
+    case = subject.decode_case(4, 24, 8)
+    for op in ("attn_decode", "attn_prefill"):
+        j = op_job(subject, "k", op, case, copies=2)
+        outs, glob = jax.eval_shape(j.fn, *j.args())
+        assert glob == () and len(outs) == 2
+        leaves = [x.shape for x in jax.tree.leaves(outs)]
+        assert case.env["kv"].k.shape not in leaves
