@@ -8,6 +8,10 @@ compression; `_int4` the best with 4-bit weights.
     python -m bench.flexgen --policies w0-kvcpu-4x16,int4-w0-8x16 --gen-len 32
     python -m bench.flexgen --shape opt-smoke --layers 2 --prompt-len 16 --gen-len 4 --gpu-memory-gb 1   # a CPU
 
+On the GPU machine one command may run 10 minutes: placing OPT-30B's 60 GB and a block of prefill + 32 tokens
+take a few minutes a policy, so run the grid a few `--policies` at a time (`--no-baseline` on all but one) with
+BENCH_RESULTS_DIR=$OUT and `--name` per call.
+
 Throughput is FlexGen's: a block's generated tokens (block size x gen-len) over the time from its prefill to its
 last token, after a warm-up block of the same shapes (so nothing compiles in the timed one); placing the weights
 is not counted. The baseline runs one GPU batch of the best policy's size row by row with the same placement: its
@@ -35,6 +39,9 @@ GRIDS = {
         "w0-kvcpu-8x8": dict(gpu_batch_size=8, num_gpu_batches=8, weights=(0, 100, 0), cache=(12, 88, 0)),
         "w0-kvcpu-8x6": dict(gpu_batch_size=8, num_gpu_batches=6, weights=(0, 100, 0), cache=(16, 84, 0)),
         "w0-kvdisk-8x10": dict(gpu_batch_size=8, num_gpu_batches=10, weights=(0, 100, 0), cache=(10, 60, 30)),
+        # the same as w0-kvcpu-8x8 with the host weights in numpy arrays, not pinned_host ones: which is faster
+        "w0-kvcpu-8x8-numpy": dict(gpu_batch_size=8, num_gpu_batches=8, weights=(0, 100, 0), cache=(12, 88, 0),
+                                   host_memory="numpy"),
         "int4-w0-8x16": dict(gpu_batch_size=8, num_gpu_batches=16, weights=(0, 100, 0), cache=(6, 94, 0),
                              compress_weights=True),
         "int4-w0-16x8": dict(gpu_batch_size=16, num_gpu_batches=8, weights=(0, 100, 0), cache=(6, 94, 0),
