@@ -14,13 +14,17 @@ import openai
 import pytest
 
 from nfjax.config import ServerConfig
-from nfjax.engine import Engine
+from nfjax.engine import Engine, SamplingParams
+from nfjax.engine.outputs import RequestOutput
 from nfjax.server import ServerThread, model_name_for
+from nfjax.tokenizer.byte import ByteTokenizer
 from tests.server.conftest import raw_sse, wait_idle
 
 T = 30.0
 P = ["The class", "def f(x):", "Hello"]
 CHAT = [{"role": "user", "content": "Name a Python keyword."}]
+LP_MAX = 16
+PENALTIES = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
 
 
 @dataclass
@@ -28,15 +32,27 @@ class Served:
     url: str
     model: str
     max_model_len: int
+    greedy: RequestOutput           # P[0], greedy, logprobs=5
+    chat: RequestOutput             # CHAT, greedy, logprobs=3
+    penalized: RequestOutput        # P[0], greedy with PENALTIES
+    min_tok: RequestOutput          # P[0], greedy, stop early unless min_tokens
+    stop: str
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
     engine = Engine.from_pretrained(model_dir, dtype="float32", token_buckets=(32, 128), max_seqs=16, num_pages=256)
+    tok = engine.tokenizer
+    greedy = engine.generate(P[0], SamplingParams.greedy(max_tokens=LP_MAX, logprobs=5))[0]
+    chat = engine.generate(tok.encode_chat(CHAT), SamplingParams.greedy(max_tokens=LP_MAX, logprobs=3))[0]
+    pen = engine.generate(P[0], SamplingParams.greedy(max_tokens=LP_MAX, **PENALTIES))[0]
+    stop = greedy.text[1:3]
+    assert stop and greedy.text.index(stop) < 4
+    min_tok = engine.generate(P[0], SamplingParams.greedy(max_tokens=LP_MAX, stop=(stop,), min_tokens=12))[0]
     name = model_name_for(model_dir)
     srv = ServerThread(engine, ServerConfig(port=0, max_queue=64, log_level="warning"), name).start()
     try:
-        yield Served(srv.url, name, engine.max_model_len)
+        yield Served(srv.url, name, engine.max_model_len, greedy, chat, pen, min_tok, stop)
     finally:
         srv.stop()
 
@@ -72,6 +88,22 @@ def test_n_with_seed_is_reproducible_and_choices_differ(served, client):
     assert [x.index for x in c.choices] == [0, 1, 2]
     assert [x.message.content for x in c.choices] == [x.message.content for x in d.choices]
     assert len({x.message.content for x in c.choices}) > 1
+
+
+def test_best_of_returns_the_highest_cumulative_logprobs(served):
+    kw = dict(prompt=P[1], max_tokens=10, temperature=1.0, seed=21, logprobs=0, ignore_eos=True)
+    every = post(served, "/v1/completions", dict(kw, n=5))["choices"]
+    assert all(len(c["logprobs"]["token_logprobs"]) == 10 for c in every)
+    assert len({sum(c["logprobs"]["token_logprobs"]) for c in every}) == 5
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    best = post(served, "/v1/completions", dict(kw, n=2, best_of=5))
+    assert texts(best) == [c["text"] for c in ranked[:2]]
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in best["choices"]]
+    assert sums[0] >= sums[1] >= max(sum(c["logprobs"]["token_logprobs"]) for c in ranked[2:])
+    assert best["usage"]["completion_tokens"] == 50            # every candidate generated counts
+    kw.pop("logprobs")
+    plain = post(served, "/v1/completions", dict(kw, n=2, best_of=5))
+    assert texts(plain) == texts(best) and all(c["logprobs"] is None for c in plain["choices"])
 
 
 def test_batched_prompts_equal_single_prompts(served):
@@ -123,6 +155,61 @@ def test_a_stream_of_many_choices_left_early_frees_them_all(served):
     assert m["nfjax_running_requests"] == 0 and m["nfjax_kv_pages_used"] == 0
 
 
+# ---- logprobs ----------------------------------------------------------------------------------------------------
+def _tok(i: int) -> str:
+    """The string of a byte tokenizer's token: a character, a lone byte of a longer one, or a special token."""
+    return chr(i) if i < 128 else f"bytes:\\x{i:02x}" if i < 256 else ("<|bos|>", "<|eos|>")[i - 256]
+
+
+def _bytes(i: int) -> list[int]:
+    return [i] if i < 256 else list(_tok(i).encode())
+
+
+def test_completion_logprobs_equal_the_engines(served):
+    ref = served.greedy
+    body = {"prompt": P[0], "max_tokens": LP_MAX, "temperature": 0, "logprobs": 5}
+    c = post(served, "/v1/completions", body)["choices"][0]
+    assert c["text"] == ref.text
+    lp = c["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert lp["tokens"] == [_tok(t) for t in ref.token_ids] and len(ref.logprobs) == len(ref.token_ids)
+    for k, want in enumerate(ref.logprobs):
+        assert lp["token_logprobs"][k] == pytest.approx(want.logprob, abs=1e-4)
+        top = lp["top_logprobs"][k]
+        assert len(want.top) == 5 and set(top) == {_tok(t) for t, _ in want.top}    # greedy: sampled is in top
+        for t, v in want.top:
+            assert top[_tok(t)] == pytest.approx(v, abs=1e-4)
+        assert lp["token_logprobs"][k] == pytest.approx(max(top.values()), abs=1e-6)
+    tok = ByteTokenizer()
+    assert lp["text_offset"] == [len(tok.decode(ref.token_ids[:k])) for k in range(len(ref.token_ids))]
+    chunks, _ = raw_sse(served.url, "/v1/completions", dict(body, stream=True))
+    streamed = {k: [x for ch in chunks if ch["choices"][0]["logprobs"] for x in ch["choices"][0]["logprobs"][k]]
+                for k in lp}
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    zero = post(served, "/v1/completions", dict(body, logprobs=0))["choices"][0]["logprobs"]
+    assert [list(d) for d in zero["top_logprobs"]] == [[t] for t in lp["tokens"]]     # the sampled token only
+
+
+def test_chat_logprobs_equal_the_engines(served, client):
+    ref = served.chat
+    kw = dict(model=served.model, messages=CHAT, max_tokens=LP_MAX, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == ref.text
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [_tok(t) for t in ref.token_ids]
+    for e, want in zip(content, ref.logprobs):
+        assert e.logprob == pytest.approx(want.logprob, abs=1e-4) and e.bytes == _bytes(want.token_id)
+        assert [(x.token, x.bytes) for x in e.top_logprobs] == [(_tok(t), _bytes(t)) for t, _ in want.top]
+        assert [x.logprob for x in e.top_logprobs] == pytest.approx([v for _, v in want.top], abs=1e-4)
+    streamed = [e for ch in client.chat.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    plain = client.chat.completions.create(**dict(kw, top_logprobs=None))
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None)).choices[0].logprobs is None
+
+
 # ---- echo, penalties, min_tokens ---------------------------------------------------------------------------------
 def test_echo(served):
     kw = {"max_tokens": 8, "temperature": 0}
@@ -135,6 +222,16 @@ def test_echo(served):
     assert "".join(c["choices"][0]["text"] for c in chunks) == P[0] + plain
     e = post(served, "/v1/completions", dict(kw, prompt=P[0], echo=True, logprobs=1), status=400)["error"]
     assert e["param"] == "echo" and "prompt logprobs" in e["message"]
+
+
+def test_penalties_and_min_tokens_reach_the_engine(served):
+    base = {"prompt": P[0], "max_tokens": LP_MAX, "temperature": 0}
+    pen = texts(post(served, "/v1/completions", dict(base, **PENALTIES)))[0]
+    assert pen == served.penalized.text and pen != served.greedy.text
+    stopped = post(served, "/v1/completions", dict(base, stop=[served.stop]))
+    assert stopped["usage"]["completion_tokens"] < 4
+    r = post(served, "/v1/completions", dict(base, stop=[served.stop], min_tokens=12))
+    assert texts(r)[0] == served.min_tok.text and r["usage"]["completion_tokens"] >= 12
 
 
 # ---- tokenizer endpoints, version, openapi, unknown model --------------------------------------------------------
