@@ -107,9 +107,10 @@ def full_input(batch, rows: int, slots: int, vocab: int, eos) -> FullInput:
         r, p = sq.req, sq.req.params
         if r.penalty_slot is not None:
             f.slot[i] = r.penalty_slot
-            f.presence[i], f.frequency[i], f.repetition[i] = p.presence_penalty, p.frequency_penalty, \
-                p.repetition_penalty
-            if sq.start == 0:
+            f.presence[i] = p.presence_penalty
+            f.frequency[i] = p.frequency_penalty
+            f.repetition[i] = p.repetition_penalty
+            if sq.start == 0:                           # its first prompt chunk: the slot's last owner is done
                 f.reset_slot[i] = r.penalty_slot
             if sq.samples:
                 f.count_slot[i] = r.penalty_slot
