@@ -137,7 +137,7 @@ def bcast_rows(x, shape):
 
 def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_hbm, layer, seq, kh,
                      kv_lo, kv_hi, scale: float, causal_pos0=None, group: int = 1, wg=None, consumed=None,
-                     sched=None):
+                     sched=None, dq=None, aux_hbm=None):
     """Online-softmax attention of the query tile in `q_s` over cache positions [kv_lo, kv_hi) of row `seq`
     of the page table, kv head `kh`. Returns (acc [ROWS, D] f32 unnormalised, m [ROWS] base-2 max, l [ROWS]).
 
@@ -155,7 +155,12 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     `sched` (a barrier with one arrival per warpgroup, two warpgroups, no `consumed`) staggers them
     ("ping-pong"): each meets the other once after issuing q @ k and once after its softmax, and warpgroup 1
     starts half a step late, so one warpgroup's softmax runs while the other's matmuls use the tensor cores.
+
+    A quantized cache (`dq`, a `_kv_dequant.Dequant`, with its aux rows in `aux_hbm`): each block's aux rows
+    travel with K, and the stage is dequantized into bf16 tiles before each matmul (one warpgroup only).
     """
+    if dq is not None and dq.on and wg is not None:
+        raise ValueError("a quantized cache is read by one warpgroup a tile")
     num_stages, block_kv, _ = k_s.shape
     rows, d = q_s.shape
     n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
@@ -172,7 +177,8 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
 
     def issue_now(i, slot):
         copy_kv_block(k_hbm=k_hbm, v_hbm=v_hbm, pt_hbm=pt_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar,
-                      layer=layer, seq=seq, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
+                      layer=layer, seq=seq, kh=kh, tok0=kv_lo + i * block_kv, slot=slot, aux_hbm=aux_hbm,
+                      aux_s=None if dq is None else dq.aux_s)
 
     for i in range(num_stages):
         pl.when(i < n_blk)(lambda i=i: issue(i, i))
@@ -183,7 +189,9 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = ops.qk(q_s, k_s.at[slot], after_issue=meet if sched is not None else None) * c
+        qp = dq.rows(slot) if dq is not None else None             # a quantized cache's per-row parameters
+        kt = dq.k(k_s.at[slot], qp) if dq is not None else k_s.at[slot]
+        s = ops.qk(q_s, kt, after_issue=meet if sched is not None else None) * c
         if masked:
             col = ops.iota((rows, block_kv), 1)
             tok = col + (kv_lo + i * block_kv)
@@ -204,7 +212,8 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         plgpu.barrier_wait(v_bar.at[slot])
         if sched is not None:
             plgpu.barrier_wait(sched)           # the other warpgroup is out of the tensor cores
-        acc = ops.pv(acc, p.astype(v_s.dtype), v_s.at[slot])
+        vt = dq.v(v_s.at[slot], qp) if dq is not None else v_s.at[slot]
+        acc = ops.pv(acc, p.astype(vt.dtype), vt)
         # Both wgmmas on this slot are complete (their results were read), so the slot can be refilled.
         if consumed is None:
             pl.when(i + num_stages < n_blk)(lambda: issue(i + num_stages, slot))
@@ -255,9 +264,11 @@ def block_pages(pt_hbm, *, seq, tok0, block_kv: int, page_size: int) -> tuple:
     return (pt_hbm[seq, jnp.minimum(lax.div(tok0, page_size), max_pages - 1)],)
 
 
-def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok0, slot):
+def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok0, slot, aux_hbm=None,
+                  aux_s=None):
     """Start the TMA copies of one block (its `pages`, from `block_pages`) of kv head `kh` into stage `slot`
-    of k_s/v_s; each copy arrives on k_bar/v_bar[slot]."""
+    of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. A quantized cache's aux rows (`aux_hbm` [L, N, PS, KH,
+    W] -> `aux_s` [stages, block_kv, W]) arrive on k_bar too."""
     block_kv, page_size = k_s.shape[1], k_hbm.shape[2]
     if block_kv >= page_size:
         per = len(pages)
@@ -266,27 +277,40 @@ def copy_kv_pages(*, k_hbm, v_hbm, k_s, v_s, k_bar, v_bar, layer, pages, kh, tok
             dv = v_s.at[slot] if per == 1 else v_s.at[slot, pl.ds(j * page_size, page_size)]
             plgpu.copy_gmem_to_smem(k_hbm.at[layer, page, :, kh], dk, k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_hbm.at[layer, page, :, kh], dv, v_bar.at[slot])
+            if aux_hbm is not None:
+                da = aux_s.at[slot] if per == 1 else aux_s.at[slot, pl.ds(j * page_size, page_size)]
+                plgpu.copy_gmem_to_smem(aux_hbm.at[layer, page, :, kh], da, k_bar.at[slot])
     else:
         off = lax.rem(tok0, page_size)
         plgpu.copy_gmem_to_smem(k_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], k_s.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], v_s.at[slot], v_bar.at[slot])
+        if aux_hbm is not None:
+            plgpu.copy_gmem_to_smem(aux_hbm.at[layer, pages[0], pl.ds(off, block_kv), kh], aux_s.at[slot],
+                                    k_bar.at[slot])
 
 
-def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot):
+def copy_kv_block(*, k_hbm, v_hbm, pt_hbm, k_s, v_s, k_bar, v_bar, layer, seq, kh, tok0, slot, aux_hbm=None,
+                  aux_s=None):
     """Start the TMA copies of cache positions [tok0, tok0 + block_kv) of page-table row `seq`, kv head `kh`,
     into stage `slot` of k_s/v_s; each copy arrives on k_bar/v_bar[slot]. tok0 is a multiple of block_kv."""
     pages = block_pages(pt_hbm, seq=seq, tok0=tok0, block_kv=k_s.shape[1], page_size=k_hbm.shape[2])
     copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
-                  pages=pages, kh=kh, tok0=tok0, slot=slot)
+                  pages=pages, kh=kh, tok0=tok0, slot=slot, aux_hbm=aux_hbm, aux_s=aux_s)
 
 
-def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int):
-    """SMEM K and V stage buffers and their barriers (arrivals = copies per block)."""
+def kv_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, page_size: int, fmt: str = "bfloat16"):
+    """SMEM K and V stage buffers and their barriers (arrivals = copies per block). A quantized format's stages
+    hold the values as stored, and K's barrier also counts the aux rows' copies."""
     per = max(1, block_kv // page_size)
-    tf = smem_tile_transforms(dtype)
-    return [plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=tf),
-            plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=tf),
-            plgpu.Barrier(num_arrivals=per, num_barriers=num_stages),
+    if fmt == "bfloat16":
+        shape, tf, k_arrivals = (num_stages, block_kv, head_dim), smem_tile_transforms(dtype), per
+    else:
+        from pallas_kernels._kv_dequant import stage_transforms, value_shape
+        shape, tf = (num_stages, *value_shape(fmt, block_kv, head_dim)), stage_transforms(fmt, head_dim)
+        k_arrivals = 2 * per
+    return [plgpu.SMEM(shape, dtype, transforms=tf),
+            plgpu.SMEM(shape, dtype, transforms=tf),
+            plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=per, num_barriers=num_stages)]
 
 

@@ -27,6 +27,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._kv_dequant import cache_format
 from pallas_kernels._mgpu import compiler_params
 from pallas_kernels.paged_decode_swapped import attention_kernel, finish, out_types, prepare
 from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, cdiv, gemm_kernel, \
@@ -60,11 +61,12 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  attn_ctas: int, gemm_ctas: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
-                                 interpret: bool = False
+                                 interpret: bool = False, aux_cache=None
                                  ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_ctas + gemm_ctas
     CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
-    for each, one GEMM over them side by side: the MLP's gate and up projections)."""
+    for each, one GEMM over them side by side: the MLP's gate and up projections). `aux_cache`: a quantized
+    cache (kv_quant.py), dequantized by the attention CTAs."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
@@ -75,13 +77,17 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
     qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits,
-                                   block_kv=block_kv, num_stages=num_stages)
+                                   block_kv=block_kv, num_stages=num_stages, aux_cache=aux_cache)
+    fmt = cache_format(k_cache, aux_cache)
+    na = 0 if aux_cache is None else 1
     kvh = k_cache.shape[3]
     a_prog, nw = attn_ctas, len(ws)
 
     total = a_prog + gp_
 
-    def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, x_hbm, *rest):
+    def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, *rest):
+        aux_hbm = rest[0] if na else None
+        x_hbm, rest = rest[na], rest[na + 1:]
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")
         is_attn, a_idx, g_idx = cta_role(pid, a_prog, total, spread)
@@ -90,7 +96,8 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         def _():
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
                                                       num_kv_heads=kvh, num_splits=ns, num_ctas=a_prog,
-                                                      scale=scale, interpret=interpret, cta=a_idx),
+                                                      scale=scale, interpret=interpret, cta=a_idx,
+                                                      aux_hbm=aux_hbm, kv_format=fmt),
                           *attn_scratch, collective_axes="wg")
 
         @pl.when(jnp.logical_not(is_attn))
@@ -105,6 +112,6 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr,
-      k_cache, v_cache, x, *ws)
+      k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)), x, *ws)
     attn = finish(o_t, lse, q.shape, kvh, ns).astype(q.dtype)
     return attn, (tuple(ys) if isinstance(w, (tuple, list)) else ys[0])

@@ -19,8 +19,9 @@ Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
 
 Layout of the stacked cache (`nfjax.kv.cache.KVCache`): values k, v [L, N, PS, KH, D] (fp8: float8_e4m3fn;
 int4: uint8 [..., D / 2], byte j holding code j in its low nibble and code j + D / 2 in its high one, so the two
-nibbles of a tile unpack into its two halves of head_dim with no interleaving) and, for every quantized format, `aux` [L, N, PS, KH, W] bfloat16: one
-row of W = AUX_WIDTH (8 for head_dim <= 128) values per token and kv head holding K's and V's parameters:
+nibbles of a tile unpack into its two halves of head_dim with no interleaving) and, for every quantized format,
+`aux` [L, N, PS, KH, W] bfloat16: one row of W = `aux_width` (8 for head_dim <= 128) values per token and kv head
+holding K's and V's parameters:
   fp8 / fp8_page: [k_scale, v_scale, 0, ...]
   int4:           [k_scale_0, k_center_0, ..., k_scale_{G-1}, k_center_{G-1}, v_scale_0, v_center_0, ...]
 The aux rows share the values' [L, N, PS, KH] leading layout, so a page's rows move with its values (the

@@ -32,6 +32,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import MASK_VALUE
 from pallas_kernels._compat import mosaic_gpu_interpret_params
+from pallas_kernels._kv_dequant import Dequant, cache_format, check_format, deq_transforms, quant_scratch
+from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
 
@@ -39,14 +41,15 @@ from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compi
 def paged_decode_attention_ref(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
-                               scale: float) -> Float[Array, "B H D"]:
+                               scale: float, aux_cache=None) -> Float[Array, "B H D"]:
     """Pure-jnp reference: query b attends to positions [0, seq_lens[b]) of its pages (f32 math).
-    Sequences with seq_lens == 0 give 0."""
+    Sequences with seq_lens == 0 give 0. `aux_cache`: a quantized cache (kv_quant.py), dequantized first."""
     b, h, d = q.shape
     _, _, ps, kh, _ = k_cache.shape
     p = page_table.shape[1]
-    k = k_cache[layer][page_table].reshape(b, p * ps, kh, d).astype(jnp.float32)
-    v = v_cache[layer][page_table].reshape(b, p * ps, kh, d).astype(jnp.float32)
+    kl, vl = dequantize_kv(k_cache[layer], v_cache[layer], None if aux_cache is None else aux_cache[layer])
+    k = kl[page_table].reshape(b, p * ps, kh, d)
+    v = vl[page_table].reshape(b, p * ps, kh, d)
     qg = q.reshape(b, kh, h // kh, d).astype(jnp.float32)
     s = jnp.einsum("bkgd,blkd->bkgl", qg, k) * scale
     ok = jnp.arange(p * ps)[None, :] < seq_lens[:, None]
@@ -70,9 +73,10 @@ def choose_num_splits(work: int, ctas: int, max_splits: int = 16) -> int:
 
 
 def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-            q_s, o_s, lse_s, q_bar, k_s, v_s, k_bar, v_bar, *, num_kv_heads, num_splits, num_ctas,
-            group_pad, scale, interpret):
+            q_s, o_s, lse_s, q_bar, k_s, v_s, k_bar, v_bar, *quant, num_kv_heads, num_splits, num_ctas,
+            group_pad, scale, interpret, kv_format="bfloat16", aux_hbm=None):
     ops = Ops(interpret)
+    dq = Dequant(kv_format, q_s.shape[1], quant, interpret)
     block_kv = k_s.shape[1]
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
     pid = lax.axis_index("p")
@@ -87,7 +91,7 @@ def _kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
         plgpu.barrier_wait(q_bar.at[0])
         acc, m, l = paged_flash_loop(ops, q_s=q_s, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, k_hbm=k_hbm,
                                      v_hbm=v_hbm, pt_hbm=pt_hbm, layer=layer, seq=b, kh=kh, kv_lo=kv_lo,
-                                     kv_hi=kv_hi, scale=scale)
+                                     kv_hi=kv_hi, scale=scale, dq=dq, aux_hbm=aux_hbm)
         store_partial(acc, m, l, bcast_rows, o_s, lse_s, o_s.at[pl.ds(0, group_pad)], lse_s.at[pl.ds(0, group_pad)],
                       o_hbm.at[w], lse_hbm.at[w])
         return carry
@@ -103,9 +107,10 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
                            v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                            page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                            num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                           num_stages: int = 2, interpret: bool = False) -> Float[Array, "B H D"]:
+                           num_stages: int = 2, interpret: bool = False, aux_cache=None) -> Float[Array, "B H D"]:
     """Decode attention over the paged cache for layer `layer` (a traced scalar; the stacked cache is not
-    sliced). Sequences with seq_lens == 0 produce 0. `num_splits=None` picks one for `num_ctas`."""
+    sliced). Sequences with seq_lens == 0 produce 0. `num_splits=None` picks one for `num_ctas`.
+    `aux_cache`: the cache is quantized (kv_quant.py), dequantized in the kernel (pallas_kernels/_kv_dequant.py)."""
     b, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     g = h // kvh
@@ -113,20 +118,30 @@ def paged_decode_attention(q: Float[Array, "B H D"], k_cache: Float[Array, "L N 
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     items = b * kvh * ns
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
-                             group_pad=gp, scale=scale, interpret=interpret)
+    fmt = cache_format(k_cache, aux_cache)
+    check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
+    kernel = functools.partial(_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
+                               group_pad=gp, scale=scale, interpret=interpret, kv_format=fmt)
+
+    def body(params, lens, pt, qr, k, v, *rest):
+        aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
+        kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux)
+    tf = deq_transforms(fmt, d) if fmt == "int4" else smem_tile_transforms(q.dtype)     # one swizzle for wgmma
     o, lse = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((items, gp, d), jnp.float32),
                   jax.ShapeDtypeStruct((items, gp), jnp.float32)),
-        scratch_types=[plgpu.SMEM((ROWS, d), q.dtype, transforms=smem_tile_transforms(q.dtype)),
+        scratch_types=[plgpu.SMEM((ROWS, d), q.dtype, transforms=tf),
                        plgpu.SMEM((ROWS, d), jnp.float32),
                        plgpu.SMEM((ROWS,), jnp.float32),
                        plgpu.Barrier(num_barriers=1),
-                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps)],
+                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
+                       *(quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1]) if fmt != "bfloat16"
+                         else [])],
         grid=(num_ctas,), grid_names=("p",), compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
-    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
+    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
+      *(() if aux_cache is None else (aux_cache,)))
     return combine_splits(o, lse, b, kvh, ns, g).astype(q.dtype)
 
 

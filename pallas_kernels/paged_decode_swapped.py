@@ -33,6 +33,7 @@ from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels import MASK_VALUE
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
+from pallas_kernels._kv_dequant import Dequant, cache_format, check_format, deq_transforms, quant_scratch
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")
@@ -51,20 +52,27 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
-                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *, num_kv_heads,
-                     num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma"):
+                     q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
+                     num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
+                     kv_format: str = "bfloat16"):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
 
     `row_sums`: how the consumer adds up each block's probabilities for the softmax denominator: "wgmma" = a
     second wgmma, ones @ P^T, beside V^T P^T (no cross-warp reduction; the sum of the bf16 P the numerator
-    uses); "reduce" = P's column sums in f32, a cross-warp reduction per block."""
+    uses); "reduce" = P's column sums in f32, a cross-warp reduction per block.
+
+    A quantized cache (`kv_format` fp8 / int4, its aux rows in `aux_hbm`, `quant` = `_kv_dequant.quant_scratch`):
+    the producer copies each block's aux rows with K, and the consumer dequantizes each stage into bf16 tiles
+    before the two wgmmas (pallas_kernels/_kv_dequant.py)."""
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
+    dq = Dequant(kv_format, q_s.shape[2], quant, interpret)
+    cd = q_s.dtype                                  # the matmuls' operand dtype (bf16)
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
@@ -87,7 +95,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
                                     page_size=k_hbm.shape[2])
                 copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
-                              pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot)
+                              pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot, aux_hbm=aux_hbm,
+                              aux_s=dq.aux_s)
                 return g + 1
             return lax.fori_loop(0, n_blk, block, g)
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
@@ -102,13 +111,14 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
     def consumer():
         by_wgmma = row_sums == "wgmma"
-        ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), v_s.dtype)) if by_wgmma else None
+        ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), cd)) if by_wgmma else None
 
         def step(g, tok0, kv_hi, q, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = ops.kq(k_s.at[slot], q) * c                                # [BKV, GP]
+            rows = dq.rows(slot)
+            s = ops.kq(dq.k(k_s.at[slot], rows), q) * c                    # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
@@ -117,12 +127,13 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             p = jnp.exp2(s - _cols(m_new, s.shape))
             acc = acc * _cols(alpha, acc.shape)
             plgpu.barrier_wait(v_bar.at[slot])
+            vt = dq.v(v_s.at[slot], rows)
             if by_wgmma:
                 l = l * _cols(alpha, l.shape)
-                acc, l = ops.vp_and_sums(acc, l, p.astype(v_s.dtype), v_s.at[slot], p_s, ones)
+                acc, l = ops.vp_and_sums(acc, l, p.astype(cd), vt, p_s, ones)
             else:
                 l = l * alpha + p.sum(axis=0)
-                acc = ops.vp(acc, p.astype(v_s.dtype), v_s.at[slot], p_s)
+                acc = ops.vp(acc, p.astype(cd), vt, p_s)
             plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
             return acc, m_new, l
 
@@ -160,44 +171,57 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, row_sums: str | None = None,
-                                   interpret: bool = False) -> Float[Array, "B H D"]:
+                                   interpret: bool = False, aux_cache=None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
-    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`."""
+    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
+    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here."""
     share = num_ctas <= 0.6 * num_sms()
     if num_stages is None:
         num_stages = 3 if share else 2
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
     qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages)
+                              num_stages=num_stages, aux_cache=aux_cache)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
-    body = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
-                             scale=scale, interpret=interpret, row_sums=row_sums)
+    fmt = cache_format(k_cache, aux_cache)
+    kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
+                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt)
+
+    def body(params, lens, pt, qr, k, v, *rest):
+        aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
+        kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_ctas,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
-    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache)
+    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
+      *(() if aux_cache is None else (aux_cache,)))
     return finish(o_t, lse, q.shape, kvh, ns)
 
 
-def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int):
+def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
     d, ps = q.shape[2], k_cache.shape[2]
+    fmt = cache_format(k_cache, aux_cache)
+    check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
     qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    tf = smem_tile_transforms(q.dtype)
+    # wgmma wants one swizzle for both operands: int4 at head_dim 64 writes its dequantized halves as 32-column
+    # slices, so every bf16 operand tile then takes the 64-byte swizzle of its k_deq / v_deq
+    tf = deq_transforms(fmt, d) if fmt == "int4" else smem_tile_transforms(q.dtype)
     scratch = [plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
                plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),
                plgpu.SMEM((gp,), jnp.float32),
                plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
-               *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
+               *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
                plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
+    if fmt != "bfloat16":
+        scratch += quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1])
     return qr, ns, scratch
 
 

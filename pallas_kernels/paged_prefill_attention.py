@@ -31,6 +31,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import MASK_VALUE
 from pallas_kernels._compat import mosaic_gpu_interpret_params
+from pallas_kernels._kv_dequant import Dequant, cache_format, check_format, deq_transforms, quant_scratch
+from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels._mgpu import ROWS, Ops, bcast_rows, cdiv, check_block, compiler_params, kv_scratch, \
     paged_flash_loop, smem_tile_transforms
 
@@ -39,9 +41,9 @@ def paged_prefill_attention_ref(q: Float[Array, "T H D"], k_cache: Float[Array, 
                                 v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                 page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
                                 query_start: Int[Array, "S1"], first_seq: Int[Array, ""],
-                                scale: float) -> Float[Array, "T H D"]:
+                                scale: float, aux_cache=None) -> Float[Array, "T H D"]:
     """Pure-jnp reference (f32 math). Tokens of sequences < first_seq and tokens outside
-    [query_start[0], query_start[S]) give 0."""
+    [query_start[0], query_start[S]) give 0. `aux_cache`: a quantized cache (kv_quant.py), dequantized first."""
     t, h, d = q.shape
     _, _, ps, kh, _ = k_cache.shape
     s, p = page_table.shape
@@ -50,8 +52,9 @@ def paged_prefill_attention_ref(q: Float[Array, "T H D"], k_cache: Float[Array, 
     live = (tok >= query_start[0]) & (tok < query_start[s]) & (seq >= first_seq)
     q_len = query_start[seq + 1] - query_start[seq]
     pos = seq_lens[seq] - q_len + (tok - query_start[seq])
-    k = k_cache[layer][page_table[seq]].reshape(t, p * ps, kh, d).astype(jnp.float32)
-    v = v_cache[layer][page_table[seq]].reshape(t, p * ps, kh, d).astype(jnp.float32)
+    kl, vl = dequantize_kv(k_cache[layer], v_cache[layer], None if aux_cache is None else aux_cache[layer])
+    k = kl[page_table[seq]].reshape(t, p * ps, kh, d)
+    v = vl[page_table[seq]].reshape(t, p * ps, kh, d)
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
     sc = jnp.einsum("tkgd,tlkd->tkgl", qg, k) * scale
     ok = jnp.arange(p * ps)[None, :] <= pos[:, None]
@@ -90,8 +93,12 @@ def layout_tiles(seq_lens, query_start, first_seq, num_tokens: int, tokens_per_t
 
 
 def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar, k_s, v_s, k_bar, v_bar,
-            *extra, num_kv_heads, group, num_ctas, num_wgs, pingpong, scale, interpret):
+            *extra, num_kv_heads, group, num_ctas, num_wgs, pingpong, scale, interpret, kv_format="bfloat16",
+            aux_hbm=None):
     ops = Ops(interpret)
+    dq = None
+    if kv_format != "bfloat16":                 # one warpgroup; `extra` is the quantized scratch
+        dq, extra = Dequant(kv_format, q_s.shape[2], extra, interpret), ()
     num_items = info_hbm.shape[1] * num_kv_heads
     pid = lax.axis_index("p")
     wg = lax.axis_index("wg") if num_wgs > 1 else None
@@ -115,7 +122,7 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
                                          kv_lo=jnp.int32(0), kv_hi=kv_hi, scale=scale, causal_pos0=pos0,
                                          group=group, wg=wg,
                                          consumed=extra[0] if extra and not pingpong else None,
-                                         sched=extra[0].at[0] if pingpong else None)
+                                         sched=extra[0].at[0] if pingpong else None, dq=dq, aux_hbm=aux_hbm)
             o = acc / bcast_rows(jnp.maximum(l, 1e-30), acc.shape)
             mine[...] = o.astype(q_s.dtype)
             plgpu.commit_smem()
@@ -135,11 +142,12 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
                             query_start: Int[Array, "S1"], first_seq: Int[Array, ""], *, scale: float,
                             num_ctas: int | None = None, block_kv: int = 128, num_stages: int = 2,
                             num_warpgroups: int = 2, pingpong: bool = True,
-                            interpret: bool = False) -> Float[Array, "T H D"]:
+                            interpret: bool = False, aux_cache=None) -> Float[Array, "T H D"]:
     """Causal attention of each live sequence's query chunk over its cached positions (see module doc).
     `num_ctas=None` launches one CTA per (tile, kv head); an int makes the grid persistent (one
     warpgroup only). `num_warpgroups` 64-row parts of a tile share one K/V stream; `pingpong` staggers two.
-    Tokens outside live sequences (decodes before `first_seq`, padding) give 0."""
+    Tokens outside live sequences (decodes before `first_seq`, padding) give 0. `aux_cache`: the cache is
+    quantized (kv_quant.py) and dequantized in the kernel, by one warpgroup a tile (`num_warpgroups` is then 1)."""
     t, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     s = page_table.shape[0]
@@ -147,7 +155,9 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     if g * kvh != h:
         raise ValueError(f"{h} query heads over {kvh} kv heads: need a whole group")
     check_block(block_kv, ps, d)
-    nw = num_warpgroups
+    fmt = cache_format(k_cache, aux_cache)
+    check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
+    nw = num_warpgroups if fmt == "bfloat16" else 1
     if nw > 1 and num_ctas is not None:
         raise ValueError("a persistent grid (num_ctas) needs num_warpgroups=1")
     pingpong = pingpong and nw == 2         # staggering needs exactly two warpgroups
@@ -169,20 +179,27 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     progs = items if num_ctas is None else min(num_ctas, items)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    body = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_ctas=progs, num_wgs=nw,
-                             pingpong=pingpong, scale=scale, interpret=interpret)
+    kernel = functools.partial(_kernel, num_kv_heads=kvh, group=g, num_ctas=progs, num_wgs=nw,
+                               pingpong=pingpong, scale=scale, interpret=interpret, kv_format=fmt)
+
+    def body(params, info, pt, qt, k, v, *rest):
+        aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
+        kernel(params, info, pt, qt, k, v, *rest, aux_hbm=aux)
+    tf = deq_transforms(fmt, d) if fmt == "int4" else smem_tile_transforms(q.dtype)     # one swizzle for wgmma
     threads = {"num_threads": nw, "thread_name": "wg"} if nw > 1 else {}
     ot = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((items, nw, ROWS, d), q.dtype),
-        scratch_types=[plgpu.SMEM((nw, ROWS, d), q.dtype, transforms=smem_tile_transforms(q.dtype)),
+        scratch_types=[plgpu.SMEM((nw, ROWS, d), q.dtype, transforms=tf),
                        plgpu.Barrier(num_barriers=nw),
-                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps),
+                       *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
+                       *(quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1]) if fmt != "bfloat16"
+                         else []),
                        *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if pingpong else
                          [plgpu.Barrier(num_arrivals=nw, num_barriers=num_stages)] if nw > 1 else [])],
         grid=(progs,), grid_names=("p",), compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None, **threads,
-    )(params, info, page_table.astype(jnp.int32), qt, k_cache, v_cache)
+    )(params, info, page_table.astype(jnp.int32), qt, k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)))
 
     # Back to token order. Tiles that were skipped (kv_hi == 0) hold garbage, but no live token maps to them.
     ot = ot.reshape(nt, kvh, rows, d)[:, :, :tpt * g].reshape(nt, kvh, tpt, g, d)

@@ -33,8 +33,9 @@ from pallas_kernels.kv_quant import KV_DTYPES, is_quantized
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
 
-# KV formats the Pallas kernels read (dequantizing in the kernel); the references read every format.
-KERNEL_KV_DTYPES = ("bfloat16",)
+# KV formats the Pallas kernels read (dequantizing in the kernel: pallas_kernels/_kv_dequant.py); the references
+# read every format.
+KERNEL_KV_DTYPES = ("bfloat16", "fp8", "int4")
 
 
 def kernels_support(q, kv: KVCache) -> bool:
@@ -42,26 +43,35 @@ def kernels_support(q, kv: KVCache) -> bool:
     kvh = kv.k.shape[3]
     if kv.kv_dtype not in KERNEL_KV_DTYPES:
         return False
-    return (d % 64 == 0 and h % kvh == 0 and h // kvh <= 64
-            and jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype)
+    if not (d % 64 == 0 and h % kvh == 0 and h // kvh <= 64):
+        return False
+    if kv.aux is not None:                      # quantized: bf16 queries; int4 takes one group a half of head_dim
+        return q.dtype == jnp.bfloat16 and (kv.kv_dtype != "int4" or d in (64, 128))
+    return jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype
 
 
 def check_kv_format(model: ModelConfig, kv_dtype: str, gpu: bool) -> None:
     """At start: a quantized format needs the kernels on a GPU (the references there read the whole page-table
     width every step), so one they cannot serve for this model is a ConfigError naming the flag and choices."""
     check_format(model, kv_dtype)
-    if not gpu or not is_quantized(kv_dtype):
-        return
-    why = None
-    if kv_dtype not in KERNEL_KV_DTYPES:
-        why = "no attention kernel reads it yet"
-    elif model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
-        why = (f"the kernels need head_dim % 64 == 0, at most 64 query heads a kv head and bfloat16 "
-               f"activations (head_dim {model.head_dim}, {model.num_heads}/{model.num_kv_heads} heads, {model.dtype})")
+    why = _gpu_refusal(model, kv_dtype) if gpu else None
     if why:
-        served = [f for f in KV_DTYPES if f in KERNEL_KV_DTYPES]
+        served = [f for f in KV_DTYPES if _gpu_refusal(model, f) is None]
         raise ConfigError(f"--kv-dtype / cache.kv_dtype {kv_dtype!r} cannot be served on this GPU: {why}; "
                           f"choices here: {', '.join(served)} (all: {', '.join(KV_DTYPES)})")
+
+
+def _gpu_refusal(model: ModelConfig, kv_dtype: str) -> str | None:
+    if not is_quantized(kv_dtype):
+        return None                 # unquantized: shapes the kernels do not take run the reference, as before
+    if kv_dtype not in KERNEL_KV_DTYPES:
+        return "no attention kernel reads it (a format for the accuracy comparison only)"
+    if model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
+        return (f"the kernels need head_dim % 64 == 0, at most 64 query heads a kv head and bfloat16 activations "
+                f"(head_dim {model.head_dim}, {model.num_heads}/{model.num_kv_heads} heads, {model.dtype})")
+    if kv_dtype == "int4" and model.head_dim not in (64, 128):
+        return f"int4 in the kernels needs head_dim 64 or 128 (this model's is {model.head_dim})"
+    return None
 
 
 def _use_kernels(use_kernels, q, kv) -> bool:
@@ -92,7 +102,7 @@ def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""
         return _reference(q[:min(s, q.shape[0])], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
     q_r, pt, lens = decode_rows(q, meta)
     return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
-                                          num_ctas=num_ctas or num_sms(), interpret=interpret)
+                                          num_ctas=num_ctas or num_sms(), interpret=interpret, aux_cache=kv.aux)
 
 
 def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
@@ -123,7 +133,8 @@ def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, "
         first = jnp.int32(0)
     else:
         first = nd
-    return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret)
+    return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret,
+                                   aux_cache=kv.aux)
 
 
 def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,

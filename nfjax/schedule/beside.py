@@ -42,7 +42,7 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     attn_ctas = ctx_a.num_ctas or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
     attn, (gate, up) = decode_attention_beside_gemm(
         q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
-        attn_ctas=attn_ctas)
+        attn_ctas=attn_ctas, aux_cache=kv.aux)
     attn = attn.reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))

@@ -56,8 +56,14 @@ def test_formats_the_device_cannot_serve_fail_at_start():
         resolve(engine_config(small, {"cache": {"kv_dtype": "int4"}}), free_bytes=None, on_gpu=False)
     with pytest.raises(ConfigError, match=r"--kv-dtype / cache.kv_dtype 'fp8_page' cannot be served on this GPU"):
         resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8_page"}}), free_bytes=1 << 30, on_gpu=True)
-    with pytest.raises(ConfigError, match=r"'fp8' cannot be served on this GPU.*choices here: bfloat16"):
-        resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8"}}), free_bytes=1 << 30, on_gpu=True)
+    with pytest.raises(ConfigError, match=r"'fp8' cannot be served on this GPU.*float32.*choices here: bfloat16 \("):
+        resolve(engine_config(CFG.replace(dtype="float32"), {"cache": {"kv_dtype": "fp8"}}), free_bytes=1 << 30,
+                on_gpu=True)
+    with pytest.raises(ConfigError, match=r"'int4' cannot be served.*head_dim 64 or 128.*choices here: bfloat16, fp8 "):
+        resolve(engine_config(CFG.replace(head_dim=256), {"cache": {"kv_dtype": "int4"}}), free_bytes=1 << 30,
+                on_gpu=True)
+    for f in ("fp8", "int4"):          # the kernels serve both on a GPU
+        resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
 
 
 def _engine(fmt, tight):

@@ -75,7 +75,8 @@ def test_kv_pairs_and_their_aux_rows(fmt, d):
         assert err < (0.04 if fmt == "fp8" else 0.2 if b is k else 0.1), err
     # unquantized: dequantize is a cast
     a, b = kq.dequantize_kv(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), None)
-    assert a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(jnp.asarray(k, jnp.bfloat16), np.float32))
+    assert a.dtype == jnp.float32
+    assert np.array_equal(np.asarray(a), np.asarray(jnp.asarray(k, jnp.bfloat16), np.float32))
 
 
 def test_bytes_per_token_and_head():

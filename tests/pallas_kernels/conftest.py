@@ -8,7 +8,8 @@ from nfjax.config import pages_for
 
 
 class PagedCase:
-    def __init__(self, seed, *, kv_heads, group, head_dim, page_size, seq_lens, layers=2, spare_pages=3):
+    def __init__(self, seed, *, kv_heads, group, head_dim, page_size, seq_lens, layers=2, spare_pages=3,
+                 kv_dtype="bfloat16"):
         rng = np.random.default_rng(seed)
         self.rng, self.seed = rng, seed
         self.seq_lens = np.asarray(seq_lens, np.int32)
@@ -18,6 +19,14 @@ class PagedCase:
         shape = (layers, num_pages, page_size, kv_heads, head_dim)
         self.k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         self.v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        self.aux = None                     # a quantized cache (kv_quant.py): values as stored + aux rows
+        if kv_dtype != "bfloat16":
+            from pallas_kernels.kv_quant import quantize_kv
+            # K-like rows: a few outlier channels, norms varying by token
+            scale = np.exp(rng.standard_normal(shape[:-1] + (1,)) * 0.5)
+            k = np.asarray(self.k, np.float32) * scale
+            k[..., :2] *= 8.0
+            self.k, self.v, self.aux = quantize_kv(kv_dtype, jnp.asarray(k), self.v)
         perm = rng.permutation(np.arange(1, num_pages))                # page 0 is scratch
         table = np.zeros((len(need), self.max_pages), np.int32)
         off = 0

@@ -1,0 +1,158 @@
+"""Quantized K/V tiles inside the attention kernels: the formats of kv_quant.py turned back into bfloat16 tiles.
+
+A quantized cache's stage buffers hold the values as stored (fp8 [block_kv, D], or int4 bytes [block_kv, D / 2])
+and each block's aux rows ([block_kv, W] bfloat16, copied by TMA beside K's pages: W * 2 = 16 bytes a row). The
+consumer turns a stage into one bfloat16 [block_kv, D] SMEM tile (`k_deq` / `v_deq`), after which the kernel's
+bfloat16 matmuls run unchanged:
+  * the aux tile is loaded once a block in the WGMMA layout, and each needed column becomes a per-row (position)
+    f32 vector by a masked row sum (4 lanes of a quad; no cross-warp traffic);
+  * fp8: loaded in WGMMA_UPCAST_2X (the layout made for 8-bit -> 16-bit), converted to f16 (the hardware's
+    e4m3 conversion; e4m3 -> bf16 needs a newer ptxas), moved to the WGMMA layout, scaled per row in f32;
+  * int4: bytes loaded in WGMMA_UPCAST_2X as int16, moved to the WGMMA layout; the low nibbles are the first
+    half of head_dim and the high nibbles the second (kv_quant's packing), so each half is a plain column
+    slice of the output tile: (u - 7.5) * scale + center per row, with the scale and center of its group.
+Interpret mode (CPU tests) does the same arithmetic with jnp on the loaded tiles.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import kv_quant
+
+QUANT_KERNEL_FORMATS = ("fp8", "int4")
+
+
+def cache_format(k_cache, aux_cache) -> str:
+    """The format of a stacked cache from its arrays (the kernels' static choice)."""
+    if aux_cache is None:
+        return "bfloat16"
+    if k_cache.dtype == jnp.uint8:
+        return "int4"
+    if k_cache.dtype == kv_quant.FP8:
+        return "fp8"
+    raise ValueError(f"a quantized cache holds fp8 or uint8 (int4) values, got {k_cache.dtype}")
+
+
+def check_format(fmt: str, head_dim: int, aux_width: int) -> None:
+    if fmt == "bfloat16":
+        return
+    if fmt not in QUANT_KERNEL_FORMATS:
+        raise ValueError(f"the kernels read the KV formats {QUANT_KERNEL_FORMATS}, got {fmt!r}")
+    if fmt == "int4" and head_dim not in (64, 128):
+        raise ValueError(f"int4 KV in the kernels needs head_dim 64 or 128 (one group a half), got {head_dim}")
+    if aux_width != kv_quant.aux_width(fmt, head_dim):
+        raise ValueError(f"aux rows of width {aux_width}; the {fmt} format at head_dim {head_dim} has "
+                         f"{kv_quant.aux_width(fmt, head_dim)}")
+
+
+def _transforms(row_bytes: int, itemsize: int) -> tuple:
+    swz = min(128, row_bytes)
+    return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+
+
+def stage_transforms(fmt: str, head_dim: int) -> tuple:
+    """SMEM tiling of a stage of stored values (a TMA destination): [block_kv, D] fp8 or [block_kv, D / 2] u8."""
+    return _transforms(head_dim // 2 if fmt == "int4" else head_dim, 1)
+
+
+def deq_transforms(fmt: str, head_dim: int) -> tuple:
+    """SMEM tiling of the dequantized bf16 tile: int4 writes its two halves as column slices, so a half must be
+    whole swizzle tiles (64-byte swizzle at head_dim 64)."""
+    return _transforms(head_dim if fmt == "int4" else 2 * head_dim, 2)
+
+
+def value_shape(fmt: str, block_kv: int, head_dim: int) -> tuple[int, int]:
+    return (block_kv, head_dim // 2 if fmt == "int4" else head_dim)
+
+
+def quant_scratch(fmt: str, num_stages: int, block_kv: int, head_dim: int, aux_width: int) -> list:
+    """[aux stages, k_deq, v_deq]."""
+    return [plgpu.SMEM((num_stages, block_kv, aux_width), kv_quant.AUX_DTYPE),
+            plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=deq_transforms(fmt, head_dim)),
+            plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=deq_transforms(fmt, head_dim))]
+
+
+def aux_columns(fmt: str, head_dim: int, which: str) -> list[tuple[int, int | None]]:
+    """(scale column, center column or None) of K's or V's aux row, one pair per half of head_dim (int4) or a
+    single pair (fp8)."""
+    if fmt == "fp8":
+        return [(0 if which == "k" else 1, None)]
+    g = head_dim // kv_quant.INT4_GROUP
+    base = 0 if which == "k" else 2 * g
+    groups = [0, 0] if g == 1 else [0, 1]                  # the group of each half
+    return [(base + 2 * gi, base + 2 * gi + 1) for gi in groups]
+
+
+def load_rows(aux_ref, cols: list[int], interpret: bool) -> dict:
+    """{column: f32 [block_kv] vector over the tile's rows} from one aux stage [block_kv, W]."""
+    if interpret:
+        a = aux_ref[...].astype(jnp.float32)
+        return {c: a[:, c] for c in cols}
+    a = plgpu.load(aux_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    col = plgpu.broadcasted_iota(jnp.int32, a.shape, 1, layout=plgpu.Layout.WGMMA)
+    return {c: jnp.where(col == c, a, 0.0).sum(axis=1) for c in cols}
+
+
+def _rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None:
+    """Stored stage tile `src` -> bf16 `dst` [block_kv, D] with the per-row parameters `rows` (`load_rows`) at
+    the columns `pairs` (`aux_columns`)."""
+    if fmt == "fp8":
+        (sc, _), = pairs
+        if interpret:
+            x = src[...].astype(jnp.float32)
+        else:
+            x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(jnp.float32)
+        dst[...] = (x * _rows(rows[sc], x.shape)).astype(dst.dtype)
+        return
+    h = src.shape[1]                                       # D / 2
+    if interpret:
+        u = src[...].astype(jnp.int32)
+    else:
+        u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)
+        u = plgpu.layout_cast(u, plgpu.Layout.WGMMA)
+    for half, codes in enumerate((u & 15, u >> 4)):
+        sc, cc = pairs[half]
+        c = codes.astype(jnp.float32)
+        x = (c - 7.5) * _rows(rows[sc], c.shape) + _rows(rows[cc], c.shape)
+        dst[:, pl.ds(half * h, h)] = x.astype(dst.dtype)
+
+
+class Dequant:
+    """A kernel's quantized-K/V state: the format, the aux stages and the two bf16 tiles (None: bfloat16 cache,
+    every method a no-op that hands back the stage buffer itself)."""
+
+    def __init__(self, fmt: str, head_dim: int, scratch, interpret: bool):
+        self.fmt, self.head_dim, self.interpret = fmt, head_dim, interpret
+        self.on = fmt != "bfloat16"
+        self.aux_s, self.k_deq, self.v_deq = scratch if self.on else (None, None, None)
+        self.k_pairs = aux_columns(fmt, head_dim, "k") if self.on else []
+        self.v_pairs = aux_columns(fmt, head_dim, "v") if self.on else []
+
+    def rows(self, slot) -> dict:
+        """Both K's and V's per-row parameters of stage `slot` (one aux load a block; call after K arrived)."""
+        if not self.on:
+            return {}
+        cols = sorted({c for p in self.k_pairs + self.v_pairs for c in p if c is not None})
+        return load_rows(self.aux_s.at[slot], cols, self.interpret)
+
+    def k(self, k_stage, rows):
+        if not self.on:
+            return k_stage
+        dequant_tile(self.fmt, k_stage, self.k_deq, rows, self.k_pairs, self.interpret)
+        plgpu.commit_smem()                    # generic-proxy stores, read next by wgmma
+        return self.k_deq
+
+    def v(self, v_stage, rows):
+        if not self.on:
+            return v_stage
+        dequant_tile(self.fmt, v_stage, self.v_deq, rows, self.v_pairs, self.interpret)
+        plgpu.commit_smem()
+        return self.v_deq

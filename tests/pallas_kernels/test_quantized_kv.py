@@ -1,0 +1,105 @@
+"""The attention kernels on quantized caches (fp8, int4; pallas_kernels/_kv_dequant.py) in Mosaic GPU interpret
+mode against their references, which dequantize the whole cache first; GPU lowering checked by cross-lowering for
+CUDA. Ragged lengths, pages of 16 and 64, GQA 1/4/8, head_dim 64/128."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kv_quant
+from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
+from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
+
+# (format, page_size, group, head_dim, block_kv, num_splits, programs)
+DECODE = [("fp8", 16, 4, 64, 64, None, 3), ("int4", 64, 8, 128, 64, 3, 4), ("int4", 16, 1, 64, 128, 2, 5),
+          ("fp8", 64, 1, 128, 128, 1, 2)]
+
+
+@pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs", DECODE)
+def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, progs):
+    lens = [0, 1, 2 * bkv + 5, 3 * ps - 1]
+    c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens, kv_dtype=fmt)
+    q = c.queries(len(lens))
+    args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
+    out = paged_decode_attention_swapped(*args, scale=c.scale, num_ctas=progs, num_splits=ns, block_kv=bkv,
+                                         num_stages=2, row_sums="wgmma" if g < 8 else "reduce", interpret=True,
+                                         aux_cache=c.aux)
+    ref = paged_decode_attention_ref(*args, c.scale, aux_cache=c.aux)
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), f"seed {c.seed}"
+    assert c.rel_err(out, ref) < 1e-2, f"seed {c.seed}"
+    assert np.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("fmt,ps,d,kw", [("fp8", 16, 128, {}), ("int4", 16, 128, {}),
+                                         ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
+                                         ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma"})])
+def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
+    sds = jax.ShapeDtypeStruct
+    vd = d // 2 if fmt == "int4" else d
+    dt = jnp.uint8 if fmt == "int4" else kv_quant.FP8
+    cache = sds((2, 4096, ps, 8, vd), dt)
+    aux = sds((2, 4096, ps, 8, kv_quant.aux_width(fmt, d)), jnp.bfloat16)
+    args = (sds((64, 32, d), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
+            sds((64,), jnp.int32))
+    paged_decode_attention_swapped.trace(*args, scale=d ** -0.5, aux_cache=aux, **kw).lower(
+        lowering_platforms=("cuda",))
+
+
+HEADS = [("fp8", 16, 8, 128, 64, 2, 3), ("int4", 64, 4, 64, 128, None, 2)]
+
+
+@pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs", HEADS)
+def test_heads_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, progs):
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    lens = [0, 2 * bkv + 5, 3 * ps - 1]
+    c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens, kv_dtype=fmt)
+    q = c.queries(len(lens))
+    args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
+    out = paged_decode_attention(*args, scale=c.scale, num_ctas=progs, num_splits=ns, block_kv=bkv, num_stages=2,
+                                 interpret=True, aux_cache=c.aux)
+    ref = paged_decode_attention_ref(*args, c.scale, aux_cache=c.aux)
+    assert c.rel_err(np.asarray(out, np.float32), ref) < 1e-2, f"seed {c.seed}"
+
+
+# (format, page_size, group, head_dim, programs, first_seq)
+PREFILL = [("fp8", 16, 4, 64, None, 1), ("int4", 64, 8, 128, 3, 0), ("int4", 16, 1, 64, None, 0),
+           ("fp8", 64, 4, 128, 4, 1)]
+
+
+@pytest.mark.parametrize("fmt,ps,g,d,progs,first", PREFILL)
+def test_prefill_on_quantized_cache(paged_case, fmt, ps, g, d, progs, first):
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+    qlens, before = [3, 21, 1, 9], [5, 0, 70, 130]
+    c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=np.add(qlens, before), kv_dtype=fmt)
+    t = sum(qlens) + 3
+    q = c.queries(t)
+    qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
+    args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), qs, jnp.int32(first))
+    out = paged_prefill_attention(*args, scale=c.scale, num_ctas=progs, block_kv=64, num_stages=2, interpret=True,
+                                  aux_cache=c.aux)
+    ref = paged_prefill_attention_ref(*args, c.scale, aux_cache=c.aux)
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all() and c.rel_err(out, ref) < 1e-2, f"seed {c.seed}"
+    assert np.all(out[:qlens[0] if first else 0] == 0) and np.all(out[sum(qlens):] == 0)
+
+
+@pytest.mark.parametrize("fmt,d", [("fp8", 128), ("int4", 64)])
+def test_prefill_heads_and_fused_on_quantized_cache_lower_for_gpu(fmt, d):
+    from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+    sds = jax.ShapeDtypeStruct
+    vd, dt = (d // 2, jnp.uint8) if fmt == "int4" else (d, kv_quant.FP8)
+    cache = sds((2, 4096, 16, 8, vd), dt)
+    aux = sds((2, 4096, 16, 8, kv_quant.aux_width(fmt, d)), jnp.bfloat16)
+    lay, pt, lens = sds((), jnp.int32), sds((4, 256), jnp.int32), sds((4,), jnp.int32)
+    paged_prefill_attention.trace(sds((2048, 32, d), jnp.bfloat16), cache, cache, lay, pt, lens,
+                                  sds((5,), jnp.int32), sds((), jnp.int32), scale=0.1, aux_cache=aux).lower(
+        lowering_platforms=("cuda",))
+    dec = (sds((256, 32, d), jnp.bfloat16), cache, cache, lay, sds((256, 80), jnp.int32), sds((256,), jnp.int32))
+    paged_decode_attention.trace(*dec, scale=0.1, aux_cache=aux).lower(lowering_platforms=("cuda",))
+    w = sds((4096, 14336), jnp.bfloat16)
+    text = decode_attention_beside_gemm.trace(*dec, sds((1792, 4096), jnp.bfloat16), (w, w), scale=0.1, attn_ctas=33,
+                                              aux_cache=aux).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
