@@ -177,6 +177,10 @@ class CacheConfig:
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float = 0.9        # automatic num_pages: this share of device memory left after weights
     kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype, unquantized) | fp8 | int4 (kv_quant.py)
+    prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
+    host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)
+    disk_cache_dir: str | None = None      # disk tier below the host tier (nfjax/kv/tiers.py; None: none)
+    disk_cache_gb: float = 0.0             # the disk tier's size
 
     def __post_init__(self):
         from pallas_kernels.kv_quant import ALL_KV_DTYPES, KV_DTYPES
@@ -189,6 +193,15 @@ class CacheConfig:
                 raise ConfigError(f"cache.{f} must be >= {2 if f == 'num_pages' else 1}, got {v}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"cache.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        for f in ("host_cache_gb", "disk_cache_gb"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"cache.{f} must be >= 0, got {getattr(self, f)}")
+        if (self.host_cache_gb or self.disk_cache_dir) and not self.prefix_cache:
+            raise ConfigError("cache.host_cache_gb / disk_cache_dir (--host-cache-gb, --disk-cache-dir) hold the "
+                              "prefix cache's evicted pages: they need the prefix cache (drop --no-prefix-cache)")
+        if bool(self.disk_cache_dir) != (self.disk_cache_gb > 0):
+            raise ConfigError("cache.disk_cache_dir and cache.disk_cache_gb (--disk-cache-dir, --disk-cache-gb) "
+                              "go together")
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` positions."""

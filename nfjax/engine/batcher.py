@@ -6,6 +6,13 @@ preempted: its KV pages move to host memory and come back later without recomput
 
 A request with penalties also takes a penalty slot at admission (its token counts on the device,
 nfjax/engine/penalties.py) and keeps it, swapped out or not, until it finishes; with none free, admission waits.
+
+Prefix cache (on unless `CacheConfig.prefix_cache` is off): at admission a request takes the cached pages of its
+prompt's longest cached run of full pages (GPU first, then the host and disk tiers, whose rows the engine loads
+before the step) and its prefill starts at the first uncached token; a page is offered to the cache once it is
+full, written by a launched step, and its tokens are known on the host (prompt chunks at formation, generated
+tokens at finish or preemption). The last prompt token is always computed, and a request writes only from its
+first uncached position on, in pages of its own, so shared pages are never written (no copy-on-write).
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ from nfjax.config import EngineConfig
 from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
+from nfjax.kv.prefix_cache import page_hash, prompt_hashes
+from nfjax.kv.tiers import PrefixStats
 
 
 @dataclass
@@ -35,6 +44,11 @@ class Batch:
     num_decode: int
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, pages to copy out)
     swap_in: list[Request] = field(default_factory=list)
+    evict: list[tuple[int, bytes]] = field(default_factory=list)   # cached pages to copy to the host tier first
+    loads: list[tuple[int, object]] = field(default_factory=list)  # (page, row) loaded from a tier before the step
+    prefix_seeds: list[Request] = field(default_factory=list)     # penalty slots to fill with a reused prompt
+    prompt_tokens: int = 0                    # prompt tokens of the requests admitted in this step
+    reused_tokens: int = 0                    # of which reused from the prefix cache (all tiers)
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +62,9 @@ class Batcher:
         self.cache = cache = config.cache
         self.budget = max(sched.token_buckets)
         self.max_model_len = cache.max_model_len
-        self.allocator = PageAllocator(cache.num_pages)
+        self.allocator = PageAllocator(cache.num_pages, prefix=cache.prefix_cache)
+        self.tiers = None                          # nfjax.kv.tiers.PrefixTiers, set by the engine when configured
+        self.stats = PrefixStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in arrival order
         self.swapped: deque[Request] = deque()
@@ -66,6 +82,7 @@ class Batcher:
             return
         req.status, req.finish_reason = Status.FINISHED, reason
         if req.pages:
+            self._register(req)                     # pages its generated tokens filled
             self.allocator.free(req.pages)
             req.pages = []
         req.host_kv = None
@@ -121,6 +138,45 @@ class Batcher:
         return peak + self._predicted_pages(req) <= self.allocator.capacity
 
     # ---- pages ------------------------------------------------------------------------------------
+    def _register(self, req: Request) -> None:
+        """Offer the request's full, written pages whose tokens the host knows to the prefix cache."""
+        a, ps = self.allocator, self.cache.page_size
+        if not a.prefix:
+            return
+        while req.num_registered < len(req.pages) and (req.num_registered + 1) * ps <= req.num_computed:
+            h = page_hash(req, req.num_registered, ps)
+            if h is None:
+                return
+            a.register(req.pages[req.num_registered], h)
+            req.num_registered += 1
+
+    def _reuse_prefix(self, batch: Batch, req: Request) -> None:
+        """A newly admitted request takes its prompt's cached pages: GPU hits are shared, tier hits get fresh
+        pages loaded before the step. At least one page is left for its first chunk, so admission cannot fail
+        after a load was planned."""
+        a, ps = self.allocator, self.cache.page_size
+        req.reused = {}
+        if not a.prefix or req.num_computed:
+            return
+        hashes = prompt_hashes(req, ps)
+        pages = a.lookup(hashes)
+        if pages and a.num_free < 1:
+            a.free(pages)                           # back to the LRU list, untouched
+            pages = []
+        if pages:
+            req.reused["gpu"] = len(pages) * ps
+        if self.tiers is not None and len(pages) < len(hashes):
+            rows = self.tiers.fetch(hashes[len(pages):], a.num_free - 1)
+            new = a.allocate(len(rows))
+            for p, h, (row, tier) in zip(new, hashes[len(pages):], rows):
+                a.register(p, h)
+                batch.loads.append((p, row))
+                req.reused[tier] = req.reused.get(tier, 0) + ps
+            pages += new
+        req.pages, req.num_computed, req.num_registered = pages, len(pages) * ps, len(pages)
+        if pages and req.penalty_slot is not None:
+            batch.prefix_seeds.append(req)
+
     def _grow(self, req: Request, upto: int) -> bool:
         need = self.cache.pages_for(upto) - len(req.pages)
         if need <= 0:
@@ -138,6 +194,7 @@ class Batcher:
                 continue
             self.running.remove(victim)
             victim.status = Status.SWAPPED
+            self._register(victim)                  # its full pages stay cached while it is away
             keep = self.cache.pages_for(victim.num_computed)
             if len(victim.pages) > keep:            # pages grown ahead hold nothing yet
                 self.allocator.free(victim.pages[keep:])
@@ -198,16 +255,27 @@ class Batcher:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
+            self._reuse_prefix(batch, req)
             took = self._add_chunk(batch, req, left)
-            if took == 0:       # no pages even for one chunk: put it back
+            if took == 0:       # no pages even for one chunk (so nothing was reused or loaded): put it back
                 self._release_slot(req)
                 self.running.remove(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
                 break
             left -= took
+            batch.prompt_tokens += req.prompt_len
+            batch.reused_tokens += req.num_computed          # advanced after formation
+            st = self.stats
+            st.prompt_tokens += req.prompt_len
+            st.hit_tokens_gpu += req.reused.get("gpu", 0)
+            st.hit_tokens_host += req.reused.get("host", 0)
+            st.hit_tokens_disk += req.reused.get("disk", 0)
             if peak is not None:
                 peak += self._predicted_pages(req)
+        evicted = self.allocator.take_evicted()
+        if self.tiers is not None:
+            batch.evict = evicted
         if not batch.seqs and not batch.swap_out and not batch.swap_in:
             return None
         n = batch.num_tokens
@@ -216,6 +284,7 @@ class Batcher:
             s.req.num_computed += s.num_tokens
             if s.samples:
                 s.req.num_launched_outputs += 1
+            self._register(s.req)
         return batch
 
     def _room_for_chunk(self, batch: Batch) -> bool:
@@ -240,6 +309,7 @@ class Batcher:
                 return
             self.swapped.popleft()
             req.pages = self.allocator.allocate(need)
+            req.num_registered = 0                  # fresh pages: offered to the cache again as they are
             req.status = Status.RUNNING
             self.running.append(req)
             self.running.sort(key=lambda r: r.timings.arrival)

@@ -54,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="KV cache format: bfloat16 (unquantized, the default), fp8 (e4m3, a scale per token and kv "
                         "head) or int4 (groups of 64 with a scale and center each, two values a byte)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
+                   help="do not reuse the KV pages of equal prompt prefixes (the prefix cache is on by default)")
+    g.add_argument("--host-cache-gb", type=float, default=None,
+                   help="host memory for pages evicted from the GPU prefix cache, reloaded on a hit (default 0)")
+    g.add_argument("--disk-cache-dir", default=None, help="folder of the disk tier below the host tier")
+    g.add_argument("--disk-cache-gb", type=float, default=None, help="size of the disk tier (with --disk-cache-dir)")
     g.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="share of device memory left after the weights that the KV pages take (default 0.9)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -88,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 # flag -> (section, field); the flags not listed here (strategies, plan, dtype) are handled by name below
 _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cache", "max_model_len": "cache",
-         "kv_dtype": "cache",
+         "kv_dtype": "cache", "prefix_cache": "cache", "host_cache_gb": "cache", "disk_cache_dir": "cache",
+         "disk_cache_gb": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
 

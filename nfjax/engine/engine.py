@@ -42,6 +42,7 @@ class Engine:
         self.config = config = self.runner.config      # automatic sizes resolved
         self.runner.compile_all(progress=progress)
         self.batcher = Batcher(config)
+        self.batcher.tiers = self._make_tiers()
         self.trace = StepTrace()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
@@ -69,6 +70,52 @@ class Engine:
         for section, vals in overrides_from_args(settings).items():
             overrides.setdefault(section, {}).update(vals)
         return build_engine(path, overrides, dtype=dtype, progress=progress)
+
+    def _make_tiers(self):
+        """The prefix cache's host tier (and disk tier below it) when configured."""
+        from nfjax.kv.tiers import HostTier, PrefixTiers
+        c, copies = self.config.cache, self.runner.tier_copies
+        if copies is None:
+            return None
+        stats, row = self.batcher.stats, copies.row_bytes
+        disk = None
+        if c.disk_cache_dir:
+            from nfjax.kv.disk_tier import DiskTier
+            disk = DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 2 ** 30) // row, row, stats,
+                            self._tier_fingerprint())
+        return PrefixTiers(HostTier(int(c.host_cache_gb * 2 ** 30) // row, row, stats, spill=disk), disk)
+
+    def _tier_fingerprint(self) -> bytes:
+        """What a disk-tier file's pages depend on besides their tokens: the model, the KV format and layout."""
+        import hashlib
+        c = self.config.cache
+        desc = repr((self.model_config, c.kv_dtype, c.page_size, self.runner.tier_copies.row_bytes))
+        return hashlib.blake2b(desc.encode(), digest_size=16).digest()
+
+    def prefix_stats(self) -> dict:
+        """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved."""
+        d = self.batcher.stats.as_dict()
+        a, t = self.batcher.allocator, self.batcher.tiers
+        d.update(enabled=a.prefix, gpu_cached_pages=a.num_cached,
+                 host_pages=len(t.host) if t else 0, disk_pages=len(t.disk) if t and t.disk else 0)
+        return d
+
+    def close(self) -> None:
+        """Release the disk tier's folder (its lock)."""
+        if self.batcher.tiers is not None:
+            self.batcher.tiers.close()
+
+    def _evict_to_host(self, evict: list) -> None:
+        """Evicted cached pages to the host tier, before this step's writes may reuse them."""
+        rows = self.runner.pages_to_host([p for p, _ in evict])
+        for (_, h), row in zip(evict, rows):
+            self.batcher.tiers.put(h, row.copy())
+
+    def _load_from_tiers(self, loads: list) -> None:
+        """Tier hits into their fresh pages: one host->device copy and an on-device scatter."""
+        rows = [r for _, r in loads]
+        self.runner.pages_from_host([p for p, _ in loads], rows)
+        self.batcher.stats.bytes_from_host += sum(r.nbytes for r in rows)
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
     @property
@@ -149,12 +196,18 @@ class Engine:
         batch = self.batcher.next_batch(slots)
         handle = None
         if batch is not None:
+            if batch.evict:                        # reads of pages this step may overwrite come first
+                self._evict_to_host(batch.evict)
             for req, pages in batch.swap_out:
                 req.host_kv = self.runner.swap_out(pages)
                 self.preemptions += 1
             for req in batch.swap_in:
                 self.runner.swap_in(req.host_kv, req.pages)
                 req.host_kv = None
+            if batch.loads:
+                self._load_from_tiers(batch.loads)
+            for req in batch.prefix_seeds:
+                self.runner.seed_penalty_slot(req.penalty_slot, req.prompt_ids)
             handle = self.runner.launch(batch) if batch.seqs else None
             if handle is not None:
                 handle.host_ms = (time.perf_counter() - t0) * 1e3

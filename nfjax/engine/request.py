@@ -43,6 +43,11 @@ class Request:
     penalty_slot: int | None = None   # row of the device's token counts (penalties), held from admission to finish
     logprobs: list = field(default_factory=list)   # TokenLogprob per output (SamplingParams.logprobs set)
     cumulative_logprob: float = 0.0
+    # prefix cache (nfjax/kv/allocator.py): hashes of its full pages (as far as the host knows the tokens), the
+    # leading pages already offered to the cache, and prompt tokens reused at admission per tier
+    page_hashes: list = field(default_factory=list)
+    num_registered: int = 0
+    reused: dict = field(default_factory=dict)
     # What the step's head must do for it (set from params; read per step, so plain flags): penalties in every
     # step, logprobs / min_tokens where it samples (nfjax/engine/penalties.py, `needs_full`)
     penalized: bool = field(init=False, default=False)

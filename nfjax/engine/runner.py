@@ -36,6 +36,7 @@ from nfjax.engine.penalties import (FullInput, Logprobs, PenaltyState, full_inpu
 from nfjax.engine.step_input import StepInput, pack, stage, unpack, unpack_into
 from nfjax.kv.cache import KVCache, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
+from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
@@ -85,6 +86,12 @@ def _full_head(rest_gd, max_seqs: int, like: FullInput, rest_state, x: Float[Arr
     logits = model.logits(model.norm(x[inp.meta.logits_index]))
     out, logprobs, state = full_sample(logits, inp, unpack(like, packed), state)
     return jnp.pad(out, (0, max_seqs - out.shape[0])), logprobs, state
+
+
+def _seed_slot(state: PenaltyState, slot: Int[Array, ""], tokens: Int[Array, "N"]) -> PenaltyState:
+    """The slot's counts cleared and its prompt flags set to `tokens` (padding: ids >= vocab, dropped)."""
+    return PenaltyState(state.counts.at[slot].set(0),
+                        state.in_prompt.at[slot].set(False).at[slot, tokens].set(True, mode="drop"))
 
 
 def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
@@ -172,6 +179,8 @@ class Runner:
         self.strategy_counts: dict[str, int] = {}             # steps launched per strategy label
         self._swap_out = None
         self._swap_in = None
+        self.tier_copies: TierCopies | None = None      # the prefix tiers' page <-> row copies
+        self._seed = None                         # fills a penalty slot with a prompt whose prefix was reused
         self.compile_seconds = 0.0
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
         self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
@@ -270,7 +279,36 @@ class Runner:
                                                                                                  pages).compile()
         self._swap_in = jax.jit(lambda kv, pg, *b: kv.put_pages(pg, b), donate_argnums=0,
                                 out_shardings=self.kv_sharding).lower(self.kv, pages, *blks).compile()
+        self._compile_prefix_programs()
         self.compile_seconds = time.perf_counter() - t0
+
+    def _compile_prefix_programs(self) -> None:
+        """The prefix cache's programs: the penalty-slot seed, and with a host tier the page <-> row copies."""
+        c, rep = self.cache_cfg, self.replicated
+        if not c.prefix_cache:
+            return
+        toks = jax.ShapeDtypeStruct((c.max_model_len,), jnp.int32, sharding=rep)
+        self._seed = jax.jit(_seed_slot, donate_argnums=0, out_shardings=rep).lower(
+            self.penalty_state, self._layer_ids[0], toks).compile()
+        if c.host_cache_gb or c.disk_cache_dir:
+            self.tier_copies = TierCopies(self.kv, self.kv_sharding, rep, c.num_pages, c.max_pages_per_seq)
+
+    # ---- prefix cache -----------------------------------------------------------------------------
+    def pages_to_host(self, pages: list[int]) -> np.ndarray:
+        """Pages as uint8 rows [len(pages), row_bytes] on the host (nfjax/kv/prefix_cache.py)."""
+        return self.tier_copies.to_host(self.kv, pages)
+
+    def pages_from_host(self, pages: list[int], rows: list[np.ndarray]) -> None:
+        """Rows written into `pages`: one contiguous host->device copy and an on-device scatter."""
+        self.kv = self.tier_copies.from_host(self.kv, pages, rows)
+
+    def seed_penalty_slot(self, slot: int, prompt: list[int]) -> None:
+        """Clear a penalty slot and mark the whole prompt in it: the request's prefill skips the reused tokens,
+        whose prompt flags the full head would otherwise never see (nfjax/engine/penalties.py)."""
+        toks = np.full(self.cache_cfg.max_model_len, self.cfg.vocab_size, np.int32)
+        toks[:len(prompt)] = prompt
+        self.penalty_state = self._seed(self.penalty_state, jax.device_put(jnp.int32(slot), self.replicated),
+                                        jax.device_put(toks, self.replicated))
 
     @property
     def num_compiled(self) -> int:

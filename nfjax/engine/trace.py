@@ -18,6 +18,8 @@ class StepRecord:
     put_ms: float = 0.0      # part of host_ms: input copy to the device
     dispatch_ms: float = 0.0  # part of host_ms: enqueueing the step's programs
     preempted: int = 0       # requests swapped out to host memory to make room for this step
+    prompt_tokens: int = 0   # prompt tokens of the requests admitted in this step
+    reused_tokens: int = 0   # of which the prefix cache supplied (not prefilled)
 
 
 @dataclass
@@ -29,16 +31,20 @@ class StepTrace:
         dec = batch.num_decode
         tot = batch.num_tokens
         self.steps.append(StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds,
-                                     host_ms, wait_ms, put_ms, dispatch_ms, len(batch.swap_out)))
+                                     host_ms, wait_ms, put_ms, dispatch_ms, len(batch.swap_out),
+                                     batch.prompt_tokens, batch.reused_tokens))
 
     def summary(self) -> dict:
         n = len(self.steps)
+        prompt = sum(s.prompt_tokens for s in self.steps)
+        reused = sum(s.reused_tokens for s in self.steps)
         return {"steps": n,
                 "decode_tokens": sum(s.decode_tokens for s in self.steps),
                 "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
                 "padding_tokens": sum(s.padding for s in self.steps),
                 "preemptions": sum(s.preempted for s in self.steps),
-                "steps_with_preemption": sum(1 for s in self.steps if s.preempted)}
+                "steps_with_preemption": sum(1 for s in self.steps if s.preempted),
+                "prefix_reused_tokens": reused, "prefix_hit_rate": reused / prompt if prompt else 0.0}
 
     def to_json(self) -> str:
         return json.dumps([asdict(s) for s in self.steps])

@@ -87,6 +87,8 @@ class EngineLoop:
         self.steps = 0
         metrics.bind(lambda: self.queue_depth, lambda: self._running, lambda: self._pages_used,
                      lambda: self.pages_total)
+        self._prefix: dict = {}
+        metrics.bind_prefix(lambda: self._prefix)
 
     # ---- event-loop side ---------------------------------------------------------------------------------------
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
@@ -272,6 +274,7 @@ class EngineLoop:
             self._waiting = e.num_waiting
             self._running = e.num_running
             self._pages_used = e.pages_used
+            self._prefix = e.prefix_stats() if hasattr(e, "prefix_stats") else {}
         if out:
             batch = list(out)
             out.clear()

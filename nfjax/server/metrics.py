@@ -13,6 +13,9 @@ prometheus-client types are thread-safe).
     nfjax_time_to_first_token_seconds   HTTP arrival -> first token known on the host
     nfjax_inter_token_latency_seconds   time between a request's consecutive tokens
     nfjax_e2e_request_latency_seconds   HTTP arrival -> last token
+    nfjax_prefix_cache_hit_rate         prompt tokens reused from the prefix cache / prompt tokens (since start)
+    nfjax_prefix_cache_hit_tokens{tier}  prompt tokens reused, by tier: gpu | host | disk
+    nfjax_prefix_cache_bytes{direction}  bytes moved: to_host | from_host | to_disk | from_disk
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nfjax_e2e_request_latency_seconds", "HTTP arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_hit_rate = Gauge("nfjax_prefix_cache_hit_rate", "Prompt tokens reused from the prefix cache / "
+                                     "prompt tokens", registry=r)
+        self.prefix_hits = Gauge("nfjax_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache",
+                                 ["tier"], registry=r)
+        self.prefix_bytes = Gauge("nfjax_prefix_cache_bytes", "Bytes moved between the prefix cache's tiers",
+                                  ["direction"], registry=r)
         self.window_s = window_s
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
@@ -61,6 +70,14 @@ class ServerMetrics:
         self.running.set_function(running)
         self.pages_used.set_function(pages_used)
         self.pages_total.set_function(pages_total)
+
+    def bind_prefix(self, stats: Callable[[], dict]) -> None:
+        """Sample the prefix cache gauges from `stats()` (the engine's `prefix_stats`, as a published snapshot)."""
+        self.prefix_hit_rate.set_function(lambda: stats().get("hit_rate", 0.0))
+        for tier in ("gpu", "host", "disk"):
+            self.prefix_hits.labels(tier).set_function(lambda t=tier: stats().get(f"hit_tokens_{t}", 0))
+        for d in ("to_host", "from_host", "to_disk", "from_disk"):
+            self.prefix_bytes.labels(d).set_function(lambda d=d: stats().get(f"bytes_{d}", 0))
 
     def add_tokens(self, n: int, now: float) -> None:
         if n <= 0:

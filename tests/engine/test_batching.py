@@ -70,7 +70,7 @@ def test_trace_accounts_every_token(tight_engine):
     tight_engine.generate(prompts, [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in lens])
     s = tight_engine.trace.summary()
     prompt_tokens = sum(len(tight_engine.tokenizer.encode(p)) for p in prompts)
-    assert s["prefill_tokens"] == prompt_tokens
+    assert s["prefill_tokens"] == prompt_tokens - s["prefix_reused_tokens"]     # the prefix cache's reuse skips
     # each request's first token comes from its prefill; the rest from decode steps (plus dropped extras: none,
     # since max_tokens is known ahead)
     assert s["decode_tokens"] == sum(lens) - len(prompts)

@@ -1,0 +1,128 @@
+"""Prefix cache helpers: page hashes, and the device programs that move cached pages to and from host memory.
+
+A full page is keyed by `chain_hash(hash of the page before it, its tokens)` (BLAKE2b, 16 bytes): equal keys
+mean equal tokens at equal positions behind an equal prefix, so equal K/V. The allocator keeps the GPU tier
+(nfjax/kv/allocator.py); the host and disk tiers (nfjax/kv/tiers.py) keep pages as *rows*: one page of every KV
+array (values, and the aux scales of a quantized format, as stored) as one flat uint8 row, all layers.
+`pack_pages` gathers pages into rows on the device, so pages leave in one device->host copy; `unpack_pages`
+scatters rows back into pages, so a prefix comes back in one host->device copy of [P, row bytes] and one
+on-device scatter, never page by page.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Int, UInt8
+
+ROOT = b"nfjax-prefix-v1"          # the "hash before" the first page
+
+
+def chain_hash(prev: bytes, tokens) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
+
+
+def page_hash(req, i: int, page_size: int) -> bytes | None:
+    """Hash of `req`'s page i (its tokens and everything before), None while a token of it is unknown to the
+    host. Memoised in `req.page_hashes`."""
+    hs = req.page_hashes
+    while len(hs) <= i:
+        j = len(hs)
+        toks = [req.token_at(p) for p in range(j * page_size, (j + 1) * page_size)]
+        if None in toks:
+            return None
+        hs.append(chain_hash(hs[-1] if hs else ROOT, toks))
+    return hs[i]
+
+
+def prompt_hashes(req, page_size: int) -> list[bytes]:
+    """Hashes of the prompt's full pages before its last token (that token is always computed: its logits give
+    the first output)."""
+    n = (req.prompt_len - 1) // page_size
+    if n:
+        page_hash(req, n - 1, page_size)
+    return req.page_hashes[:n]
+
+
+def row_bytes(arrays) -> int:
+    """Bytes of one page of every array (values [L, N, PS, KH, W] and aux), all layers."""
+    return sum(math.prod(a.shape[:1] + a.shape[2:]) * a.dtype.itemsize for a in arrays)
+
+
+def pack_pages(kv, pages: Int[Array, "P"]) -> UInt8[Array, "P B"]:
+    """Pages of every array as uint8 rows, page-major (ids past the cache give rows that are thrown away)."""
+    parts = []
+    for a in kv.arrays():
+        x = jnp.moveaxis(a[:, pages], 1, 0)                      # [P, L, PS, KH, W]
+        parts.append(lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1))
+    return jnp.concatenate(parts, axis=1)
+
+
+def unpack_pages(kv, pages: Int[Array, "P"], rows: UInt8[Array, "P B"]):
+    """`pack_pages`'s rows written back at `pages` (ids past the cache are dropped)."""
+    blocks, off = [], 0
+    n = rows.shape[0]
+    for a in kv.arrays():
+        shape = (n, a.shape[0]) + a.shape[2:]
+        size = math.prod(shape[1:]) * a.dtype.itemsize
+        raw = rows[:, off:off + size]
+        off += size
+        raw = raw.reshape(shape + ((a.dtype.itemsize,) if a.dtype.itemsize > 1 else ()))
+        blocks.append(jnp.moveaxis(lax.bitcast_convert_type(raw, a.dtype), 0, 1))
+    return kv.put_pages(pages, blocks)
+
+
+def transfer_sizes(max_pages: int) -> list[int]:
+    """Row counts the copy programs are compiled for: powers of 4 up to `max_pages` (then `max_pages`), so a
+    copy of a few pages does not move a whole sequence's worth."""
+    out, n = [], 1
+    while n < max_pages:
+        out.append(n)
+        n *= 4
+    return out + [max_pages]
+
+
+class TierCopies:
+    """Compiled `pack_pages` / `unpack_pages` for each of `transfer_sizes` (compiled at start: no step compiles
+    later), and the host side of the copies."""
+
+    def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int):
+        self.replicated, self.num_pages = replicated, num_pages
+        self.row_bytes = row_bytes(kv.arrays())
+        self._pack, self._unpack = {}, {}
+        for n in transfer_sizes(max_pages):
+            pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=replicated)
+            rows = jax.ShapeDtypeStruct((n, self.row_bytes), jnp.uint8, sharding=replicated)
+            self._pack[n] = jax.jit(pack_pages, out_shardings=replicated).lower(kv, pg).compile()
+            self._unpack[n] = jax.jit(unpack_pages, donate_argnums=0, out_shardings=kv_sharding).lower(
+                kv, pg, rows).compile()
+        self.sizes = sorted(self._pack)
+
+    def _runs(self, pages: list[int]):
+        """`pages` in runs of at most the largest size, each padded (ids past the cache) to a compiled size."""
+        top = self.sizes[-1]
+        for i in range(0, len(pages), top):
+            run = pages[i:i + top]
+            n = min(s for s in self.sizes if s >= len(run))
+            ids = np.full(n, self.num_pages, np.int32)
+            ids[:len(run)] = run
+            yield len(run), n, jax.device_put(ids, self.replicated)
+
+    def to_host(self, kv, pages: list[int]) -> np.ndarray:
+        """Rows [len(pages), row_bytes]: one gather and one device->host copy per run."""
+        out = [np.asarray(self._pack[n](kv, ids))[:k] for k, n, ids in self._runs(pages)]
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def from_host(self, kv, pages: list[int], rows: list[np.ndarray]):
+        """`kv` with `rows` written at `pages`: one contiguous host->device copy and one scatter per run."""
+        off = 0
+        for k, n, ids in self._runs(pages):
+            buf = np.zeros((n, self.row_bytes), np.uint8)
+            buf[:k] = np.stack(rows[off:off + k])
+            off += k
+            kv = self._unpack[n](kv, ids, jax.device_put(buf, self.replicated))
+        return kv

@@ -1,0 +1,121 @@
+"""The prefix cache in the page allocator: lookup, registration, LRU eviction of unreferenced cached pages,
+reference counts; page hashes chained over the prefix; the host tier's LRU."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nfjax.kv.allocator import OutOfPages, PageAllocator
+from nfjax.kv.prefix_cache import ROOT, chain_hash, transfer_sizes
+from nfjax.kv.tiers import HostTier, PrefixStats, PrefixTiers
+
+
+def h(i: int) -> bytes:
+    return chain_hash(ROOT, [i])
+
+
+def test_cached_pages_are_shared_kept_and_evicted_least_recently_used_first():
+    a = PageAllocator(6, prefix=True)
+    p = a.allocate(3)
+    for page, i in zip(p, range(3)):
+        assert a.register(page, h(i))
+    assert not a.register(p[0], h(9)) and not a.register(a.allocate(1)[0], h(0))    # one hash, one page
+    assert a.lookup([h(0), h(1), h(7), h(2)]) == p[:2]          # the longest run from the first page
+    assert a.refcount(p[0]) == 2
+    a.free(p)
+    assert a.num_used == 3 and a.num_free == 2            # p[0], p[1] held by the lookup, the 4th page too
+    a.free(p[:2])
+    assert a.num_free == 4 and a.num_cached == 3          # unreferenced cached pages count as free, stay cached
+    assert a.lookup([h(2)]) == [p[2]]                     # taken back: most recently used now
+    a.free([p[2]])
+    got = a.allocate(3)                                   # 1 free page, then the LRU: p[0], p[1]
+    assert p[0] in got and p[1] in got and p[2] not in got
+    assert a.take_evicted() == [(p[0], h(0)), (p[1], h(1))] and a.take_evicted() == []
+    assert a.lookup([h(0)]) == [] and a.lookup([h(2)]) == [p[2]]
+    with pytest.raises(OutOfPages):
+        a.allocate(1)
+
+
+def test_off_by_default():
+    a = PageAllocator(4)
+    p = a.allocate(1)
+    assert not a.register(p[0], h(0)) and a.lookup([h(0)]) == []
+    a.free(p)
+    assert a.num_free == 3 and a.num_cached == 0
+
+
+def test_hash_chains_the_prefix():
+    assert chain_hash(ROOT, [1, 2]) != chain_hash(chain_hash(ROOT, [0]), [1, 2])
+    assert chain_hash(ROOT, [1, 2]) == chain_hash(ROOT, np.array([1, 2]))
+    assert chain_hash(ROOT, [1, 2]) != chain_hash(ROOT, [2, 1])
+    assert transfer_sizes(16) == [1, 4, 16] and transfer_sizes(20) == [1, 4, 16, 20] and transfer_sizes(1) == [1]
+
+
+def test_host_tier_is_lru_and_spills():
+    stats = PrefixStats()
+    spilled = {}
+
+    class Spill:
+        def put(self, key, row):
+            spilled[key] = row
+
+        def pop(self, key):
+            return spilled.pop(key, None)
+
+    tiers = PrefixTiers(HostTier(2, 4, stats, spill=Spill()), Spill())
+    rows = {i: np.full(4, i, np.uint8) for i in range(4)}
+    for i in range(3):
+        tiers.put(h(i), rows[i])
+    assert list(spilled) == [h(0)] and len(tiers.host) == 2 and stats.bytes_to_host == 12
+    got = tiers.fetch([h(0), h(1), h(2), h(3)], limit=10)           # disk, host, host, then a miss
+    assert [t for _, t in got] == ["disk", "host", "host"] and [r[0] for r, _ in got] == [0, 1, 2]
+    assert len(tiers.host) == 0 and not spilled
+    tiers.put(h(0), rows[0])
+    assert tiers.fetch([h(0)], limit=0) == [] and h(0) in tiers.host
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "lookup", "register"]), st.integers(0, 5),
+                         st.integers(0, 10 ** 6)), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_pages=st.integers(2, 16), script=ops)
+def test_random_sequences_keep_invariants(num_pages, script):
+    """Refcount = owners; a page is free, cached-unreferenced, or held; held pages are never handed out or
+    evicted; a lookup's pages carry the hashes asked for."""
+    a = PageAllocator(num_pages, prefix=True)
+    owners: list[list[int]] = []
+    tag: dict[int, bytes] = {}                 # page -> hash registered (the test's view)
+    for op, n, pick in script:
+        if op == "alloc":
+            if n > a.num_free:
+                with pytest.raises(OutOfPages):
+                    a.allocate(n)
+            else:
+                held = {p for pages in owners for p in pages}
+                new = a.allocate(n)
+                assert not set(new) & held
+                for p, hh in a.take_evicted():
+                    assert tag.pop(p) == hh and p not in held
+                owners.append(new)
+        elif op == "free" and owners:
+            a.free(owners.pop(pick % len(owners)))
+        elif op == "register" and owners:
+            pages = owners[pick % len(owners)]
+            if pages:
+                p = pages[pick % len(pages)]
+                if a.register(p, h(pick % 7)):
+                    tag[p] = h(pick % 7)
+        elif op == "lookup":
+            hs = [h((pick + i) % 7) for i in range(n)]
+            got = a.lookup(hs)
+            assert [tag[p] for p in got] == hs[:len(got)]
+            owners.append(got)
+        held: dict[int, int] = {}
+        for pages in owners:
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        assert all(a.refcount(p) == c for p, c in held.items())
+        assert a.num_used == len(held) and a.num_cached == len(tag)
+    for pages in owners:
+        a.free(pages)
+    assert a.num_free == a.capacity
