@@ -1,0 +1,175 @@
+"""Multi-round conversations with the prefix cache and its host and disk tiers (issue #23, NanoFlow 4.2.2).
+
+Synthetic ShareGPT-like chats: each conversation has 4-8 turns (`--turns`), its first user message and each
+later one log-normal in length, each answer too; a turn's prompt is the whole history plus the new message
+(token ids, so the history is exactly the tokens the engine produced). `--concurrency` conversations are in
+flight at once and the next turn of one is submitted when its previous answer finishes, so the turns of many
+conversations interleave and the GPU cache alone cannot hold them (`--max-pages` caps the GPU pool).
+
+Three engines run the same conversations: the prefix cache off, GPU cache only, GPU + host + disk tiers; each
+reports TTFT p50/p99, total (prompt + generated) tokens/s and its hits per tier. A single-round workload
+(unique prompts: nothing to reuse) runs on the GPU-only engine and on the tiered one, which pays for copying
+evicted pages out: `offload_overhead_pct`.
+
+Summary keys: multiround_ttft_speedup (p50 TTFT off / tiers), multiround_throughput_speedup (tiers / off),
+prefix_hit_rate (tiers), offload_overhead_pct.
+
+usage: python -m bench.multiround --shape llama3-8b --conversations 256 --concurrency 64 --max-pages 4096 \
+           --host-cache-gb 32 --disk-cache-dir /tmp/nfjax-kv --disk-cache-gb 64
+CPU:   python -m bench.multiround --shape smoke --layers 2 --conversations 8 --concurrency 4 --msg-len 12 \
+           --out-len 6 --max-pages 40 --host-cache-gb 0.0001 --disk-cache-gb 0.001
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import print_table, write_results
+from bench.setup import add_bench_args, bench_engine, config_record, engine_flags
+
+
+def lognormal(rng, mean: float, lo: int, hi: int) -> int:
+    return int(np.clip(rng.lognormal(np.log(mean), 0.6), lo, hi))
+
+
+def make_conversations(n: int, turns: tuple[int, int], msg_len: float, out_len: float, vocab: int, seed: int):
+    """Per conversation: a list of turns (new user message ids, answer length)."""
+    rng = np.random.default_rng(seed)
+    convs = []
+    for _ in range(n):
+        k = int(rng.integers(turns[0], turns[1] + 1))
+        convs.append([([int(t) for t in rng.integers(0, vocab, lognormal(rng, msg_len * (2 if i == 0 else 1), 2,
+                                                                          int(16 * msg_len)))],
+                       lognormal(rng, out_len, 1, int(8 * out_len))) for i in range(k)])
+    return convs
+
+
+def run_conversations(engine, convs, concurrency: int, context: int) -> dict:
+    """Closed loop: `concurrency` conversations at once, each submitting its next turn when the last finishes."""
+    from nfjax.engine import SamplingParams
+    hist = {i: [] for i in range(len(convs))}
+    turn = {i: 0 for i in range(len(convs))}
+    todo = list(range(len(convs)))[::-1]
+    live: dict[str, int] = {}
+    ttft, prompt_tok, gen_tok, turns_done = [], 0, 0, 0
+
+    def submit(c):
+        nonlocal prompt_tok
+        msg, out = convs[c][turn[c]]
+        prompt = hist[c] + msg
+        if len(prompt) + out >= context:
+            return False                                   # the conversation outgrew the context: it ends
+        hist[c] = prompt
+        live[engine.add_request(prompt, SamplingParams.greedy(max_tokens=out, ignore_eos=True))] = c
+        prompt_tok += len(prompt)
+        return True
+
+    def start_next():
+        while todo and len(live) < concurrency:
+            submit(todo.pop())
+    t0 = time.perf_counter()
+    start_next()
+    while engine.has_unfinished():
+        for o in engine.step():
+            if not o.finished:
+                continue
+            c = live.pop(o.request_id)
+            ttft.append(o.metrics["ttft_s"])
+            gen_tok += len(o.token_ids)
+            turns_done += 1
+            hist[c] = hist[c] + o.token_ids
+            turn[c] += 1
+            if turn[c] < len(convs[c]) and submit(c):
+                continue
+            start_next()
+    dt = time.perf_counter() - t0
+    return {"turns": turns_done, "seconds": dt, "prompt_tokens": prompt_tok, "generated_tokens": gen_tok,
+            "total_tok_s": (prompt_tok + gen_tok) / dt, "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": statistics.fmean(ttft)}
+
+
+def run_single_round(engine, n: int, msg_len: float, out_len: float, vocab: int, seed: int) -> dict:
+    from nfjax.engine import SamplingParams
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, vocab, lognormal(rng, 4 * msg_len, 2, int(32 * msg_len)))]
+               for _ in range(n)]
+    outs_len = [lognormal(rng, out_len, 1, int(8 * out_len)) for _ in range(n)]
+    t = time.perf_counter()
+    outs = engine.generate(prompts, [SamplingParams.greedy(max_tokens=m, ignore_eos=True) for m in outs_len])
+    dt = time.perf_counter() - t
+    tok = sum(map(len, prompts)) + sum(len(o.token_ids) for o in outs)
+    return {"requests": n, "seconds": dt, "total_tok_s": tok / dt,
+            "ttft_p50_s": statistics.median(o.metrics["ttft_s"] for o in outs)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--conversations", type=int, default=256)
+    g.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once")
+    g.add_argument("--turns", default="4,8", help="turns per conversation, MIN,MAX")
+    g.add_argument("--msg-len", type=float, default=80, help="mean user message tokens (the first: twice)")
+    g.add_argument("--out-len", type=float, default=200, help="mean answer tokens")
+    g.add_argument("--single-requests", type=int, default=None, help="single-round requests (default: conversations)")
+    g.add_argument("--max-pages", type=int, default=None, help="cap on the GPU KV pages (so the GPU cache overflows)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out-dir", default=None)
+    args = p.parse_args(argv)
+    lo, hi = (int(x) for x in args.turns.split(","))
+    host_gb = args.host_cache_gb or 4.0
+    disk_dir = args.disk_cache_dir or tempfile.mkdtemp(prefix="nfjax-kv-")
+    disk_gb = args.disk_cache_gb or 2 * host_gb
+    base = dict(vars(args), host_cache_gb=None, disk_cache_dir=None, disk_cache_gb=None, prefix_cache=None)
+    configs = {"off": dict(base, prefix_cache=False), "gpu": base,
+               "tiers": dict(base, host_cache_gb=host_gb, disk_cache_dir=disk_dir, disk_cache_gb=disk_gb)}
+    results, stats, records = {}, {}, {}
+    for name, a in configs.items():
+        engine = bench_engine(a, max_pages=args.max_pages)
+        try:
+            cfg = engine.config
+            context = cfg.cache.max_model_len
+            vocab = min(cfg.model.vocab_size, 32000)
+            convs = make_conversations(args.conversations, (lo, hi), args.msg_len, args.out_len, vocab, args.seed)
+            engine.generate([[1, 2, 3]] * 2, None)                  # warm-up (programs are compiled at start)
+            results[name] = {"multiround": run_conversations(engine, convs, args.concurrency, context)}
+            stats[name] = engine.prefix_stats()
+            if name != "off":
+                results[name]["single"] = run_single_round(engine, args.single_requests or args.conversations,
+                                                           args.msg_len, args.out_len, vocab, args.seed + 1)
+            records[name] = config_record(cfg)
+        finally:
+            engine.close()
+        del engine
+    rows = []
+    for name, r in results.items():
+        m, s = r["multiround"], stats[name]
+        rows.append([name, m["ttft_p50_s"] * 1e3, m["ttft_p99_s"] * 1e3, m["total_tok_s"], s["hit_rate"],
+                     s["hit_tokens_gpu"], s["hit_tokens_host"], s["hit_tokens_disk"],
+                     (s["bytes_to_host"] + s["bytes_from_host"]) / 2 ** 20, r.get("single", {}).get("total_tok_s")])
+    print_table(["cache", "TTFT p50 ms", "p99 ms", "tok/s", "hit rate", "gpu hits", "host hits", "disk hits",
+                 "host MiB moved", "single-round tok/s"], rows, title="multi-round conversations")
+    off, tiers = results["off"]["multiround"], results["tiers"]["multiround"]
+    summary = {"multiround_ttft_speedup": off["ttft_p50_s"] / tiers["ttft_p50_s"],
+               "multiround_ttft_p99_speedup": off["ttft_p99_s"] / tiers["ttft_p99_s"],
+               "multiround_throughput_speedup": tiers["total_tok_s"] / off["total_tok_s"],
+               "multiround_gpu_only_ttft_speedup": off["ttft_p50_s"] / results["gpu"]["multiround"]["ttft_p50_s"],
+               "prefix_hit_rate": stats["tiers"]["hit_rate"],
+               "prefix_hit_rate_gpu_only": stats["gpu"]["hit_rate"],
+               "offload_overhead_pct": 100 * (results["gpu"]["single"]["total_tok_s"]
+                                              / results["tiers"]["single"]["total_tok_s"] - 1)}
+    for tier in ("gpu", "host", "disk"):
+        pt = stats["tiers"]["prompt_tokens"]
+        summary[f"prefix_hit_rate_{tier}"] = stats["tiers"][f"hit_tokens_{tier}"] / pt if pt else 0.0
+    print(" ".join(f"{k}={v:.3g}" for k, v in summary.items()), flush=True)
+    write_results("multiround", summary, {"flags": engine_flags(args), "results": results, "prefix_stats": stats,
+                                          "configs": records}, out_dir=args.out_dir)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
