@@ -151,6 +151,7 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
             for kk in range(k):
                 for a, b in arcs[kk]:
                     part[op, a, b] = min(part.get((op, a, b), float("inf")), f(a, b))
+
     def lower(op, a, b):
         c = cost[op, a, b] if (op, a, b) in cost else pr.cost(op, a, b)
         return min(c, part.get((op, a, b), c))

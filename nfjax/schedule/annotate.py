@@ -256,10 +256,3 @@ class TracedGraph:
 def trace_graph(layer, forward: Callable, example: dict, output: str = "out") -> TracedGraph:
     """Trace `forward(layer, env)` once on `example` and cut it into the ops its annotations declare."""
     return TracedGraph(layer, forward, example, output)
-
-
-def layer_ops(layer_or_cls) -> tuple[OpSpec, ...] | None:
-    """The `@op` specs of a layer class (None if it declares none: then trace it with `trace_graph`)."""
-    from nfjax.models.ops import collect_ops
-    cls = layer_or_cls if isinstance(layer_or_cls, type) else type(layer_or_cls)
-    return collect_ops(cls) or None

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from nfjax.config import ExecutionConfig, StrategyConfig
+from nfjax.config import ExecutionConfig
 
 AUTO = "auto"
 AUTOSEARCH_SOURCE = "nfjax autosearch"

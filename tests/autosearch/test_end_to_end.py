@@ -1,7 +1,6 @@
 """Profile (the shipped tiny model, CPU, real timings) -> search -> plan file -> engine: the searched plan's greedy
 tokens are Sequential's. On a CPU the horizontal kernel runs its parts in turn, so nothing gains from a split;
 the search is asked for at least one side-by-side pair to get a plan that splits."""
-import pytest
 
 from nfjax import Engine, SamplingParams
 from nfjax.autosearch.profile import load_profile, save_profile, shape_of
