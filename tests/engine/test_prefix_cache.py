@@ -150,31 +150,54 @@ def test_each_kv_format_with_the_cache(fmt):
 def test_metrics_report_hit_rate_tiers_and_bytes(tiered):
     from prometheus_client.parser import text_string_to_metric_families
     from nfjax.server.metrics import ServerMetrics
+    prompt = list(range(30, 30 + 2 * PS + 1))
+    tiered.generate([prompt, prompt[:-1] + [5]], SamplingParams.greedy(max_tokens=1))
+    tiered.generate(prompt, SamplingParams.greedy(max_tokens=1))
     m = ServerMetrics()
     m.bind_prefix(tiered.prefix_stats)
     st = tiered.prefix_stats()
+    assert st["hit_rate"] > 0
     got = {(s.name, tuple(s.labels.values())): s.value
            for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     assert got[("nfjax_prefix_cache_hit_rate", ())] == pytest.approx(st["hit_rate"])
     for tier in ("gpu", "host", "disk"):
         assert got[("nfjax_prefix_cache_hit_tokens", (tier,))] == st[f"hit_tokens_{tier}"]
-    assert got[("nfjax_prefix_cache_bytes", ("to_host",))] == st["bytes_to_host"] > 0
+    for d in ("to_host", "from_host", "to_disk", "from_disk"):
+        assert got[("nfjax_prefix_cache_bytes", (d,))] == st[f"bytes_{d}"]
 
 
 def test_corrupt_disk_files_are_recomputed_not_loaded(off, tiered):
-    """Every disk-tier file damaged, then the conversations of the first test again: the pages they find on disk
-    fail their checks (a warning each) and are recomputed; the tokens are the cache-off engine's."""
-    files = list(tiered.batcher.tiers.disk.dir.glob("*.kvpage"))
-    assert files
-    for f in files:
-        raw = bytearray(f.read_bytes())
-        raw[-1] ^= 0xFF
-        f.write_bytes(bytes(raw))
+    """A prompt's pages pushed down to the disk tier by other prompts, its second page's file damaged: the first
+    page loads from disk, the damaged one fails its checksum (a warning) and it and the rest are recomputed; the
+    tokens are the cache-off engine's."""
+    from nfjax.kv.prefix_cache import ROOT, chain_hash
+    disk = tiered.batcher.tiers.disk
+    prompt = list(range(7, 7 + 3 * PS + 2))
+    hashes, prev = [], ROOT
+    for i in range(3):
+        prev = chain_hash(prev, prompt[i * PS:(i + 1) * PS])
+        hashes.append(prev)
+    sp = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+    want = off.generate(prompt, sp)[0].token_ids
+    assert tiered.generate(prompt, sp)[0].token_ids == want
+    rng = np.random.default_rng(9)
+    for _ in range(40):                     # other prompts' pages push it out of the GPU and the host tier
+        if all(h in disk for h in hashes):
+            break
+        tiered.generate([[int(t) for t in rng.integers(0, 256, PS + 1)] for _ in range(4)],
+                        SamplingParams.greedy(max_tokens=1))
+    assert all(h in disk for h in hashes)
+    f = disk.path(hashes[1])
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
     before = tiered.prefix_stats()
     with pytest.warns(RuntimeWarning, match="checksum mismatch; recomputing"):
-        converse([off, tiered])
+        got = tiered.generate(prompt, sp)[0].token_ids
     after = tiered.prefix_stats()
-    assert after["disk_errors"] > before["disk_errors"]
+    assert got == want
+    assert after["disk_errors"] == before["disk_errors"] + 1
+    assert after["hit_tokens_disk"] == before["hit_tokens_disk"] + PS
     assert_no_leaks(tiered)
 
 
