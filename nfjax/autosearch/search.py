@@ -169,7 +169,7 @@ def search_class(graph, profile: dict, batch: BatchClass, min_decode: int, opts:
     seen = set()
     for idx, (k, view, top) in enumerate(jobs):
         left = deadline - time.perf_counter()
-        if left <= 0.5:
+        if left <= 1.5:                  # a solve costs at least a CBC process start
             notes.append(f"K={k}: skipped, the search's time limit was reached")
             continue
         structs, more = solve_stage1(view, k, top=top if k > 1 else 1, time_limit=left / (len(jobs) - idx))
@@ -180,7 +180,7 @@ def search_class(graph, profile: dict, batch: BatchClass, min_decode: int, opts:
                 continue
             seen.add(key)
             groups = stage2_groups(pr, model, st)
-            r2 = solve_stage2(groups, 1.0, max(1.0, deadline - time.perf_counter()))
+            r2 = solve_stage2(groups, 1.0, max(1.0, min(10.0, deadline - time.perf_counter())))
             if r2.status == "none":
                 notes.append(f"K={k}: stage II found no share assignment for {st.pairs}")
                 continue
@@ -218,7 +218,9 @@ def search_class(graph, profile: dict, batch: BatchClass, min_decode: int, opts:
 def search(graph, profile: dict, buckets, decodes, ctx: int, chunks: int = 2,
            opts: SearchOptions = SearchOptions()) -> list[ClassResult]:
     """Every (bucket, decode band) class; decodes above a bucket's size are left out."""
-    deadline = time.perf_counter() + opts.time_limit
+    # the solves stop a margin before the limit: building, stage II and writing the plans take the rest (on the
+    # 2-core CI machine under load a search with no margin ended 0.3 s past its 60)
+    deadline = time.perf_counter() + opts.time_limit - min(6.0, 0.1 * opts.time_limit)
     classes = [(T, d, lo) for T in sorted(buckets, reverse=True) for d, lo in bands(decodes) if d <= T]
     out = []
     for i, (T, d, lo) in enumerate(classes):
