@@ -12,7 +12,8 @@ import os
 
 Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "opt": "OPTForCausalLM"}
 
 
 def write_workload(path: str, work: Work) -> None:
@@ -62,6 +63,8 @@ def requests_work(reqs: list[tuple[dict, int]]) -> Work:
 def hf_config(model: dict) -> dict:
     """An HF `config.json` dict for an nfjax ModelConfig given as `ModelConfig.to_json()` (what a peer loads
     with dummy weights); `ModelConfig.from_hf` of it gives the same config back."""
+    if model["model_type"] == "opt":
+        return _opt_hf_config(model)
     cfg = {"architectures": [HF_ARCHITECTURES[model["model_type"]]], "model_type": model["model_type"],
            "vocab_size": model["vocab_size"], "hidden_size": model["hidden_size"],
            "intermediate_size": model["intermediate_size"], "num_hidden_layers": model["num_layers"],
@@ -74,3 +77,15 @@ def hf_config(model: dict) -> dict:
     if model.get("rope_scaling"):
         cfg["rope_scaling"] = dict(model["rope_scaling"])
     return cfg
+
+
+def _opt_hf_config(model: dict) -> dict:
+    """OPT's config.json fields (pre-norm, ReLU, biases, learned positions: what nfjax's OPT runs)."""
+    return {"architectures": [HF_ARCHITECTURES["opt"]], "model_type": "opt", "vocab_size": model["vocab_size"],
+            "hidden_size": model["hidden_size"], "word_embed_proj_dim": model["hidden_size"],
+            "ffn_dim": model["intermediate_size"], "num_hidden_layers": model["num_layers"],
+            "num_attention_heads": model["num_heads"], "max_position_embeddings": model["max_position_embeddings"],
+            "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True,
+            "layer_norm_elementwise_affine": True, "tie_word_embeddings": model["tie_word_embeddings"],
+            "torch_dtype": model["dtype"], "eos_token_id": list(model["eos_token_ids"]),
+            "bos_token_id": model["bos_token_id"], "pad_token_id": 1, "use_cache": True}
