@@ -98,12 +98,21 @@ def tile_origin(t, *, m: int, n: int, block_m: int, block_n: int, group_m: int):
     return jnp.minimum(tm * block_m, m - block_m), jnp.minimum(tn * block_n, n - block_n)
 
 
+class TileGrid(NamedTuple):
+    """Which output tiles a kernel computes (a grouped GEMM's differ from the dense one's): `num_tiles` (a
+    traced scalar is fine), `origin(t) -> (m0, n0)`, and `weight(w_hbm, t) -> the [K, N] weight of tile t`."""
+    num_tiles: object
+    origin: object
+    weight: object
+
+
 def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_ctas: int,
-                cta=None):
+                cta=None, grid: TileGrid | None = None):
     """The kernel body, run by `num_ctas` CTAs; `cta` is this one's index among them (None:
     the grid index; a fused kernel gives other CTAs other work). `w_hbm`/`o_hbm` may be equal-length
     tuples: x @ w_i -> o_i for each i, as one GEMM over the weights side by side (each N_i a multiple of
-    block_n, so no tile straddles two)."""
+    block_n, so no tile straddles two). `grid`: the tiles (None: every tile of x @ w, grouped order; see
+    pallas_kernels/grouped_gemm.py for the other)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
     os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
     bounds = [0]
@@ -116,21 +125,25 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     rows = bm // NUM_WGS
     k_steps = k_dim // bk
-    num_tiles = cdiv(m, bm) * cdiv(n, bn)
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
-    origin = functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m)
+    if grid is None:
+        grid = TileGrid(cdiv(m, bm) * cdiv(n, bn),
+                        functools.partial(tile_origin, m=m, n=n, block_m=bm, block_n=bn, group_m=cfg.group_m),
+                        lambda w_i, t: w_i)
+    num_tiles, origin = grid.num_tiles, grid.origin
     n_mine = lax.div(num_tiles - pid + (num_ctas - 1), num_ctas)
     total = n_mine * k_steps          # (tile, k-step) pairs this CTA streams through the stages
 
     def issue(s, slot):
-        m0, n0 = origin(pid + lax.div(s, k_steps) * num_ctas)
+        t = pid + lax.div(s, k_steps) * num_ctas
+        m0, n0 = origin(t)
         k0 = lax.rem(s, k_steps) * bk
         for i in range(NUM_WGS):      # one A box per consumer: each wgmma reads an untransposed [rows, bk] tile
             plgpu.copy_gmem_to_smem(x_hbm.at[pl.ds(m0 + i * rows, rows), pl.ds(k0, bk)], a_s.at[slot, i],
                                     full.at[slot])
-        for_weight(n0, lambda w_i, o_i, n_i: plgpu.copy_gmem_to_smem(w_i.at[pl.ds(k0, bk), pl.ds(n_i, bn)],
-                                                                     b_s.at[slot], full.at[slot]))
+        for_weight(n0, lambda w_i, o_i, n_i: plgpu.copy_gmem_to_smem(
+            grid.weight(w_i, t).at[pl.ds(k0, bk), pl.ds(n_i, bn)], b_s.at[slot], full.at[slot]))
 
     def for_weight(n0, fn):
         """fn(w_i, o_i, column in w_i) for the weight holding virtual column n0."""
