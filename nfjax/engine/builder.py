@@ -87,9 +87,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="XLA CUDA-graph command buffers off")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
-    g.add_argument("--offload", metavar="POLICY.json", default=None,
+    g.add_argument("--offload", metavar="POLICY.json|auto", default=None,
                    help="FlexGen mode for models larger than the GPU: weights, KV cache and activations placed "
-                        "across GPU, host memory and disk by the policy file (nfjax/offload/policy.py)")
+                        "across GPU, host memory and disk by the policy file (nfjax/offload/policy.py), or by the "
+                        "policy an LP over the measured cost model finds best for the caps below (auto)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="--offload: the GPU memory the engine may use (default: the device's)")
+    g.add_argument("--cpu-memory-gb", type=float, default=None,
+                   help="--offload: the host memory it may use (default: what is free)")
+    g.add_argument("--disk-gb", type=float, default=None, help="--offload: the disk it may use (default: what is free)")
+    g.add_argument("--offload-dir", default=None, help="--offload: the disk tier's folder (default $NFJAX_CACHE/offload)")
+    g.add_argument("--remeasure-hardware", action="store_true",
+                   help="--offload auto: measure this machine's rates again instead of using the cached ones")
 
 
 # flag -> (section, field); the flags not listed here (strategies, plan, dtype) are handled by name below

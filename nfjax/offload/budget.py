@@ -12,6 +12,7 @@ The KV cache is sized for `max_len` positions a sequence (the engine's context),
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ class Need:
     bytes: int
 
 
+@functools.lru_cache(maxsize=32)          # the cost model and the policy search ask for it many times
 def layer_shapes(cfg: ModelConfig) -> tuple[list[str], list[tuple[int, ...]]]:
     """Names and shapes of one decoder layer's weights, in the pytree order the stores use."""
     import jax

@@ -17,6 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from nfjax.engine.sampler import sample
 from nfjax.models.llama import LAYER_OPS, LayerContext
@@ -49,8 +50,11 @@ class BatchKV:
                                       jnp.float32)
 
 
-def dense_attention(q, kv: BatchKV, positions, scale: float):
-    """q [B*T, H, D] -> [B*T, H*D]: each query attends to its row's cache positions <= its own (f32 softmax)."""
+def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array, "B T"], scale: float,
+                    topk: float = 1.0) -> Float[Array, "BT HD"]:
+    """q [B*T, H, D] -> [B*T, H*D]: each query attends to its row's cache positions <= its own (f32 softmax).
+    `topk` < 1: Top-K sparse attention (FlexGen section 5): each query keeps the ceil(topk x (p + 1)) largest of
+    its p + 1 scores (ties at the threshold kept too) and the softmax runs over those."""
     b, t = positions.shape
     k, v = kv.dense()
     _, s, kh, d = k.shape
@@ -59,12 +63,17 @@ def dense_attention(q, kv: BatchKV, positions, scale: float):
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale
     ok = jnp.arange(s)[None, None, :] <= positions[:, :, None]                      # [B, T, S]
     scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
+    if topk < 1.0:
+        keep = jnp.maximum(jnp.ceil(topk * (positions + 1).astype(jnp.float32)).astype(jnp.int32), 1)   # [B, T]
+        desc = -jnp.sort(-scores, axis=-1)
+        idx = jnp.broadcast_to((keep - 1)[:, None, None, :, None], desc.shape[:-1] + (1,))
+        scores = jnp.where(scores >= jnp.take_along_axis(desc, idx, axis=-1), scores, MASK_VALUE)
     w = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", w, v)
     return out.reshape(b * t, h * d).astype(q.dtype)
 
 
-def _layer(layer_gd, cfg, rows: bool, weights, x, cache: tuple, positions):
+def _layer(layer_gd, cfg, topk: float, rows: bool, weights, x, cache: tuple, positions):
     """x [B, T, D], the batch's cache arrays (`BatchKV`), positions [B, T] -> (x out, and the whole cache, or with
     `rows` only the rows this call wrote [B, T, ...], for a cache that lives off the GPU)."""
     layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
@@ -78,13 +87,43 @@ def _layer(layer_gd, cfg, rows: bool, weights, x, cache: tuple, positions):
         if spec is _ATTN_DECODE:
             continue
         if spec is _ATTN:
-            env["attn"] = dense_attention(env["q_rot"], env["kv"], positions, cfg.head_dim ** -0.5)
+            env["attn"] = dense_attention(env["q_rot"], env["kv"], positions, cfg.head_dim ** -0.5, topk)
         else:
             env.update(spec(layer, ctx, env))
     kv, out = env["kv"], env["out"].reshape(b, t, d)
     if not rows:
         return out, kv.arrays
     return out, tuple(c[jnp.arange(b)[:, None], positions] for c in kv.arrays)
+
+
+_PRE = LAYER_OPS[:LAYER_OPS.index(_ATTN_DECODE)]                 # up to rope_append: q and the new K/V rows
+_POST = LAYER_OPS[LAYER_OPS.index(_ATTN) + 1:]                   # o_proj to the residual
+_CARRY = tuple(sorted({i for sp in _POST for i in sp.ins} - {o for sp in _POST for o in sp.outs} - {"attn"}))
+
+
+def _pre_attention(layer_gd, cfg, weights, x, rows: tuple, positions):
+    """CPU attention's first half: x [B, T, D] -> (q_rot [B*T, H, D], the new K/V rows in the cache's format
+    (`rows`: zero arrays [B, T, ...] to write them into), what the second half needs of the layer's values)."""
+    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    b, t, d = x.shape
+    ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
+    env = {"x": x.reshape(b * t, d), "kv": BatchKV(tuple(rows)), "positions": positions.reshape(-1),
+           "slots": jnp.arange(b * t, dtype=jnp.int32)}
+    for spec in _PRE:
+        env.update(spec(layer, ctx, env))
+    return env["q_rot"], env["kv"].arrays, {c: env[c] for c in _CARRY}
+
+
+def _post_attention(layer_gd, cfg, weights, carry: dict, attn):
+    """CPU attention's second half: the attention output [B, T, H*D] (back from the CPU) -> the layer's out
+    [B, T, D]."""
+    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
+    b, t, _ = attn.shape
+    env = {**carry, "attn": attn.reshape(b * t, -1).astype(jnp.dtype(cfg.dtype))}
+    for spec in _POST:
+        env.update(spec(layer, ctx, env))
+    return env["out"].reshape(b, t, -1)
 
 
 def _embed(rest_gd, rest_state, tokens, positions):
@@ -113,9 +152,13 @@ def _token_logprobs(rest_gd, rest_state, x, targets):
 class Programs:
     """The jitted programs of one model (compiled on first use per shape, then cached by jax)."""
 
-    def __init__(self, cfg, rest_gd, layer_gd):
-        self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, rows), donate_argnums=() if rows else (2,))
+    def __init__(self, cfg, rest_gd, layer_gd, topk: float = 1.0):
+        self.cfg, self.topk = cfg, topk
+        self.layer = {rows: jax.jit(partial(_layer, layer_gd, cfg, topk, rows), donate_argnums=() if rows else (2,))
                       for rows in (False, True)}
+        # attention on the CPU (policy cpu_attention): the layer in two programs around it
+        self.pre_attention = jax.jit(partial(_pre_attention, layer_gd, cfg))
+        self.post_attention = jax.jit(partial(_post_attention, layer_gd, cfg))
         # 4-bit weights decompressed once per layer and pass, before the layer's GPU batches (not once per batch)
         self.decompress = jax.jit(partial(decompress_tree, dtype=jnp.dtype(cfg.dtype)))
         self.embed = jax.jit(partial(_embed, rest_gd))

@@ -62,7 +62,7 @@ class OffloadEngine:
                 check_interrupt()
                 self.weights.put(j, jax.tree_util.tree_leaves(first if j == 0 else layer_source(j)))
                 first = None
-            self.programs = Programs(cfg, rest_gd, layer_gd)
+            self.programs = Programs(cfg, rest_gd, layer_gd, topk=policy.attention_topk / 100)
             self.trace = Trace() if trace else None
             self.executor = Executor(policy, self.programs, self.weights, self.trace)
         except BaseException:
@@ -281,13 +281,59 @@ class OffloadEngine:
 
 
 def from_flags(args, progress: bool = False) -> OffloadEngine:
-    """`nfjax generate --offload POLICY.json` (and the benches): the policy file, `--model`, `--dtype` and
+    """`nfjax generate --offload POLICY.json|auto` (and the benches): the policy file, or the policy search (with
+    `--gpu-memory-gb`, `--cpu-memory-gb`, `--disk-gb`, `--offload-dir`), `--model`, `--dtype` and
     `--max-model-len`; the paged engine's cache and batching flags do not apply here."""
     if hasattr(args, "port"):
         raise UserError("--offload runs offline batches (nfjax generate, the benches, OffloadEngine.generate); "
                         "the server does not serve offload mode yet")
     if (getattr(args, "tp", None) or 1) > 1:
         raise UserError("--tp with --offload: offload mode runs on one device")
-    policy = Policy.load(args.offload)
+    caps = {f: getattr(args, f, None) for f in ("gpu_memory_gb", "cpu_memory_gb", "disk_gb", "offload_dir")}
+    max_len = getattr(args, "max_model_len", None)
+    if args.offload != "auto":
+        policy = Policy.load(args.offload)
+        set_caps = {f: v for f, v in caps.items() if v is not None}
+        if set_caps:
+            policy = policy.replace(**set_caps)          # the flags override the file's caps
+    else:
+        policy, max_len = _auto(args, Policy(**caps), max_len)
     return OffloadEngine.from_pretrained(getattr(args, "model", None), policy, dtype=getattr(args, "dtype", None),
-                                         max_model_len=getattr(args, "max_model_len", None), progress=progress)
+                                         max_model_len=max_len, progress=progress)
+
+
+def _auto(args, base: Policy, max_len: int | None) -> tuple[Policy, int]:
+    """`--offload auto`: the workload from the prompts (their longest, in tokens) and `--max-tokens`, at most as
+    many sequences a block as there are prompts; solve, log, return the policy and the context it was solved for."""
+    import json
+    import sys
+
+    from nfjax.checkpoint.models import resolve
+    from nfjax.checkpoint.orbax_io import load_config
+    from nfjax.engine.engine import TINY_MODEL
+    from nfjax.offload.cost_model import Workload
+    from nfjax.offload.search import auto_policy
+    from nfjax.tokenizer import load_tokenizer
+    model = getattr(args, "model", None)
+    path = Path(resolve(model)) if model is not None else TINY_MODEL
+    if not path.is_dir():
+        raise UserError(f"{path}: no such model folder")
+    cfg = load_config(path)
+    if getattr(args, "dtype", None):
+        cfg = cfg.replace(dtype=args.dtype)
+    prompts = list(getattr(args, "prompts", None) or [])
+    gen = int(getattr(args, "max_tokens", None) or 32)
+    if getattr(args, "token_ids", False):
+        plen = max((len(p.replace(",", " ").split()) for p in prompts), default=1)
+    elif prompts:
+        tok = load_tokenizer(path, token_ids_only=True)
+        plen = max(len(tok.encode(p)) for p in prompts)
+    else:
+        plen = max(1, (max_len or cfg.max_position_embeddings) - gen)
+    ctx = min(max_len or plen + gen, cfg.max_position_embeddings)
+    log = lambda m: print(f"[{m}]", file=sys.stderr, flush=True)            # noqa: E731
+    res = auto_policy(cfg, Workload(min(plen, ctx - 1), min(gen, ctx - plen) if ctx > plen else 1, ctx), base,
+                      remeasure=bool(getattr(args, "remeasure_hardware", False)), max_block=len(prompts) or None,
+                      log=log)
+    log("offload auto policy: " + json.dumps(res.policy.to_json()))
+    return res.policy, ctx

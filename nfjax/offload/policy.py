@@ -5,7 +5,7 @@ activations live. A frozen dataclass that round-trips through JSON (`--offload P
      "weights": {"gpu": 20, "cpu": 80, "disk": 0},
      "cache": {"gpu": 0, "cpu": 100, "disk": 0},
      "activations": {"gpu": 100, "cpu": 0, "disk": 0},
-     "compress_weights": true, "compress_cache": false, "cpu_attention": false,
+     "compress_weights": true, "compress_cache": false, "cpu_attention": false, "attention_topk": 100,
      "gpu_memory_gb": 16, "cpu_memory_gb": 100, "disk_gb": 60, "offload_dir": "/scratch/nfjax"}
 
 Percentages are of each layer's weights (by bytes, FlexGen's split), of the (layer, GPU batch) KV blocks and of
@@ -61,7 +61,8 @@ class Policy:
     activations: Split = field(default_factory=Split)
     compress_weights: bool = False     # off-GPU weights stored, moved as 4-bit groups of 64 (nfjax/offload/compress.py)
     compress_cache: bool = False       # KV cache stored and moved as int4 groups of 64 (kv_quant.py), every tier
-    cpu_attention: bool = False        # decode attention on the CPU where the KV cache lives there (not yet)
+    cpu_attention: bool = False        # decode attention on the CPU for KV blocks held off the GPU (FlexGen 4.2)
+    attention_topk: float = 100.0      # Top-K sparse attention: % of each query's scores kept (100: dense)
     host_memory: str = "pinned"        # host tier: "pinned" (JAX pinned_host arrays) | "numpy" (host arrays)
     schedule: str = "zigzag"           # "zigzag" (FlexGen Alg. 1) | "row_by_row" (the baseline: each batch in
     #                                    turn loads each layer's weights synchronously, nothing overlaps)
@@ -89,9 +90,10 @@ class Policy:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
                 raise PolicyError(f"policy {f}: a size in GB > 0 (or null for what the machine has), got {v!r}")
-        if self.cpu_attention:
-            raise PolicyError("policy cpu_attention: not yet (attention on the CPU comes with FlexGen part 2, "
-                              "issue #25); set it to false")
+        v = self.attention_topk
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not 0 < v <= 100:
+            raise PolicyError(f"policy attention_topk: a percentage in (0, 100] of each query's attention scores "
+                              f"to keep, got {v!r}")
 
     @property
     def block_size(self) -> int:

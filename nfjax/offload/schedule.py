@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
+from nfjax.offload.cpu_attention import cpu_attention
+
 from nfjax.offload.policy import Policy
 from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers
 from pallas_kernels import kv_quant
@@ -75,6 +77,10 @@ class KVStore:
         jax.block_until_ready(out)
         return out
 
+    def host(self, j: int, k: int) -> tuple:
+        """The block's host arrays (numpy, or memory-mapped for the disk tier), for attention on the CPU."""
+        return self.blocks[(j, k)]
+
     def keep(self, j: int, k: int, arrays) -> None:
         self.blocks[(j, k)] = tuple(arrays)
 
@@ -122,6 +128,7 @@ class Executor:
         self.num_layers = len(weights.layers)
         self._next_w0: Future | None = None
         self._inflight: set[Future] = set()
+        self._zero_rows: dict = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -159,6 +166,31 @@ class Executor:
             self.trace.computed(f"L{j} B{k}", out)
         return out
 
+    def _delegated(self, xs: list) -> bool:
+        """Attention of CPU-held blocks on the CPU: a decode pass (one token a sequence) under cpu_attention."""
+        return self.policy.cpu_attention and xs[0].shape[1] == 1
+
+    def _compute_cpu_attention(self, j: int, k: int, w, x, kv, positions, pos_np):
+        """(j, k) with its attention on the CPU (nfjax/offload/cpu_attention.py): q and the new K/V rows come
+        down, the rows go into the host block, the CPU attends over it, the output goes up. Returns the layer's
+        out; the block is up to date when this returns."""
+        b, t = pos_np.shape
+        block = kv.host(j, k)
+        if (b, t) not in self._zero_rows:
+            self._zero_rows[(b, t)] = tuple(jax.device_put(np.zeros((b, t, *a.shape[2:]), a.dtype),
+                                                           self.weights.tiers.on_device) for a in block)
+        q, rows, carry = self.programs.pre_attention(w, x, self._zero_rows[(b, t)], positions)
+        if self.trace is not None:
+            self.trace.computed(f"L{j} B{k} pre", q)
+        kv.store_rows(j, k, rows, pos_np)
+        cfg = self.programs.cfg
+        run = lambda: cpu_attention(q, block, pos_np, cfg.head_dim ** -0.5, self.programs.topk)    # noqa: E731
+        attn = run() if self.trace is None else self.trace.timed("cpu attention", f"L{j} B{k}", run)
+        out = self.programs.post_attention(w, carry, self.weights.tiers.to_device(attn.reshape(b, t, -1)))
+        if self.trace is not None:
+            self.trace.computed(f"L{j} B{k} post", out)
+        return out
+
     # ---- passes -----------------------------------------------------------------------------------------------
     def run(self, xs: list, positions: list, pos_np: list, kv: KVStore) -> list:
         """One pass over all layers for every GPU batch: `xs[k]` [B, T, D] in, the last layer's out (device)."""
@@ -168,6 +200,7 @@ class Executor:
 
     def _zigzag(self, xs, positions, pos_np, kv: KVStore) -> list:
         L, nb = self.num_layers, len(xs)
+        delegate = self._delegated(xs)
         acts = ActStore(self.policy, self.weights.tiers)
         act_stored = {k: self._io("store act", f"B{k}", acts.store, k, xs[k]) if acts.where[k] != "gpu"
                       else _done(acts.store(k, xs[k])) for k in range(nb)}
@@ -179,8 +212,11 @@ class Executor:
                 self._io("load weights", f"L{j}", self.weights.fetch, j)
 
         def load_kv(j, k):
-            return _done(kv.load(j, k)) if kv.tier(j, k) == "gpu" else \
-                self._after(kv_stored.pop((j, k), None), "load cache", f"L{j} B{k}", kv.load, j, k)
+            if kv.tier(j, k) == "gpu":
+                return _done(kv.load(j, k))
+            if delegate:                                 # nothing moves; the previous pass's rows must have landed
+                return self._after(kv_stored.pop((j, k), None), "load cache", f"L{j} B{k} (host)", kv.host, j, k)
+            return self._after(kv_stored.pop((j, k), None), "load cache", f"L{j} B{k}", kv.load, j, k)
 
         def load_act(j, k):          # after the store of (j-1, k)'s output
             return None if acts.where[k] == "gpu" else \
@@ -210,8 +246,14 @@ class Executor:
                         self.trace.computed(f"L{j} unpack", w)
             af = act_next.pop((j, k))
             x = acts.vals[k] if af is None else af.result()
-            out, cache = self._compute(j, k, w, x, kv.tier(j, k), kv_next.pop((j, k)).result(), positions[k])
-            if kv.tier(j, k) == "gpu":
+            kvs = kv_next.pop((j, k)).result()
+            if delegate and kv.tier(j, k) != "gpu":
+                out = self._compute_cpu_attention(j, k, w, x, kv, positions[k], pos_np[k])
+            else:
+                out, cache = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])
+            if delegate and kv.tier(j, k) != "gpu":
+                pass                                     # its rows are in the host block already
+            elif kv.tier(j, k) == "gpu":
                 kv.keep(j, k, cache)
             else:
                 kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, cache, pos_np[k])
@@ -232,11 +274,16 @@ class Executor:
 
     def _row_by_row(self, xs, positions, pos_np, kv: KVStore) -> list:
         outs = []
+        delegate = self._delegated(xs)
         for k, x in enumerate(xs):
             for j in range(self.num_layers):
                 check_interrupt()
                 w = self.weights.fetch(j) if self.trace is None else \
                     self.trace.timed("load weights", f"L{j}", self.weights.fetch, j)
+                if delegate and kv.tier(j, k) != "gpu":
+                    x = self._compute_cpu_attention(j, k, w, x, kv, positions[k], pos_np[k])
+                    jax.block_until_ready(x)
+                    continue
                 kvs = kv.load(j, k) if self.trace is None else \
                     self.trace.timed("load cache", f"L{j} B{k}", kv.load, j, k)
                 x, cache = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import jax
 
-LANES = ("compute", "load weights", "load cache", "store cache", "load act", "store act")
+LANES = ("compute", "load weights", "load cache", "store cache", "load act", "store act", "cpu attention")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def plot(events: list[dict], path, title: str = "", window: tuple[float, float] 
     import matplotlib.pyplot as plt
 
     lanes = [ln for ln in LANES if any(e["lane"] == ln for e in events)]
-    colors = dict(zip(LANES, ("tab:green", "tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown")))
+    colors = dict(zip(LANES, ("tab:green", "tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown",
+                                "tab:olive")))
     fig, ax = plt.subplots(figsize=(14, 0.6 * len(lanes) + 1.5))
     for i, ln in enumerate(lanes):
         spans = [(e["start_ms"], e["end_ms"] - e["start_ms"]) for e in events if e["lane"] == ln

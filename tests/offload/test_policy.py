@@ -1,5 +1,5 @@
 """The policy: JSON round trip, and every policy that cannot hold is an error naming the field, raised before
-anything is loaded or written (percentages, sizes, a tier over its cap, options not served yet)."""
+anything is loaded or written (percentages, sizes, a tier over its cap, options out of range)."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,9 @@ def test_json_round_trip(tmp_path):
     (dict(activations={"gpu": 50, "cpu": 50, "ssd": 0}), "activations.ssd"),
     (dict(gpu_batch_size=0), "gpu_batch_size"),
     (dict(num_gpu_batches=1.5), "num_gpu_batches"),
-    (dict(cpu_attention=True), "cpu_attention"),
+    (dict(cpu_attention="yes"), "cpu_attention"),
+    (dict(attention_topk=0), "attention_topk"),
+    (dict(attention_topk=120), "attention_topk"),
     (dict(host_memory="cuda"), "host_memory"),
     (dict(schedule="fast"), "schedule"),
     (dict(gpu_memory_gb=0), "gpu_memory_gb"),

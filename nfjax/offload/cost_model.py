@@ -1,0 +1,242 @@
+"""The cost model of the zig-zag block schedule (FlexGen section 4.3), for our runtime (nfjax/offload/schedule.py).
+
+A pass runs every layer over the block's `nb` GPU batches of `bs` sequences. Within a layer, computations and
+the transfers of the layer's data overlap (the next layer's weights, the next batch's KV block and activations,
+the previous batch's stores all run on the I/O threads while the device computes), so a layer takes the longest
+of five lanes, each summed over the block's batches:
+
+  compute    the device's matmuls (a roofline: max(flops / gemm rate, weight bytes / memory bandwidth), per batch),
+             attention (the runtime's dense masked attention over the whole block of S positions), one program
+             dispatch a batch, 4-bit weights decompressed once a layer; under `cpu_attention` the decode attention
+             of CPU-held KV on the CPU, in series with the device's work (the runtime waits for it)
+  h2d        host -> device: weights in host memory (pinned or numpy rate) and those read from disk, KV blocks
+             held off the device (the whole block, as `KVStore.load` moves it), activations held off the device
+  d2h        device -> host: the KV rows a computation wrote, activations
+  disk read  weights, KV blocks and activations read from the disk tier
+  disk write the KV rows and activations written to it
+
+  T = L x (t_prefill + (n - 1) x t_decode) + per-pass fixed costs (embedding, head, sampling, one host sync)
+  throughput = bs x nb x n / T                                     (n generated tokens a sequence)
+
+Every lane and every tier's memory is linear in the nine placement fractions (weights, KV cache, activations on
+gpu / cpu / disk), so the same expressions are evaluated here for a policy and handed to the LP
+(nfjax/offload/search.py). Memory per tier follows `budget.needs` (the totals are taken from it at the
+all-on-one-tier placements, where its tensor and block granularity is exact).
+
+Not modelled (stated in docs/design.md): the page cache (disk rates are measured cold, with fsync), Top-K
+attention (the runtime computes every score, so it saves nothing here), thread contention between lanes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nfjax.config import ModelConfig
+from nfjax.offload import budget
+from nfjax.offload.hardware import HardwareProfile
+from nfjax.offload.policy import Policy, Split
+from nfjax.offload.store import index_tiers, weight_tiers
+from pallas_kernels import kv_quant
+
+FRACS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+KINDS = {"weights": ("wg", "wc", "wd"), "cache": ("cg", "cc", "cd"), "activations": ("hg", "hc", "hd")}
+LANES = ("compute", "h2d", "d2h", "disk_read", "disk_write")
+ALIGN = 16                         # the engine pads prefill and the block's positions to multiples of this
+
+
+Lin = dict          # a linear expression: variable name -> coefficient, "" -> the constant
+
+
+def lin(const: float = 0.0, **coefs: float) -> Lin:
+    out = {"": float(const)}
+    out.update({k: float(v) for k, v in coefs.items()})
+    return out
+
+
+def add(*exprs: Lin) -> Lin:
+    out: Lin = {"": 0.0}
+    for e in exprs:
+        for k, v in e.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def value(e: Lin, fr) -> float:
+    """`e` at the fractions `fr` (a dict of numbers, or of numpy arrays: evaluated elementwise)."""
+    return e.get("", 0.0) + sum(c * fr[k] for k, c in e.items() if k)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int
+    gen_len: int
+    max_len: int | None = None           # the engine's context (the KV cache's and the budget's size); None:
+    #                                      prompt_len + gen_len
+
+    @property
+    def context(self) -> int:
+        return self.max_len or self.prompt_len + self.gen_len
+
+
+def _pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class LayerCost:
+    """The linear expressions of one (bs, nb, flags) choice: lanes per phase, fixed costs, memory per tier."""
+    prefill: dict[str, Lin]
+    decode: dict[str, Lin]
+    fixed_prefill: float                       # seconds a pass outside the layers
+    fixed_decode: float
+    memory: dict[str, Lin]                     # bytes per tier, without the 2 loaded KV blocks
+    kv_buffer: float                           # the 2 loaded KV blocks on the GPU (when any block is off it)
+    layers: int
+    block: int
+    gen_len: int
+    info: dict = field(default_factory=dict)
+
+    def phase_time(self, phase: str, fr) -> float:
+        lanes = self.prefill if phase == "prefill" else self.decode
+        return max(value(e, fr) for e in lanes.values())
+
+    def total_time(self, fr) -> float:
+        return (self.layers * self.phase_time("prefill", fr) + self.fixed_prefill
+                + (self.gen_len - 1) * (self.layers * self.phase_time("decode", fr) + self.fixed_decode))
+
+    def throughput(self, fr) -> float:
+        return self.block * self.gen_len / self.total_time(fr)
+
+    def tier_bytes(self, fr) -> dict[str, float]:
+        out = {t: value(e, fr) for t, e in self.memory.items()}
+        if fr["cg"] < 1 - 1e-9:
+            out["gpu"] += self.kv_buffer
+        return out
+
+
+def _by_what(ns: list, tier: str, prefix: str) -> int:
+    return sum(n.bytes for n in ns if n.tier == tier and n.what.startswith(prefix))
+
+
+def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: HardwareProfile,
+               compress_weights: bool = False, compress_cache: bool = False, cpu_attention: bool = False,
+               host_memory: str = "pinned") -> LayerCost:
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    L, d, v = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    h, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ctx = workload.context
+    base = Policy(gpu_batch_size=bs, num_gpu_batches=nb, compress_weights=compress_weights,
+                  compress_cache=compress_cache)
+    # totals at the all-on-one-tier placements (budget.needs is exact there)
+    on_gpu = budget.needs(cfg, base, ctx)
+    off = budget.needs(cfg, base.replace(weights=Split(0, 100, 0), cache=Split(0, 100, 0),
+                                         activations=Split(0, 100, 0)), ctx)
+    w_dense = _by_what(on_gpu, "gpu", "weights") / L            # a layer's weights on the GPU, bytes
+    w_store = _by_what(off, "cpu", "weights") / L               # stored off the GPU (packed where compressed)
+    kv_all = _by_what(off, "cpu", "KV cache")                   # every (layer, batch) block at the context
+    act_all = _by_what(off, "cpu", "activations")
+    rest = _by_what(on_gpu, "gpu", "embedding")
+    work = _by_what(on_gpu, "gpu", "working buffers")
+    inflight = _by_what(off, "gpu", "3 layers")                 # 3 stored + 1 decompressed, all weights off
+    kv_block = kv_all / (L * nb)
+
+    # transfers of one pass, as the runtime makes them
+    t_pre = _pad(workload.prompt_len)
+    s = _pad(min(workload.prompt_len + workload.gen_len, ctx))   # positions of a block's KV arrays
+    tok_head = (kv_quant.token_head_bytes("int4", hd, None) if compress_cache else 2 * hd * item)
+    kv_blk = bs * s * kh * tok_head                             # one block as loaded (S positions)
+    rows = {"prefill": bs * t_pre * kh * tok_head, "decode": bs * kh * tok_head}
+    act = {"prefill": bs * t_pre * d * item, "decode": bs * d * item}
+    qo = 2 * bs * h * hd * item                                  # q down and the attention output up (cpu attn)
+    h2d, d2h = hw.h2d_bytes, hw.d2h_bytes
+    h2d_w = hw.weight_h2d(host_memory)
+    rd, wr = hw.disk_read_bytes, hw.disk_write_bytes
+    params = w_dense / item                                      # a layer's parameters (matmuls dominate)
+    dec_unpack = (w_store + w_dense) / hw.hbm_bytes if compress_weights else 0.0
+
+    def gemm(tokens: int) -> float:
+        return max(2 * tokens * params / hw.gemm_flops, w_dense / hw.hbm_bytes)
+
+    def attn_gpu(tq: int) -> float:
+        flops = 4 * bs * tq * s * h * hd
+        traffic = kv_blk + 2 * bs * s * kh * hd * 4 + 3 * bs * h * tq * s * 4     # block, f32 K/V, scores
+        return max(flops / hw.gemm_flops, traffic / hw.hbm_bytes)
+
+    cpu_attn = kv_blk / hw.cpu_attn_bytes if cpu_attention else 0.0
+    lanes = {}
+    for phase, tq in (("prefill", t_pre), ("decode", 1)):
+        delegate = cpu_attention and phase == "decode"
+        comp = lin(nb * (gemm(bs * tq) + hw.dispatch_s))
+        unpack = lin(0, wc=dec_unpack, wd=dec_unpack)
+        if delegate:       # CPU-held blocks: attention on the CPU, two more dispatches, q and the output cross
+            att = lin(nb * attn_gpu(tq), cg=0.0, cc=nb * (cpu_attn + 2 * hw.dispatch_s - attn_gpu(tq)),
+                      cd=nb * (cpu_attn + 2 * hw.dispatch_s - attn_gpu(tq)))
+            kv_in = lin(0, cc=nb * qo / 2 / h2d, cd=nb * qo / 2 / h2d)
+            kv_out = lin(0, cc=nb * (rows[phase] + qo / 2) / d2h, cd=nb * (rows[phase] + qo / 2) / d2h)
+        else:
+            att = lin(nb * attn_gpu(tq))
+            kv_in = lin(0, cc=nb * kv_blk / h2d, cd=nb * kv_blk / h2d)
+            kv_out = lin(0, cc=nb * rows[phase] / d2h, cd=nb * rows[phase] / d2h)
+        lanes[phase] = {
+            "compute": add(comp, att, unpack),
+            "h2d": add(lin(0, wc=w_store / h2d_w, wd=w_store / h2d), kv_in,
+                       lin(0, hc=nb * act[phase] / h2d, hd=nb * act[phase] / h2d)),
+            "d2h": add(kv_out, lin(0, hc=nb * act[phase] / d2h, hd=nb * act[phase] / d2h)),
+            "disk_read": lin(0, wd=w_store / rd, cd=nb * kv_blk / rd, hd=nb * act[phase] / rd),
+            "disk_write": lin(0, cd=nb * rows[phase] / wr, hd=nb * act[phase] / wr),
+        }
+    head_w = v * d * item
+
+    def fixed(tokens: int) -> float:
+        head = max(2 * bs * tokens * v * d / hw.gemm_flops, head_w / hw.hbm_bytes)
+        return nb * (head + 3 * hw.dispatch_s)
+
+    memory = {
+        "gpu": lin(rest + work, wg=L * w_dense, wc=inflight, wd=inflight, cg=kv_all, hg=act_all),
+        "cpu": lin(0, wc=L * w_store, cc=kv_all, hc=act_all),
+        "disk": lin(0, wd=L * w_store, cd=kv_all, hd=act_all),
+    }
+    return LayerCost(lanes["prefill"], lanes["decode"], fixed(t_pre), fixed(1), memory, 2 * kv_block, L, bs * nb,
+                     workload.gen_len, info=dict(layer_bytes=w_dense, layer_stored_bytes=w_store, kv_block=kv_block))
+
+
+def fractions(cfg: ModelConfig, policy: Policy) -> dict[str, float]:
+    """The placement a policy really gets (tensors by bytes, KV blocks and batches by index), as fractions."""
+    _, shapes = budget.layer_shapes(cfg)
+    sizes = [math.prod(s) for s in shapes]
+    wt = weight_tiers(sizes, policy.weights)
+    total = float(sum(sizes))
+    fr = {f"w{t[0]}": sum(n for n, x in zip(sizes, wt) if x == t) / total for t in ("gpu", "cpu", "disk")}
+    n_kv = cfg.num_layers * policy.num_gpu_batches
+    kt = index_tiers(n_kv, policy.cache)
+    at = index_tiers(policy.num_gpu_batches, policy.activations)
+    for t in ("gpu", "cpu", "disk"):
+        fr[f"c{t[0]}"] = kt.count(t) / n_kv
+        fr[f"h{t[0]}"] = at.count(t) / policy.num_gpu_batches
+    return fr
+
+
+@dataclass(frozen=True)
+class Prediction:
+    out_tok_s: float
+    seconds: float
+    prefill_layer_s: float
+    decode_layer_s: float
+    lanes: dict
+    tier_bytes: dict
+    fractions: dict
+
+
+def predict(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> Prediction:
+    """The cost model's throughput and per-lane times for a policy, at the placement the runtime gives it."""
+    fr = fractions(cfg, policy)
+    c = cost_of(cfg, policy, workload, hw)
+    lanes = {ph: {k: value(e, fr) for k, e in (c.prefill if ph == "prefill" else c.decode).items()}
+             for ph in ("prefill", "decode")}
+    return Prediction(c.throughput(fr), c.total_time(fr), c.phase_time("prefill", fr), c.phase_time("decode", fr),
+                      lanes, c.tier_bytes(fr), fr)
+
+
+def cost_of(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> LayerCost:
+    return layer_cost(cfg, policy.gpu_batch_size, policy.num_gpu_batches, workload, hw, policy.compress_weights,
+                      policy.compress_cache, policy.cpu_attention, policy.host_memory)

@@ -1,0 +1,201 @@
+"""The machine's rates, measured (short, bounded runs) and cached per machine: what the cost model
+(nfjax/offload/cost_model.py) turns bytes and flops into seconds with.
+
+  gemm_flops      the device's matmul rate (FLOP/s, the model's dtype, a square matmul of 2048 on a GPU, 512 on a
+                  CPU device)
+  hbm_bytes       the device's memory bandwidth (bytes/s read + written by a large elementwise op)
+  h2d_bytes       host numpy -> device (device_put of a 64 MB buffer, bytes/s; the KV cache and activations)
+  h2d_pinned_bytes pinned_host JAX array -> device (the host tier's weights; None where the memory kind is absent)
+  d2h_bytes       device -> host numpy
+  disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
+                  page cache (posix_fadvise DONTNEED) and read back with np.load
+  cpu_attn_bytes  KV bytes a second that decode attention on the CPU reads (nfjax/offload/cpu_attention.py, the
+                  function the runtime runs, on a [8, 512, 8, 64] block)
+  dispatch_s      the host's fixed cost of one layer program call (a tiny jitted op, dispatched and waited on)
+
+On a CPU-only machine the "device" is the CPU and every rate is measured as it exists there (a device_put to the
+CPU device is a host copy); nothing is invented. The cache is a JSON file under $NFJAX_CACHE/hardware/, named by
+the device kind and the host name; `measure(..., remeasure=True)` (`--remeasure-hardware`) measures again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    device_kind: str
+    host: str
+    gemm_flops: float
+    hbm_bytes: float
+    h2d_bytes: float
+    h2d_pinned_bytes: float | None
+    d2h_bytes: float
+    disk_read_bytes: float
+    disk_write_bytes: float
+    cpu_attn_bytes: float
+    dispatch_s: float
+    measured_at: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HardwareProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def weight_h2d(self, host_memory: str) -> float:
+        """The rate a host-tier weight crosses at (pinned JAX arrays, or numpy)."""
+        return self.h2d_pinned_bytes if host_memory == "pinned" and self.h2d_pinned_bytes else self.h2d_bytes
+
+    def line(self) -> str:
+        g = 1e9
+        return (f"hardware ({self.device_kind}, {self.host}): matmul {self.gemm_flops / 1e12:.2f} TFLOP/s, memory "
+                f"{self.hbm_bytes / g:.1f} GB/s, host->device {self.h2d_bytes / g:.2f} (pinned "
+                f"{(self.h2d_pinned_bytes or 0) / g:.2f}) GB/s, device->host {self.d2h_bytes / g:.2f} GB/s, disk "
+                f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
+                f"{self.cpu_attn_bytes / g:.2f} GB/s of KV, dispatch {self.dispatch_s * 1e6:.0f} us")
+
+
+def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> float:
+    """work / the median seconds of `fn()` (run once to warm up, then until `budget` seconds or `max_reps`)."""
+    fn()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return work / float(np.median(times))
+
+
+def _gemm(device, dtype) -> float:
+    import jax
+    import jax.numpy as jnp
+    n = 2048 if device.platform != "cpu" else 512
+    a = jax.device_put(jnp.ones((n, n), dtype) * 0.01, device)
+    f = jax.jit(lambda x: x @ x)
+    return _rate(2 * n ** 3, lambda: f(a).block_until_ready())
+
+
+def _hbm(device) -> float:
+    import jax
+    import jax.numpy as jnp
+    n = (256 if device.platform != "cpu" else 32) * 2 ** 20 // 4
+    a = jax.device_put(jnp.ones((n,), jnp.float32), device)
+    f = jax.jit(lambda x: x * 1.0001)
+    return _rate(2 * 4 * n, lambda: f(a).block_until_ready())
+
+
+def _transfers(device, nbytes: int) -> tuple[float, float | None, float]:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    host = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+    on = SingleDeviceSharding(device)
+    h2d = _rate(nbytes, lambda: jax.device_put(host, on).block_until_ready(), max_reps=20)
+    pinned = None
+    try:
+        p = jax.device_put(host, SingleDeviceSharding(device, memory_kind="pinned_host"))
+        pinned = _rate(nbytes, lambda: jax.device_put(p, on).block_until_ready(), max_reps=20)
+    except Exception:          # noqa: BLE001 - a backend without the pinned_host memory kind: not measured
+        pinned = None
+    d = jax.device_put(host, on)
+    # np.array copies: on a CPU device np.asarray may alias the buffer and time nothing
+    d2h = _rate(nbytes, lambda: np.array(d), max_reps=20)
+    return h2d, pinned, d2h
+
+
+def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".nfjax-hw-{os.getpid()}.npy"
+    x = np.random.default_rng(1).integers(0, 255, nbytes, np.uint8)
+    try:
+        def write():
+            with open(path, "wb") as f:
+                np.save(f, x)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def read():
+            fd = os.open(path, os.O_RDONLY)
+            try:                        # out of the page cache, so the read is the disk's
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            np.load(path)
+        w = _rate(nbytes, write, max_reps=5)          # (also leaves the file the reads read)
+        return _rate(nbytes, read, max_reps=5), w
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _cpu_attention(dtype) -> float:
+    from nfjax.offload.cpu_attention import cpu_attention_bench
+    return cpu_attention_bench(_rate, dtype)
+
+
+def _dispatch(device) -> float:
+    import jax
+    import jax.numpy as jnp
+    a = jax.device_put(jnp.ones((8,), jnp.float32), device)
+    f = jax.jit(lambda x: x + 1)
+    return 1.0 / _rate(1.0, lambda: f(a).block_until_ready(), max_reps=200)
+
+
+def cache_path(device_kind: str, host: str | None = None) -> Path:
+    from nfjax.checkpoint.models import cache_dir
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{device_kind}-{host or socket.gethostname()}")
+    return cache_dir() / "hardware" / f"{key}.json"
+
+
+def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = None) -> HardwareProfile:
+    """Measure every rate of this machine (a few seconds)."""
+    import jax
+    import jax.numpy as jnp
+    device = device or jax.devices()[0]
+    small = device.platform == "cpu"
+    nbytes = (16 if small else 64) * 2 ** 20
+    h2d, pinned, d2h = _transfers(device, nbytes)
+    from nfjax.offload.engine import default_offload_dir
+    rd, wr = _disk(Path(disk_dir) if disk_dir else default_offload_dir(), nbytes)
+    return HardwareProfile(
+        device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=_gemm(device, jnp.dtype(dtype)),
+        hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_pinned_bytes=pinned, d2h_bytes=d2h, disk_read_bytes=rd,
+        disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=_dispatch(device),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def measure(device=None, dtype: str = "bfloat16", disk_dir: Path | None = None, remeasure: bool = False,
+            log=None) -> HardwareProfile:
+    """This machine's profile: the cached one (per device kind and host), else measured now and cached."""
+    import jax
+    device = device or jax.devices()[0]
+    path = cache_path(str(device.device_kind))
+    if not remeasure and path.is_file():
+        try:
+            prof = HardwareProfile.from_json(json.loads(path.read_text()))
+            if log:
+                log(f"{prof.line()} [cached: {path}]")
+            return prof
+        except (json.JSONDecodeError, TypeError):
+            pass                                    # a damaged cache: measure again
+    prof = measure_now(device, dtype, disk_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(prof.to_json(), indent=2))
+    tmp.replace(path)
+    if log:
+        log(f"{prof.line()} [measured; cached in {path}]")
+    return prof
