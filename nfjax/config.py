@@ -35,7 +35,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "mixtral", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
+    # Mixture of experts (nfjax/models/moe.py; num_experts 0: the dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0              # top-k experts per token
+    moe_intermediate_size: int = 0            # each expert's FFN width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by sigmoid(h @ w) (0: none)
+    norm_topk_prob: bool = True               # the top-k router probabilities renormalised to sum to 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -64,6 +70,10 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
+                              f"{self.num_experts}] and moe_intermediate_size ({self.moe_intermediate_size}) > 0")
 
     @property
     def q_size(self) -> int:
@@ -81,9 +91,21 @@ class ModelConfig:
             return self.num_layers * layer + v * d + (self.max_position_embeddings + 2) * d + 2 * d + head
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
-        layer = attn + bias + 3 * d * i + 2 * d
+        layer = attn + bias + self._mlp_params(self.num_experts) + 2 * d
         head = 0 if self.tie_word_embeddings else d * v
         return self.num_layers * layer + v * d + head + d
+
+    def _mlp_params(self, experts: int) -> int:
+        d = self.hidden_size
+        if not self.num_experts:
+            return 3 * d * self.intermediate_size
+        shared = 3 * d * self.shared_expert_intermediate_size + d if self.shared_expert_intermediate_size else 0
+        return d * self.num_experts + experts * 3 * d * self.moe_intermediate_size + shared    # router + experts
+
+    def num_active_params(self) -> int:
+        """Parameters one token reads: num_params with only its top-k experts of each MoE layer."""
+        unused = self._mlp_params(self.num_experts) - self._mlp_params(self.num_experts_per_tok)
+        return self.num_params() - self.num_layers * unused if self.num_experts else self.num_params()
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -103,6 +125,10 @@ class ModelConfig:
         if mt == "opt":
             from nfjax.checkpoint.opt_names import opt_config_fields
             return cls(**opt_config_fields(hf))
+        moe = {}
+        if mt in ("mixtral", "qwen2_moe"):
+            from nfjax.checkpoint.moe_names import moe_config_fields
+            moe = moe_config_fields(hf)
         try:
             d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             kw = dict(vocab_size=int(hf["vocab_size"]), hidden_size=d,
@@ -110,13 +136,13 @@ class ModelConfig:
                       num_layers=int(hf["num_hidden_layers"]), num_heads=h)
         except KeyError as e:
             raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
-        if mt == "mistral" and hf.get("sliding_window") not in (None, 0):
+        if mt in ("mistral", "mixtral") and hf.get("sliding_window") not in (None, 0):
             if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
                 raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} is not supported yet "
                                   "(nfjax attends to the full context); set it to null to run full attention")
-        if mt == "qwen2" and hf.get("use_sliding_window"):
+        if mt in ("qwen2", "qwen2_moe") and hf.get("use_sliding_window"):
             raise ConfigError("config.json: use_sliding_window=true is not supported yet")
-        for flag in ("mlp_bias",) + (("attention_bias",) if mt != "qwen2" else ()):
+        for flag in ("mlp_bias",) + (("attention_bias",) if mt not in ("qwen2", "qwen2_moe") else ()):
             if hf.get(flag):
                 raise ConfigError(f"config.json: {flag}=true is not supported (o_proj/MLP biases)")
         if hf.get("hidden_act", "silu") != "silu":
@@ -124,7 +150,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype = "bfloat16" if hf.get("torch_dtype", hf.get("dtype")) == "bfloat16" else "float32"
-        return cls(
+        return cls(**{**dict(
             **kw,
             num_kv_heads=int(hf.get("num_key_value_heads") or h),
             head_dim=int(hf.get("head_dim") or d // h),
@@ -134,7 +160,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", mt == "qwen2")),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            model_type=mt, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype)
+            model_type=mt, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype), **moe})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -258,7 +258,8 @@ def plan(cfg: ModelConfig, tensors: dict[str, TensorInfo], params: dict[tuple[st
             raise ConversionError(f"tensor {name} in {info.file.name} has shape {list(info.shape)}, expected "
                                   f"{list(want)} from config.json")
     for p, members in groups.items():
-        if len(members) != (cfg.num_layers if p[0] == "layers" else 1):
+        experts = cfg.num_experts if p[0] == "layers" and p[1].startswith("expert_") else 1
+        if len(members) != (cfg.num_layers if p[0] == "layers" else 1) * experts:
             raise AssertionError(f"hf_names and the nfjax model disagree about {'.'.join(p)}")
     if tied_head:
         _check_tied_head(tensors, names)
@@ -320,10 +321,7 @@ def _write_params(cfg: ModelConfig, tensors: dict[str, TensorInfo],
             for name, t in members:
                 x = reader.get(name, tensors[name])
                 x = (x.T if t.transpose else x).astype(dt, copy=False)
-                if t.layer is None:
-                    arr[...] = x
-                else:
-                    arr[t.layer] = x
+                arr[t.index] = x
                 bar.update()
             node = pure
             for k in path[:-1]:

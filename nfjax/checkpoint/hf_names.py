@@ -46,10 +46,17 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 @dataclass(frozen=True)
 class Target:
     """Where one HF tensor goes: `path` in the nfjax param dict, `layer` index into the stacked axis (None for
-    unstacked params), and whether the HF array is transposed ([out, in] -> [in, out])."""
+    unstacked params), whether the HF array is transposed ([out, in] -> [in, out]), and `expert`: the index into
+    a second stacked axis (a MoE layer's experts, nfjax/checkpoint/moe_names.py), None for the rest."""
     path: tuple[str, ...]
     layer: int | None
     transpose: bool
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The index of this tensor in its stacked parameter."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def is_ignored(name: str) -> bool:
@@ -80,16 +87,19 @@ def expected_names(cfg: ModelConfig) -> list[str]:
 
 
 def for_model(cfg: ModelConfig):
-    """The naming module of `cfg`'s architecture: this one for the Llama family, `opt_names` for OPT (both have
-    EMBED, LM_HEAD, is_ignored, parse, expected_names)."""
+    """The naming module of `cfg`'s architecture: this one for the Llama family, `opt_names` for OPT,
+    `moe_names` for Mixtral / Qwen2-MoE (all have EMBED, LM_HEAD, is_ignored, parse, expected_names)."""
     if cfg.model_type == "opt":
         from nfjax.checkpoint import opt_names
         return opt_names
+    if cfg.num_experts:
+        from nfjax.checkpoint import moe_names
+        return moe_names
     import sys
     return sys.modules[__name__]
 
 
 def hf_shape(target: Target, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF tensor shape that fills `target` of an nfjax parameter of shape `param_shape`."""
-    shape = param_shape[1:] if target.layer is not None else param_shape
+    shape = param_shape[len(target.index):]
     return tuple(reversed(shape)) if target.transpose else tuple(shape)
