@@ -132,6 +132,7 @@ class Runner:
         The layers run from per-layer copies of the weights; `take_weights` deletes the model's stacked layer
         arrays as they are copied (the model is unusable afterwards; `model()` rebuilds one)."""
         from nfjax.engine.builder import resolve
+        from nfjax.schedule.graph import layer_graph
         from nfjax.schedule.variants import SEQUENTIAL, Variants
         self.config = config = resolve(config, free_device_bytes(), on_gpu())
         cache, sched, sc = config.cache, config.batcher, config.execution
@@ -154,7 +155,7 @@ class Runner:
         self.penalty_slots = num_penalty_slots(self.max_seqs)
         self.penalty_state = PenaltyState.create(self.penalty_slots, model.cfg.vocab_size, self.replicated)
         self.last_logprobs: Logprobs | None = None      # the latest full head's, on device
-        self.variants = Variants(sc, sched.token_buckets, tp)
+        self.variants = Variants(sc, sched.token_buckets, tp, graph=layer_graph(model.cfg))
         self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
         g = max(1, min(sc.layers_per_program, model.cfg.num_layers))
         # Variants that split the batch run one layer per program: in a multi-layer program a later layer's

@@ -65,18 +65,31 @@ class DecoderLayer(nnx.Module):
     """One pre-norm decoder layer. Its ops, in order, are the plain forward."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self._init_attention(cfg, rngs)
+        self._init_mlp(cfg, rngs)
+
+    def _init_attention(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        """The norms and attention projections (a MoE layer shares them: nfjax/models/moe.py)."""
         dt = jnp.dtype(cfg.dtype)
         d = cfg.hidden_size
-        self.cfg = cfg
         self.input_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.q_proj = _linear(d, cfg.q_size, cfg.qkv_bias, dt, rngs)
         self.k_proj = _linear(d, cfg.kv_size, cfg.qkv_bias, dt, rngs)
         self.v_proj = _linear(d, cfg.kv_size, cfg.qkv_bias, dt, rngs)
         self.o_proj = _linear(cfg.q_size, d, False, dt, rngs)
         self.post_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+
+    def _init_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        d = cfg.hidden_size
         self.gate_proj = _linear(d, cfg.intermediate_size, False, dt, rngs)
         self.up_proj = _linear(d, cfg.intermediate_size, False, dt, rngs)
         self.down_proj = _linear(cfg.intermediate_size, d, False, dt, rngs)
+
+    def op_specs(self) -> tuple:
+        """This layer's op graph in sequential order (`LAYER_OPS`; a MoE layer's differs)."""
+        return LAYER_OPS
 
     @op(Resource.MEMORY, ins=("x",), outs=("h",))
     def attn_norm(self, ctx, x):
@@ -152,7 +165,7 @@ LAYER_OPS = collect_ops(DecoderLayer)
 
 def sequential_layer_fn(layer, ctx: LayerContext, env: dict) -> dict:
     """The plain layer: every op once, in order, on the whole batch."""
-    return run_ops(LAYER_OPS, layer, ctx, env)
+    return run_ops(layer.op_specs(), layer, ctx, env)
 
 
 def layer_forward(layer: DecoderLayer, i: Int[Array, ""], x, kv: KVCache, meta: AttentionMetadata,
@@ -171,6 +184,8 @@ def _tp_sum(x, ctx: LayerContext):
 
 
 class LlamaModel(nnx.Module):
+    layer_class = DecoderLayer      # the decoder layer's class (a MoE model's differs: nfjax/models/moe.py)
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         self.cfg = cfg
@@ -180,8 +195,9 @@ class LlamaModel(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(r):
-            return DecoderLayer(cfg, r)
+            return layer_class(cfg, r)
 
+        layer_class = type(self).layer_class
         self.layers = make_layers(rngs)       # params stacked on a leading layer axis
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dt,

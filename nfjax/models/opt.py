@@ -125,7 +125,11 @@ class OPTModel(LlamaModel):
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaModel]:
-    """The model class of `cfg.model_type`: `OPTModel` for opt, else the Llama family's."""
+    """The model class of `cfg.model_type`: `OPTModel` for opt, `MoEModel` for a mixture of experts, else the
+    Llama family's."""
+    if cfg.num_experts:
+        from nfjax.models.moe import MoEModel
+        return MoEModel
     return OPTModel if cfg.model_type == "opt" else LlamaModel
 
 

@@ -1,7 +1,7 @@
 """The reference forward: a `LlamaModel`'s logits for whole token sequences, causal, no paged cache, pure jnp.
 
-The model's own decoder-layer ops (`LAYER_OPS`: norms, projections, RoPE, MLP, residuals) run over the whole
-batch; only attention is swapped for one dense causal attention (masked scores are `pallas_kernels.MASK_VALUE`,
+The model's own decoder-layer ops (`layer.op_specs()`: norms, projections, RoPE, MLP or MoE, residuals) run over
+the whole batch; only attention is swapped for one dense causal attention (masked scores are `pallas_kernels.MASK_VALUE`,
 as in every kernel and paged reference), and the `rope_append` op writes its K/V into a dense stand-in instead of
 cache pages. So the engine's paged forward and this one share all the math but attention.
 
@@ -24,7 +24,6 @@ from nfjax.models.llama import LAYER_OPS, LayerContext, LlamaModel
 from nfjax.models.rope import inv_frequencies
 from pallas_kernels import MASK_VALUE
 
-_ATTN_DECODE = next(s for s in LAYER_OPS if s.name == "attn_decode")
 _ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
 assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update reference"
 
@@ -73,10 +72,10 @@ def logits(model: LlamaModel, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"
         layer = nnx.merge(graphdef, layer_state)
         ctx = LayerContext(layer=i, meta=None, inv_freq=inv_freq)
         env = {"x": x, "kv": _DenseKV(), "positions": positions, "slots": slots}
-        for spec in LAYER_OPS:
-            if spec is _ATTN_DECODE:
-                continue            # no decode rows: _ATTN covers every token
-            if spec is _ATTN:
+        for spec in layer.op_specs():          # the layer's own graph (a MoE layer's differs)
+            if spec.name == "attn_decode":
+                continue            # no decode rows: attn_prefill covers every token
+            if spec.name == _ATTN.name:
                 kv = env["kv"]
                 env["attn"] = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)
             else:

@@ -114,7 +114,9 @@ class OpGraph:
         return tuple(out)
 
 
-def layer_graph() -> OpGraph:
-    """The graph of `nfjax.models.llama.DecoderLayer`."""
+def layer_graph(cfg=None) -> OpGraph:
+    """The graph of `nfjax.models.llama.DecoderLayer`, or of the decoder layer of model config `cfg` (a MoE
+    layer's: nfjax/models/moe.py)."""
+    from nfjax.models.moe import layer_ops
     from nfjax.models.llama import LAYER_OPS
-    return OpGraph(LAYER_OPS)
+    return OpGraph(LAYER_OPS if cfg is None else layer_ops(cfg))

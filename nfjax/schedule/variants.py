@@ -36,9 +36,10 @@ class Variant:
 class Variants:
     """The variants of every bucket (recorded now; compiled by the runner) and the per-batch choice."""
 
-    def __init__(self, cfg: ExecutionConfig, buckets, tp: int):
+    def __init__(self, cfg: ExecutionConfig, buckets, tp: int, graph=None):
+        """`graph`: the model's layer graph (default: the dense Llama layer's; `layer_graph(model_cfg)`)."""
         self.cfg = cfg
-        graph = layer_graph()
+        graph = graph or layer_graph()
         confs = list(cfg.strategies)
         if SEQUENTIAL not in [c.label for c in confs]:
             confs.append(StrategyConfig())                      # the fallback, compiled for every bucket
