@@ -20,8 +20,11 @@ from nfjax.errors import UserError
 
 TP_AXIS = "tp"
 
-_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-_ROW = {"o_proj", "down_proj"}
+# MoE layers (nfjax/models/moe.py): each expert's FFN columns split like the dense MLP's (expert_* kernels are
+# [L, E, in, out]); the shared expert likewise; router_proj and shared_expert_gate replicated
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "expert_gate", "expert_up", "shared_gate_proj",
+           "shared_up_proj"}
+_ROW = {"o_proj", "down_proj", "expert_down", "shared_down_proj"}
 
 
 def make_mesh(tp: int) -> Mesh:
@@ -35,8 +38,12 @@ def make_mesh(tp: int) -> Mesh:
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     if cfg.num_heads % tp:
         raise UserError(f"tp={tp} must divide num_attention_heads={cfg.num_heads}")
-    if cfg.intermediate_size % tp:
-        raise UserError(f"tp={tp} must divide intermediate_size={cfg.intermediate_size}")
+    ffn = (("moe_intermediate_size", cfg.moe_intermediate_size),
+           ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)) if cfg.num_experts else (
+        ("intermediate_size", cfg.intermediate_size),)
+    for name, size in ffn:
+        if size % tp:
+            raise UserError(f"tp={tp} must divide {name}={size}")
     kvh = cfg.num_kv_heads
     if kvh % tp and tp % kvh:
         raise UserError(f"tp={tp} and num_key_value_heads={kvh}: one must divide the other")
