@@ -82,7 +82,10 @@ def solve_lp(cost: LayerCost, caps: dict, kv_all_on_gpu: bool = False, slack: di
     objective = L * tp + (n - 1) * L * td
     # among placements of equal time, the faster tiers (a nanosecond a unit of fraction: below any real difference)
     tie = 1e-9 * pulp.lpSum(x[f] * (2.0 if f.endswith("d") else 1.0) for f in FRACS if f[1] in "cd")
-    prob += objective + tie + pulp.lpSum(w * grow[t] for t, w in (slack or {}).items()) * (1.0 / GB)
+    if slack:          # the diagnosis: the least (weighted) growth of the caps, whatever the time
+        prob += pulp.lpSum(w * grow[t] for t, w in slack.items()) * (1.0 / GB)
+    else:
+        prob += objective + tie
     for e in cost.prefill.values():
         prob += tp >= _expr(e, x)
     for e in cost.decode.values():
@@ -220,9 +223,9 @@ def infeasible(cfg, workload, hw, caps, compress_weights, compress_cache, host_m
     if r is None:
         return PolicyError("--offload auto: no policy fits the caps (the diagnosis LP failed too)")
     _, _, grow = r
-    short = [(t, g) for t, g in grow.items() if g > 1e-3 * GB or g > 1e-6 * (caps[t] or 1)]
-    parts = "; ".join(f"the {t} tier is {g / GB:.3f} GB too small (has {caps[t] / GB:.3f} GB: raise {flags[t]} "
-                      f"to at least {(caps[t] + g) / GB:.3f})" for t, g in short)
+    short = [(t, g) for t, g in grow.items() if g > 1e-6 * max(caps[t], 1.0)]
+    parts = "; ".join(f"the {t} tier is {g / GB:.4g} GB too small (has {caps[t] / GB:.4g} GB: raise {flags[t]} "
+                      f"to at least {(caps[t] + g) / GB:.4g})" for t, g in short)
     return PolicyError(f"--offload auto: no policy fits, not even one sequence a block: {parts or 'unknown tier'}. "
                        f"The model's weights take {cost.layers * cost.info['layer_stored_bytes'] / GB:.3f} GB off the "
                        "GPU (a policy with compress_weights stores them in 4 bits)")
@@ -241,7 +244,7 @@ def auto_policy(cfg: ModelConfig, workload: Workload, base: Policy, *, device=No
     hw = measure(device, cfg.dtype, root, remeasure=remeasure, log=log)
     caps = machine_caps(base, device, root)
     if log:
-        log("offload auto: caps " + ", ".join(f"{t} {'unlimited' if c is None else f'{c / GB:.2f} GB'}"
+        log("offload auto: caps " + ", ".join(f"{t} {'unlimited' if c is None else f'{c / GB:.4g} GB'}"
                                               for t, c in caps.items())
             + f"; prompt {workload.prompt_len}, output {workload.gen_len}, context {workload.context}")
     return search(cfg, workload, hw, caps, base=base, max_block=max_block, log=log, **kw)
