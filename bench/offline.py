@@ -1,5 +1,6 @@
 """Offline throughput: the engine on a random-weight model shape, fixed 1024/512 and ShareGPT-shaped
-workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params)); several engine
+workloads, total tokens/s and % of compute-optimal (measured bf16 GEMM rate / (2 x params), the active params
+for a mixture of experts: a token reads its top-k experts only); several engine
 variants (e.g. Sequential and a NanoFlow plan) and peers side by side in the same call: `--peer hf` (default) the
 HF transformers continuous-batching peer, `--peer vllm` vLLM on the exact requests the engine ran
 (bench/peers/vllm.py; README "Benchmarks" says how it reaches the GPU machine), `--peer hf,vllm` both, `none`.
@@ -84,7 +85,7 @@ def engine_run(args, workloads: list[str]) -> dict:
 
     cfg = model_config(args)
     gemm = gemm_tflops()
-    params = cfg.num_params()
+    params = cfg.num_active_params()           # = num_params() for a dense model
     optimal = gemm * 1e12 / (2 * params)
     works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
     if args.workload_dir:           # the exact requests, for a peer (bench/peers/workload_io.py)
@@ -99,7 +100,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     ec = engine.config
     print(f"compiled in {compile_s:.1f}s; {ec.cache.num_pages} KV pages, buckets {ec.batcher.token_buckets}, "
           f"{ec.batcher.max_seqs} sequences a step", flush=True)
-    out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "optimal_tok_s": optimal,
+    out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "total_params": cfg.num_params(),
+           "optimal_tok_s": optimal,
            "compile_s": compile_s, "buckets": ec.batcher.token_buckets, "num_pages": ec.cache.num_pages,
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
@@ -138,6 +140,8 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
         best = max(tok, key=tok.get)
         summary[f"total_tok_s_{key}"] = tok[best]
         summary[f"pct_optimal_{key}"] = 100 * tok[best] / optimal
+        if first.get("config", {}).get("num_experts"):       # e.g. pct_optimal_1024_512_mixtral (#26)
+            summary[f"pct_optimal_{key}_{first['config']['model_type']}"] = summary[f"pct_optimal_{key}"]
         summary[f"preemptions_{key}"] = ours[best]["results"][w].get("trace", {}).get("preemptions", 0)
         if len(ours) > 1:
             summary[f"best_variant_{key}"] = best

@@ -61,7 +61,7 @@ def child(args) -> dict:
     tp_config(cfg, tp)
     mesh = make_mesh(tp)
     gemm = gemm_tflops()
-    optimal = tp * gemm * 1e12 / (2 * cfg.num_params())          # tp GPUs' GEMM rate
+    optimal = tp * gemm * 1e12 / (2 * cfg.num_active_params())   # tp GPUs' GEMM rate; MoE: active params
     t = time.perf_counter()
     model = random_model(cfg, sharding_fn=sharding_fn(mesh))
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))

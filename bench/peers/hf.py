@@ -25,11 +25,16 @@ T_START = time.perf_counter()
 
 
 def hf_config(c):
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, head_dim=c.head_dim,
-                       num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-                       max_position_embeddings=c.max_position_embeddings, attn_implementation="sdpa")
+    import transformers
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, head_dim=c.head_dim,
+              num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+              max_position_embeddings=c.max_position_embeddings, attn_implementation="sdpa")
+    if c.model_type == "mixtral":
+        return transformers.MixtralConfig(**{**kw, "intermediate_size": c.moe_intermediate_size},
+                                          num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                                          sliding_window=None)
+    return transformers.LlamaConfig(**kw)
 
 
 def _sync(device: str) -> None:

@@ -13,7 +13,7 @@ import os
 Work = list[tuple[list[int], int]]           # (prompt token ids, output tokens) per request
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "opt": "OPTForCausalLM"}
+                    "opt": "OPTForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def write_workload(path: str, work: Work) -> None:
@@ -76,6 +76,15 @@ def hf_config(model: dict) -> dict:
            "eos_token_id": list(model["eos_token_ids"]), "bos_token_id": model["bos_token_id"], "use_cache": True}
     if model.get("rope_scaling"):
         cfg["rope_scaling"] = dict(model["rope_scaling"])
+    if model["model_type"] == "mixtral":        # the experts' width is Mixtral's intermediate_size
+        cfg.update(num_local_experts=model["num_experts"], num_experts_per_tok=model["num_experts_per_tok"],
+                   intermediate_size=model["moe_intermediate_size"], sliding_window=None, router_jitter_noise=0.0)
+        del cfg["attention_bias"], cfg["mlp_bias"]
+    elif model["model_type"] == "qwen2_moe":
+        cfg.update(num_experts=model["num_experts"], num_experts_per_tok=model["num_experts_per_tok"],
+                   moe_intermediate_size=model["moe_intermediate_size"], norm_topk_prob=model["norm_topk_prob"],
+                   shared_expert_intermediate_size=model["shared_expert_intermediate_size"],
+                   qkv_bias=model["qkv_bias"], decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
     return cfg
 
 

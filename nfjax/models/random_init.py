@@ -21,8 +21,14 @@ OPT_30B = ModelConfig(vocab_size=50272, hidden_size=7168, intermediate_size=2867
                       qkv_bias=True, model_type="opt", bos_token_id=2, eos_token_ids=(2,), dtype="bfloat16")
 OPT_SMOKE = OPT_30B.replace(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=2,
                             num_kv_heads=2, head_dim=64, max_position_embeddings=1024, dtype="float32")
+# Mixtral-8x7B (46.7B parameters, 12.9B active: top-2 of 8 SwiGLU experts of 14336 per layer); 93 GB in bf16
+MIXTRAL_8X7B = LLAMA3_8B.replace(vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768,
+                                 model_type="mixtral", bos_token_id=1, eos_token_ids=(2,), num_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=14336)
+MIXTRAL_SMOKE = SMOKE.replace(model_type="mixtral", vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=256, max_position_embeddings=1024, rope_theta=1e6)
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "smoke": SMOKE, "opt-30b": OPT_30B,
-          "opt-smoke": OPT_SMOKE}
+          "opt-smoke": OPT_SMOKE, "mixtral-8x7b": MIXTRAL_8X7B, "mixtral-smoke": MIXTRAL_SMOKE}
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn=None,

@@ -55,7 +55,7 @@ def test_hf_config_gives_the_same_model_config_back(shape):
     cfg = SHAPES[shape]
     hf = hf_config(json.loads(json.dumps(cfg.to_json())))      # as the peer reads it from a file
     assert ModelConfig.from_hf(hf) == cfg
-    want = "OPTForCausalLM" if cfg.model_type == "opt" else "LlamaForCausalLM"
+    want = {"opt": "OPTForCausalLM", "mixtral": "MixtralForCausalLM"}.get(cfg.model_type, "LlamaForCausalLM")
     assert hf["architectures"] == [want] and hf["num_hidden_layers"] == cfg.num_layers
 
 
