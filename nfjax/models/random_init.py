@@ -31,6 +31,9 @@ SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "smoke": SMOKE, "opt
           "opt-smoke": OPT_SMOKE, "mixtral-8x7b": MIXTRAL_8X7B, "mixtral-smoke": MIXTRAL_SMOKE}
 
 
+_BIG = 1 << 31          # elements of an array drawn one leading slice at a time
+
+
 def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn=None,
                  host: bool = False) -> LlamaModel:
     """A model whose weights are N(0, std) (norm scales 1), generated on the device one array at a time.
@@ -56,6 +59,10 @@ def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, sharding_fn
                 return jnp.ones(shape, dtype)
             if bias:
                 return jnp.zeros(shape, dtype)
+            if len(shape) > 1 and np.prod(shape) > _BIG:
+                # one layer at a time: bounded temporaries (Mixtral-8x7B's stacked experts are 30 GB in bf16)
+                return jax.lax.map(lambda kk: (jax.random.normal(kk, shape[1:], jnp.float32) * std).astype(dtype),
+                                   jax.random.split(k, shape[0]))
             return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
 
         if host:
