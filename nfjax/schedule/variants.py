@@ -13,7 +13,11 @@ from nfjax.schedule.strategies import STRATEGIES
 SEQUENTIAL = "sequential"
 
 
-def build_strategy(sc: StrategyConfig) -> Strategy:
+def build_strategy(sc: StrategyConfig, graph=None) -> Strategy:
+    """The strategy of `sc`; a NanoFlow plan is validated against `graph` (default: the dense layer's)."""
+    if sc.kind == "nanoflow" and graph is not None:
+        from nfjax.schedule.plan import load_plan
+        return STRATEGIES[sc.kind](load_plan(sc.plan), name=sc.label, graph=graph)
     return STRATEGIES[sc.kind].from_config(sc)
 
 
@@ -53,7 +57,7 @@ class Variants:
                 if b < c.min_bucket:
                     self.skipped[(b, c.label)] = f"bucket < min_bucket={c.min_bucket}"
                     continue
-                s = build_strategy(c)
+                s = build_strategy(c, graph)
                 why = s.eligible(ctx)
                 if why:
                     self.skipped[(b, c.label)] = why
