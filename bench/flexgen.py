@@ -18,6 +18,16 @@ is not counted. The baseline runs one GPU batch of the best policy's size row by
 tokens/s does not depend on how many batches run one after another. Policies that do not fit the caps
 (`nfjax.offload.budget`) are skipped and listed with the reason. `--offload FILE` adds a policy file to the grid.
 Summary keys: flexgen_out_tok_s_<shape>_<N>gb, flexgen_vs_rowbyrow, flexgen_out_tok_s_<shape>_<N>gb_int4.
+
+The cost model and the LP (issue #25, bench/flexgen_model.py): this machine's hardware profile is measured (or read
+from its cache) first, and every run records the cost model's predicted tokens/s beside the measured one
+(summary `cost_model_mean_abs_err_pct`, over the zig-zag runs). `--grid auto` replaces the named grid by
+`--grid-size` (default 24) feasible policies spread over the model's ranking; `--lp` also runs the policy the LP
+search picks (`--offload auto`) and reports its measured tokens/s over the grid's best (`lp_policy_vs_best_grid`);
+`--cpu-attention-ab` runs the best policy with KV off the GPU once more with `cpu_attention` flipped
+(`cpu_attention_speedup`: on over off).
+
+    python -m bench.flexgen --grid auto --lp --cpu-attention-ab --layers 12 --no-baseline   # the issue #25 run
 """
 from __future__ import annotations
 
@@ -85,7 +95,7 @@ def grid(args) -> dict:
     return pols
 
 
-def run_policy(cfg, policy, args, trace: bool = False) -> dict:
+def run_policy(cfg, policy, args, trace: bool = False, hw=None) -> dict:
     """Place random weights by `policy`, run a warm-up block, then the timed block; returns its numbers."""
     import numpy as np
 
@@ -113,6 +123,10 @@ def run_policy(cfg, policy, args, trace: bool = False) -> dict:
         res = {"block": n, "gen_len": gen, "seconds": dt, "out_tok_s": sum(len(o.token_ids) for o in outs) / dt,
                "place_s": place_s, "tier_bytes": eng.tier_bytes, "weight_bytes": eng.weights.bytes_by_tier(),
                "policy": policy.to_json()}
+        if hw is not None and policy.schedule == "zigzag" and not trace:
+            from bench.flexgen_model import error_pct, predicted
+            res.update(predicted(cfg, res["policy"], args, hw))
+            res["predicted_err_pct"] = error_pct(res)
         if trace:
             eng.trace.flush()
             res["events"] = eng.trace.to_json()
@@ -142,6 +156,13 @@ def main(argv=None) -> int:
     g.add_argument("--prompt-len", type=int, default=512)
     g.add_argument("--gen-len", type=int, default=32)
     p.set_defaults(gpu_memory_gb=16.0)          # the engine flags' --gpu-memory-gb: 16 GB here (issue #24's cap)
+    g.add_argument("--grid", choices=("named", "auto"), default="named",
+                   help="named: the shape's policies (GRIDS); auto: --grid-size feasible policies over the cost model")
+    g.add_argument("--grid-size", type=int, default=24)
+    g.add_argument("--max-block", type=int, default=1024, help="most sequences a block (auto grid and --lp)")
+    g.add_argument("--lp", action="store_true", help="also run the LP search's policy, against the grid's best")
+    g.add_argument("--cpu-attention-ab", action="store_true",
+                   help="the best policy with KV off the GPU, again with cpu_attention flipped")
     g.add_argument("--policies", default=None, help="names from the shape's grid, comma-separated (default all)")
     g.add_argument("--no-baseline", action="store_true", help="skip the row-by-row baseline")
     g.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
@@ -150,16 +171,28 @@ def main(argv=None) -> int:
     from bench.setup import model_config
     from nfjax.offload import PolicyError
     from nfjax.offload.trace import plot
+    from bench import flexgen_model as fm
     cfg = model_config(args)
+    hw = fm.profile(cfg, args, log=lambda m: print(f"[{m}]", flush=True))
+    limits = fm.caps(args)
+    pols = grid(args)
+    if args.grid == "auto":
+        pols = {**fm.auto_grid(cfg, args, hw, limits, args.grid_size, make_policy),
+                **({k: v for k, v in pols.items() if k == os.path.basename(args.offload)} if args.offload else {})}
+    lp = fm.lp_policy(cfg, args, hw, limits, make_policy, log=lambda m: print(f"[{m}]", flush=True)) \
+        if args.lp else None
+    if lp is not None:
+        pols["lp"] = lp.policy
     runs, skipped = {}, {}
-    for name, pol in grid(args).items():
+    for name, pol in pols.items():
         try:
-            runs[name] = run_policy(cfg, pol, args)          # the budget is checked before anything is placed
+            runs[name] = run_policy(cfg, pol, args, hw=hw)   # the budget is checked before anything is placed
         except PolicyError as e:
             skipped[name] = str(e)
             print(f"[skip {name}: {e}]", flush=True)
             continue
-        print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s]", flush=True)
+        print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s, predicted {runs[name].get('predicted_tok_s', 0):.2f}]",
+              flush=True)
     if not runs:
         raise SystemExit("no policy of the grid fits the caps: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     plain = {k: v for k, v in runs.items() if not (v["policy"]["compress_weights"] or v["policy"]["compress_cache"])}
@@ -171,16 +204,22 @@ def main(argv=None) -> int:
         best4 = max(packed, key=lambda k: runs[k]["out_tok_s"])
         summary.update({f"flexgen_out_tok_s_{tag}_int4": runs[best4]["out_tok_s"], "flexgen_best_policy_int4": best4})
     data = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-            "runs": runs, "skipped": skipped}
+            "runs": runs, "skipped": skipped, "hardware": hw.to_json(),
+            "caps": {k: v for k, v in limits.items()}}
+    _model_summary(cfg, args, hw, runs, lp, summary, data)
     if not args.no_baseline:
         base_pol = make_policy({**_fields(runs[best]["policy"]), "num_gpu_batches": 1, "schedule": "row_by_row"}, args)
         data["rowbyrow"] = run_policy(cfg, base_pol, args)
         summary["flexgen_rowbyrow_out_tok_s"] = data["rowbyrow"]["out_tok_s"]
         summary["flexgen_vs_rowbyrow"] = runs[best]["out_tok_s"] / data["rowbyrow"]["out_tok_s"]
-    traced = run_policy(cfg, make_policy(_fields(runs[best]["policy"]), args), args, trace=True)
+    # the timeline: the best run that moves data (weights or KV off the GPU; GPU attention, one compute a batch)
+    moving = {k: v for k, v in runs.items() if not v["policy"]["cpu_attention"]
+              and (v["policy"]["weights"]["gpu"] < 100 or v["policy"]["cache"]["gpu"] < 100)}
+    shown = max(moving, key=lambda k: runs[k]["out_tok_s"]) if moving else best
+    traced = run_policy(cfg, make_policy(_fields(runs[shown]["policy"]), args), args, trace=True)
     events = traced.pop("events")
     passes = [e for e in events if e["lane"] == "compute" and "unpack" not in e["label"]]
-    per = cfg.num_layers * runs[best]["policy"]["num_gpu_batches"]
+    per = cfg.num_layers * runs[shown]["policy"]["num_gpu_batches"]
     # the first decode pass: from the prefill's last computation to its own last one
     window = (passes[per - 1]["end_ms"], passes[2 * per - 1]["end_ms"]) if len(passes) >= 2 * per else None
     data["trace"] = {"events": events, "decode_window_ms": window, **overlap_stats(
@@ -192,7 +231,8 @@ def main(argv=None) -> int:
         summary["flexgen_gpu_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
     png = result_path(args.name, args.out_dir).replace(".json", "-timeline.png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    plot(events, png, f"{args.shape}, policy {best}: one decode pass (measured)", window)
+    plot(events, png, f"{args.shape}, policy {shown}: one decode pass (measured)", window)
+    data["trace"]["policy"] = shown
     data["timeline_png"] = png
     print_table(["policy", "block", "out tok/s", "s", "weights gpu/cpu/disk MB"],
                 [[k, v["block"], v["out_tok_s"], v["seconds"], "/".join(f"{x / 1e6:.1f}" for x in
@@ -200,6 +240,39 @@ def main(argv=None) -> int:
                  for k, v in {**runs, **({"row-by-row": data["rowbyrow"]} if "rowbyrow" in data else {})}.items()])
     write_results(args.name, summary, data, args.out_dir)
     return 0
+
+
+def _model_summary(cfg, args, hw, runs: dict, lp, summary: dict, data: dict) -> None:
+    """The LP against the grid's best, CPU attention on/off, and the cost model's error over every zig-zag run."""
+    from nfjax.offload import Policy
+    grid_runs = {k: v for k, v in runs.items() if k != "lp"}
+    if lp is not None and "lp" in runs and grid_runs:
+        best = max(grid_runs, key=lambda k: grid_runs[k]["out_tok_s"])
+        summary["lp_policy_vs_best_grid"] = runs["lp"]["out_tok_s"] / grid_runs[best]["out_tok_s"]
+        summary["lp_predicted_tok_s"] = lp.predicted_tok_s
+        summary["lp_grid_size"] = len(grid_runs)
+        data["lp"] = {"policy": lp.policy.to_json(), "predicted_tok_s": lp.predicted_tok_s,
+                      "lp_tok_s": lp.lp.out_tok_s, "solver": lp.solver, "solve_s": lp.solve_seconds,
+                      "best_grid_policy": best, "feasible_lps": len(lp.solutions)}
+    if args.cpu_attention_ab:
+        off_gpu = {k: v for k, v in runs.items() if v["policy"]["cache"]["gpu"] < 100}
+        if off_gpu:
+            name = max(off_gpu, key=lambda k: off_gpu[k]["out_tok_s"])
+            pol = Policy.from_json(runs[name]["policy"])
+            flipped = run_policy(cfg, pol.replace(cpu_attention=not pol.cpu_attention), args, hw=hw)
+            on, off = (runs[name], flipped) if pol.cpu_attention else (flipped, runs[name])
+            summary["cpu_attention_speedup"] = on["out_tok_s"] / off["out_tok_s"]
+            data["cpu_attention_ab"] = {"policy": name, "on": on, "off": off}
+            runs_all = [*runs.values(), flipped]
+        else:
+            data["cpu_attention_ab"] = "no run holds KV off the GPU"
+            runs_all = list(runs.values())
+    else:
+        runs_all = list(runs.values())
+    errs = [abs(r["predicted_err_pct"]) for r in runs_all if "predicted_err_pct" in r]
+    if errs:
+        summary["cost_model_mean_abs_err_pct"] = sum(errs) / len(errs)
+        summary["cost_model_runs"] = len(errs)
 
 
 def _fields(policy_json: dict) -> dict:

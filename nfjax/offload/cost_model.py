@@ -162,26 +162,27 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         traffic = kv_blk + 2 * bs * s * kh * hd * 4 + 3 * bs * h * tq * s * 4     # block, f32 K/V, scores
         return max(flops / hw.gemm_flops, traffic / hw.hbm_bytes)
 
-    cpu_attn = kv_blk / hw.cpu_attn_bytes if cpu_attention else 0.0
+    io = hw.transfer_s                                           # each transfer's fixed cost (an I/O thread's)
     lanes = {}
     for phase, tq in (("prefill", t_pre), ("decode", 1)):
         delegate = cpu_attention and phase == "decode"
         comp = lin(nb * (gemm(bs * tq) + hw.dispatch_s))
         unpack = lin(0, wc=dec_unpack, wd=dec_unpack)
-        if delegate:       # CPU-held blocks: attention on the CPU, two more dispatches, q and the output cross
-            att = lin(nb * attn_gpu(tq), cg=0.0, cc=nb * (cpu_attn + 2 * hw.dispatch_s - attn_gpu(tq)),
-                      cd=nb * (cpu_attn + 2 * hw.dispatch_s - attn_gpu(tq)))
-            kv_in = lin(0, cc=nb * qo / 2 / h2d, cd=nb * qo / 2 / h2d)
-            kv_out = lin(0, cc=nb * (rows[phase] + qo / 2) / d2h, cd=nb * (rows[phase] + qo / 2) / d2h)
+        if delegate:       # CPU-held blocks, in series on the host: two programs around the CPU's attention, the
+            #                new rows and q down, the output up; no block crosses
+            cpu = (kv_blk / hw.cpu_attn_bytes + hw.cpu_attn_fixed_s + hw.dispatch_s + (rows[phase] + qo / 2) / d2h
+                   + qo / 2 / h2d - attn_gpu(tq))
+            att = lin(nb * attn_gpu(tq), cc=nb * cpu, cd=nb * cpu)
+            kv_in, kv_out = lin(0), lin(0)
         else:
             att = lin(nb * attn_gpu(tq))
-            kv_in = lin(0, cc=nb * kv_blk / h2d, cd=nb * kv_blk / h2d)
-            kv_out = lin(0, cc=nb * rows[phase] / d2h, cd=nb * rows[phase] / d2h)
+            kv_in = lin(0, cc=nb * (kv_blk / h2d + io), cd=nb * (kv_blk / h2d + io))
+            kv_out = lin(0, cc=nb * (rows[phase] / d2h + io), cd=nb * (rows[phase] / d2h + io))
+        act_io = nb * (act[phase] / h2d + io)
         lanes[phase] = {
             "compute": add(comp, att, unpack),
-            "h2d": add(lin(0, wc=w_store / h2d_w, wd=w_store / h2d), kv_in,
-                       lin(0, hc=nb * act[phase] / h2d, hd=nb * act[phase] / h2d)),
-            "d2h": add(kv_out, lin(0, hc=nb * act[phase] / d2h, hd=nb * act[phase] / d2h)),
+            "h2d": add(lin(0, wc=w_store / h2d_w + io, wd=w_store / h2d + io), kv_in, lin(0, hc=act_io, hd=act_io)),
+            "d2h": add(kv_out, lin(0, hc=nb * (act[phase] / d2h + io), hd=nb * (act[phase] / d2h + io))),
             "disk_read": lin(0, wd=w_store / rd, cd=nb * kv_blk / rd, hd=nb * act[phase] / rd),
             "disk_write": lin(0, cd=nb * rows[phase] / wr, hd=nb * act[phase] / wr),
         }

@@ -11,7 +11,10 @@
                   page cache (posix_fadvise DONTNEED) and read back with np.load
   cpu_attn_bytes  KV bytes a second that decode attention on the CPU reads (nfjax/offload/cpu_attention.py, the
                   function the runtime runs, on a [8, 512, 8, 64] block)
-  dispatch_s      the host's fixed cost of one layer program call (a tiny jitted op, dispatched and waited on)
+  dispatch_s      the fixed cost of one layer program call: the offload layer program of a tiny OPT layer (hidden
+                  64, two sequences, one token: its compute is negligible), called and waited on
+  transfer_s      the fixed cost of one transfer on an I/O thread: a 1 KB device_put submitted and waited for
+  cpu_attn_fixed_s the fixed cost of one `cpu_attention` call (a 16-position block)
 
 On a CPU-only machine the "device" is the CPU and every rate is measured as it exists there (a device_put to the
 CPU device is a host copy); nothing is invented. The cache is a JSON file under $NFJAX_CACHE/hardware/, named by
@@ -46,6 +49,8 @@ class HardwareProfile:
     disk_write_bytes: float
     cpu_attn_bytes: float
     dispatch_s: float
+    transfer_s: float = 0.0
+    cpu_attn_fixed_s: float = 0.0
     measured_at: str = ""
 
     def to_json(self) -> dict:
@@ -66,7 +71,8 @@ class HardwareProfile:
                 f"{self.hbm_bytes / g:.1f} GB/s, host->device {self.h2d_bytes / g:.2f} (pinned "
                 f"{(self.h2d_pinned_bytes or 0) / g:.2f}) GB/s, device->host {self.d2h_bytes / g:.2f} GB/s, disk "
                 f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
-                f"{self.cpu_attn_bytes / g:.2f} GB/s of KV, dispatch {self.dispatch_s * 1e6:.0f} us")
+                f"{self.cpu_attn_bytes / g:.2f} GB/s of KV (+{self.cpu_attn_fixed_s * 1e6:.0f} us a call), layer "
+                f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us")
 
 
 def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> float:
@@ -147,11 +153,45 @@ def _cpu_attention(dtype) -> float:
 
 
 def _dispatch(device) -> float:
+    """Seconds of one call of the offload layer program on a tiny OPT layer (compute negligible)."""
     import jax
     import jax.numpy as jnp
-    a = jax.device_put(jnp.ones((8,), jnp.float32), device)
-    f = jax.jit(lambda x: x + 1)
-    return 1.0 / _rate(1.0, lambda: f(a).block_until_ready(), max_reps=200)
+
+    from nfjax.config import ModelConfig
+    from nfjax.engine.runner import split_layers
+    from nfjax.models.random_init import random_model
+    from nfjax.offload.compute import Programs
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+                      qkv_bias=True, model_type="opt")
+    rest_gd, _, layer_gd, stacked = split_layers(random_model(cfg, host=True))
+    w = jax.device_put(jax.tree.map(lambda a: a[0], stacked), device)
+    prog = Programs(cfg, rest_gd, layer_gd).layer[True]
+    x = jax.device_put(jnp.zeros((2, 1, 64), jnp.float32), device)
+    kv = jax.device_put((jnp.zeros((2, 32, 4, 16), jnp.float32),) * 2, device)
+    pos = jax.device_put(jnp.zeros((2, 1), jnp.int32), device)
+    return 1.0 / _rate(1.0, lambda: jax.block_until_ready(prog(w, x, kv, pos)), max_reps=100)
+
+
+def _transfer(device) -> float:
+    """Seconds of one small transfer run on an I/O thread and waited for (the schedule's per-transfer cost)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    on = SingleDeviceSharding(device)
+    x = np.ones(256, np.float32)
+    with ThreadPoolExecutor(1) as pool:
+        return 1.0 / _rate(1.0, lambda: pool.submit(lambda: jax.device_put(x, on).block_until_ready()).result(),
+                           max_reps=200)
+
+
+def _cpu_attention_fixed() -> float:
+    from nfjax.offload.cpu_attention import cpu_attention
+    k = np.zeros((1, 16, 1, 16), np.float32)
+    q = np.zeros((1, 1, 16), np.float32)
+    pos = np.zeros((1, 1), np.int32)
+    return 1.0 / _rate(1.0, lambda: cpu_attention(q, (k, k), pos, 0.25), max_reps=100)
 
 
 def cache_path(device_kind: str, host: str | None = None) -> Path:
@@ -174,6 +214,7 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
         device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=_gemm(device, jnp.dtype(dtype)),
         hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_pinned_bytes=pinned, d2h_bytes=d2h, disk_read_bytes=rd,
         disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=_dispatch(device),
+        transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 

@@ -1,5 +1,5 @@
-"""bench.flexgen on a CPU: the OPT smoke shape through the whole script (the grid, the row-by-row baseline, the
-traced decode pass), writing the summary keys and the timeline picture."""
+"""bench.flexgen on a CPU: the OPT smoke shape through the whole script (the grid, the LP's policy, CPU attention
+on and off, the row-by-row baseline, the traced decode pass), writing the summary keys and the timeline picture."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_flexgen_bench_runs_on_a_cpu(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NFJAX_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "bench.flexgen", "--shape", "opt-smoke", "--layers", "2",
                         "--prompt-len", "16", "--gen-len", "4", "--gpu-memory-gb", "1", "--out-dir", str(tmp_path),
-                        "--offload-dir", str(tmp_path / "off")], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "--offload-dir", str(tmp_path / "off"), "--lp", "--cpu-attention-ab", "--max-block", "8"],
+                       cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     (res,) = tmp_path.glob("flexgen-*.json")
@@ -23,6 +24,14 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     for k in ("flexgen_out_tok_s_optsmoke_1gb", "flexgen_vs_rowbyrow", "flexgen_out_tok_s_optsmoke_1gb_int4"):
         assert s[k] > 0, k
     assert s["flexgen_best_policy"] in doc["data"]["runs"]
+    # issue #25: the LP's policy ran beside the grid, CPU attention on and off, every zig-zag run predicted
+    for k in ("lp_policy_vs_best_grid", "cpu_attention_speedup", "cost_model_mean_abs_err_pct"):
+        assert s[k] > 0, k
+    assert doc["data"]["runs"]["lp"]["policy"] == doc["data"]["lp"]["policy"]
+    assert s["cost_model_runs"] == len(doc["data"]["runs"]) + 1
+    ab = doc["data"]["cpu_attention_ab"]
+    assert ab["on"]["policy"]["cpu_attention"] and not ab["off"]["policy"]["cpu_attention"]
+    assert doc["data"]["hardware"]["gemm_flops"] > 0
     assert doc["data"]["rowbyrow"]["policy"]["schedule"] == "row_by_row"
     lanes = {e["lane"] for e in doc["data"]["trace"]["events"]}
     assert {"compute", "load weights", "load cache", "store cache"} <= lanes
