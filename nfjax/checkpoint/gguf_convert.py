@@ -84,6 +84,9 @@ def hf_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
             raise ConversionError(f"{path}: metadata llama.{key} is missing")
         return v
 
+    if int(get("expert_count", 0, required=False) or 0):
+        raise ConversionError(f"{path}: llama.expert_count={meta['llama.expert_count']} (a mixture of experts, e.g. "
+                              "Mixtral) is not supported from GGUF; convert its safetensors with --hf")
     d, h = int(get("embedding_length")), int(get("attention.head_count"))
     vocab = meta.get("llama.vocab_size")
     if vocab is None:

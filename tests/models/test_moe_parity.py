@@ -109,3 +109,13 @@ def test_moe_config_fields():
     assert ModelConfig.from_json(qw.to_json()) == qw
     # active parameters: the top-2 of 4 experts' FFNs per layer
     assert mix.num_params() - mix.num_active_params() == 2 * 2 * 3 * 64 * 64
+
+
+def test_moe_gguf_is_refused():
+    from pathlib import Path
+    from nfjax.checkpoint.convert import ConversionError
+    from nfjax.checkpoint.gguf_convert import hf_config
+    meta = {"general.architecture": "llama", "llama.expert_count": 8, "llama.embedding_length": 64,
+            "llama.attention.head_count": 4}
+    with pytest.raises(ConversionError, match="expert_count=8"):
+        hf_config(meta, set(), Path("mixtral.gguf"))
