@@ -20,11 +20,11 @@ from nfjax.errors import UserError
 
 TP_AXIS = "tp"
 
-# MoE layers (nfjax/models/moe.py): each expert's FFN columns split like the dense MLP's (expert_* kernels are
+# MoE layers (nfjax/models/moe.py): each expert's FFN columns split like the dense MLP's (experts_* kernels are
 # [L, E, in, out]); the shared expert likewise; router_proj and shared_expert_gate replicated
-_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "expert_gate", "expert_up", "shared_gate_proj",
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "experts_gate", "experts_up", "shared_gate_proj",
            "shared_up_proj"}
-_ROW = {"o_proj", "down_proj", "expert_down", "shared_down_proj"}
+_ROW = {"o_proj", "down_proj", "experts_down", "shared_down_proj"}
 
 
 def make_mesh(tp: int) -> Mesh:

@@ -258,7 +258,7 @@ def plan(cfg: ModelConfig, tensors: dict[str, TensorInfo], params: dict[tuple[st
             raise ConversionError(f"tensor {name} in {info.file.name} has shape {list(info.shape)}, expected "
                                   f"{list(want)} from config.json")
     for p, members in groups.items():
-        experts = cfg.num_experts if p[0] == "layers" and p[1].startswith("expert_") else 1
+        experts = cfg.num_experts if p[0] == "layers" and p[1].startswith("experts_") else 1
         if len(members) != (cfg.num_layers if p[0] == "layers" else 1) * experts:
             raise AssertionError(f"hf_names and the nfjax model disagree about {'.'.join(p)}")
     if tied_head:

@@ -6,7 +6,7 @@ Attention, norms and embeddings carry the Llama names (nfjax/checkpoint/hf_names
              (gate, up, down of expert j);
   Qwen2-MoE  `mlp.gate.weight`, `mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`, the shared expert
              `mlp.shared_expert.{gate,up,down}_proj.weight` and its gate `mlp.shared_expert_gate.weight` [1, D].
-nfjax stacks the experts of a layer: `layers.expert_gate.kernel` [L, E, D, F] (a Target with an expert index).
+nfjax stacks the experts of a layer: `layers.experts_gate.kernel` [L, E, D, F] (a Target with an expert index).
 (transformers 5 keeps experts fused in memory but `save_pretrained` writes these per-expert names.)
 """
 from __future__ import annotations
@@ -19,15 +19,15 @@ from nfjax.checkpoint.hf_names import (EMBED, LM_HEAD, Target, _BIASES, _GLOBAL,
 _ATTN = {k: v for k, v in _LAYER.items() if not k.startswith("mlp.")}     # attention + norms, Llama's names
 
 _MIXTRAL = {"block_sparse_moe.gate.weight": (("router_proj", "kernel"), True)}
-_MIXTRAL_EXPERT = {"w1.weight": ("expert_gate", "kernel"), "w3.weight": ("expert_up", "kernel"),
-                   "w2.weight": ("expert_down", "kernel")}
+_MIXTRAL_EXPERT = {"w1.weight": ("experts_gate", "kernel"), "w3.weight": ("experts_up", "kernel"),
+                   "w2.weight": ("experts_down", "kernel")}
 _QWEN = {"mlp.gate.weight": (("router_proj", "kernel"), True),
          "mlp.shared_expert.gate_proj.weight": (("shared_gate_proj", "kernel"), True),
          "mlp.shared_expert.up_proj.weight": (("shared_up_proj", "kernel"), True),
          "mlp.shared_expert.down_proj.weight": (("shared_down_proj", "kernel"), True),
          "mlp.shared_expert_gate.weight": (("shared_expert_gate", "kernel"), True)}
-_QWEN_EXPERT = {"gate_proj.weight": ("expert_gate", "kernel"), "up_proj.weight": ("expert_up", "kernel"),
-                "down_proj.weight": ("expert_down", "kernel")}
+_QWEN_EXPERT = {"gate_proj.weight": ("experts_gate", "kernel"), "up_proj.weight": ("experts_up", "kernel"),
+                "down_proj.weight": ("experts_down", "kernel")}
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")

@@ -51,9 +51,9 @@ class MoEDecoderLayer(DecoderLayer):
         dt = jnp.dtype(cfg.dtype)
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router_proj = _linear(d, e, False, dt, rngs)
-        self.expert_gate = Experts(e, d, f, dt, rngs)
-        self.expert_up = Experts(e, d, f, dt, rngs)
-        self.expert_down = Experts(e, f, d, dt, rngs)
+        self.experts_gate = Experts(e, d, f, dt, rngs)
+        self.experts_up = Experts(e, d, f, dt, rngs)
+        self.experts_down = Experts(e, f, d, dt, rngs)
         fs = cfg.shared_expert_intermediate_size
         if fs:
             self.shared_gate_proj = _linear(d, fs, False, dt, rngs)
@@ -74,8 +74,8 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.COMPUTE, ins=("xs", "group_sizes"), outs=("e_gate", "e_up"))
     def expert_up_gate(self, ctx, xs, group_sizes):
-        return (grouped_matmul(xs, self.expert_gate.kernel[...], group_sizes, ctx.num_ctas),
-                grouped_matmul(xs, self.expert_up.kernel[...], group_sizes, ctx.num_ctas))
+        return (grouped_matmul(xs, self.experts_gate.kernel[...], group_sizes, ctx.num_ctas),
+                grouped_matmul(xs, self.experts_up.kernel[...], group_sizes, ctx.num_ctas))
 
     @op(Resource.MEMORY, ins=("e_gate", "e_up"), outs=("e_act",))
     def expert_act(self, ctx, e_gate, e_up):
@@ -83,7 +83,7 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.COMPUTE, ins=("e_act", "group_sizes"), outs=("e_down",))
     def expert_down(self, ctx, e_act, group_sizes):
-        return grouped_matmul(e_act, self.expert_down.kernel[...], group_sizes, ctx.num_ctas)
+        return grouped_matmul(e_act, self.experts_down.kernel[...], group_sizes, ctx.num_ctas)
 
     @op(Resource.MEMORY, ins=("e_down", "dest", "topw"), outs=("d_partial",))
     def combine(self, ctx, e_down, dest, topw):

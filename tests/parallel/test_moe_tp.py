@@ -45,7 +45,7 @@ def test_moe_tp_matches_tp1(cfg, tps):
     ref_logits = np.stack([np.asarray(reference.logits(model, jnp.asarray([p]))[0, -1]) for p in PROMPTS])
     for tp in tps:
         eng = _engine(cfg, tp)
-        w = eng.runner.layer_states[0]["expert_down"]["kernel"][...]            # [E, F, D]: F split
+        w = eng.runner.layer_states[0]["experts_down"]["kernel"][...]            # [E, F, D]: F split
         assert w.sharding.spec[-2] == "tp" and w.addressable_shards[0].data.shape[-2] == w.shape[-2] // tp
         got_logits = prompt_logits(eng, PROMPTS, 64)
         np.testing.assert_allclose(got_logits, ref_logits, rtol=1e-4, atol=1e-4 * np.abs(ref_logits).max())
