@@ -250,9 +250,10 @@ class OffloadEngine:
         return out
 
     # ---- perplexity -----------------------------------------------------------------------------------------------
-    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], argmax: bool = False) -> list:
         """For each token sequence, log p(token t+1 | tokens <= t) for t < len - 1, from one prefill pass through
-        the policy's placement and schedule (compressed weights included)."""
+        the policy's placement and schedule (compressed weights, Top-K attention included); with `argmax`,
+        (those, the most likely token after each t) pairs."""
         pol, cfg = self.policy, self.cfg
         bs, nb = pol.gpu_batch_size, pol.num_gpu_batches
         out = []
@@ -274,9 +275,11 @@ class OffloadEngine:
                 self.executor.drain()
                 kv.close()
             tgt = np.concatenate([toks[:, 1:], np.zeros((toks.shape[0], 1), np.int32)], axis=1)
-            lp = np.concatenate([np.asarray(self.programs.token_logprobs(self.rest_state, h, dev(tgt[r])))
-                                 for h, r in zip(hs, rows)])
-            out += [lp[r, :len(x) - 1] for r, x in enumerate(chunk)]
+            res = [self.programs.token_logprobs(self.rest_state, h, dev(tgt[r])) for h, r in zip(hs, rows)]
+            lp = np.concatenate([np.asarray(a) for a, _ in res])
+            top = np.concatenate([np.asarray(b) for _, b in res])
+            out += [(lp[r, :len(x) - 1], top[r, :len(x) - 1]) if argmax else lp[r, :len(x) - 1]
+                    for r, x in enumerate(chunk)]
         return out
 
 
