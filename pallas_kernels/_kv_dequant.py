@@ -10,7 +10,8 @@ bfloat16 matmuls run unchanged:
     e4m3 conversion; e4m3 -> bf16 needs a newer ptxas), moved to the WGMMA layout, scaled per row in f32;
   * int4: bytes loaded in WGMMA_UPCAST_2X as int16, moved to the WGMMA layout; the low nibbles are the first
     half of head_dim and the high nibbles the second (kv_quant's packing), so each half is a plain column
-    slice of the output tile: (u - 7.5) * scale + center per row, with the scale and center of its group.
+    slice of the output tile: (u - 7.5) * scale + center per row, with the scale and center of its group (f16
+    tiles: the codes become f16 by bit pattern, 0x6400 | u = 1024 + u, and one FMA applies scale and center).
 Interpret mode (CPU tests) does the same arithmetic with jnp on the loaded tiles.
 """
 from __future__ import annotations
@@ -101,28 +102,45 @@ def _rows(x, shape):
 
 
 def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None:
-    """Stored stage tile `src` -> bf16 `dst` [block_kv, D] with the per-row parameters `rows` (`load_rows`) at
-    the columns `pairs` (`aux_columns`)."""
+    """Stored stage tile `src` -> `dst` [rows, D] (bf16: the arithmetic in f32; f16: in f16, two values an
+    instruction) with the per-row parameters `rows` (`load_rows`) at the columns `pairs` (`aux_columns`)."""
+    math = jnp.float16 if dst.dtype == jnp.float16 else jnp.float32
     if fmt == "fp8":
         (sc, _), = pairs
         if interpret:
-            x = src[...].astype(jnp.float32)
+            x = src[...].astype(jnp.float16).astype(math)
         else:
             x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(jnp.float32)
-        dst[...] = (x * _rows(rows[sc], x.shape)).astype(dst.dtype)
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)
+        dst[...] = (x * _rows(rows[sc].astype(math), x.shape)).astype(dst.dtype)
         return
     h = src.shape[1]                                       # D / 2
     if interpret:
-        u = src[...].astype(jnp.int32)
+        u = src[...].astype(jnp.int16)
     else:
         u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)
         u = plgpu.layout_cast(u, plgpu.Layout.WGMMA)
     for half, codes in enumerate((u & 15, u >> 4)):
         sc, cc = pairs[half]
-        c = codes.astype(jnp.float32)
-        x = (c - 7.5) * _rows(rows[sc], c.shape) + _rows(rows[cc], c.shape)
+        if math == jnp.float16:
+            # f16 0x6400 | u is 1024 + u: the codes as f16 values in two 2-wide integer ops (no conversions),
+            # then one fused multiply-add with the row's scale and center - 7.5 * scale
+            c = lax.bitcast_convert_type(codes | 0x6400, jnp.float16) - jnp.float16(1024)
+            zp = (rows[cc] - 7.5 * rows[sc]).astype(math)
+            x = c * _rows(rows[sc].astype(math), c.shape) + _rows(zp, c.shape)
+        else:
+            c = codes.astype(math)
+            x = (c - 7.5) * _rows(rows[sc].astype(math), c.shape) + _rows(rows[cc].astype(math), c.shape)
         dst[:, pl.ds(half * h, h)] = x.astype(dst.dtype)
+
+
+def dequant_block(fmt: str, src, dst, aux, pairs, interpret: bool, chunk: int = 64) -> None:
+    """`dequant_tile` over a whole stage, `chunk` rows at a time (a 64-row chunk of a 128-wide tile is 64 values a
+    thread, where the whole tile would be 128: a dequantizing warpgroup shares the registers with three others)."""
+    cols = sorted({c for p in pairs for c in p if c is not None})
+    for r0 in range(0, src.shape[0], chunk):
+        rows = load_rows(aux.at[pl.ds(r0, chunk)], cols, interpret)
+        dequant_tile(fmt, src.at[pl.ds(r0, chunk)], dst.at[pl.ds(r0, chunk)], rows, pairs, interpret)
 
 
 class Dequant:

@@ -29,6 +29,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._kv_dequant import cache_format
 from pallas_kernels._mgpu import compiler_params
+from pallas_kernels import paged_decode_swapped as swapped
 from pallas_kernels.paged_decode_swapped import attention_kernel, finish, out_types, prepare
 from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, cdiv, gemm_kernel, \
     gemm_scratch
@@ -53,7 +54,8 @@ def cta_role(pid, attn_ctas: int, total: int, spread: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "attn_ctas", "gemm_ctas", "num_splits", "block_kv",
-                                             "num_stages", "config", "spread", "interpret"), inline=True)
+                                             "num_stages", "config", "spread", "interpret", "dequant_wgs"),
+                   inline=True)
 def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                  v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                  page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
@@ -61,12 +63,13 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  attn_ctas: int, gemm_ctas: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
-                                 interpret: bool = False, aux_cache=None
+                                 interpret: bool = False, aux_cache=None, dequant_wgs: int | None = None
                                  ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_ctas + gemm_ctas
     CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections). `aux_cache`: a quantized
-    cache (kv_quant.py), dequantized by the attention CTAs."""
+    cache (kv_quant.py), dequantized by the attention CTAs: by `dequant_wgs` warpgroups beside their consumer (None:
+    1 unless paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
@@ -76,18 +79,23 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
     gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
-    qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits,
-                                   block_kv=block_kv, num_stages=num_stages, aux_cache=aux_cache)
+    nd = swapped.DEQUANT_WGS if dequant_wgs is None else dequant_wgs
+    # at most one dequantizer: a fourth warpgroup would idle in the GEMM CTAs and halve their registers
+    na = 0 if aux_cache is None else 1 if nd is None else min(nd, 1)
+    if na:
+        num_stages = 2          # the double-buffered f16 tiles take a stage's SMEM (paged_decode_swapped.py)
+    qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
+                                   num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=na)
     fmt = cache_format(k_cache, aux_cache)
-    na = 0 if aux_cache is None else 1
     kvh = k_cache.shape[3]
     a_prog, nw = attn_ctas, len(ws)
 
     total = a_prog + gp_
 
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, *rest):
-        aux_hbm = rest[0] if na else None
-        x_hbm, rest = rest[na], rest[na + 1:]
+        quant = int(aux_cache is not None)
+        aux_hbm = rest[0] if quant else None
+        x_hbm, rest = rest[quant], rest[quant + 1:]
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")
         is_attn, a_idx, g_idx = cta_role(pid, a_prog, total, spread)
@@ -97,7 +105,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
                                                       num_kv_heads=kvh, num_splits=ns, num_ctas=a_prog,
                                                       scale=scale, interpret=interpret, cta=a_idx,
-                                                      aux_hbm=aux_hbm, kv_format=fmt),
+                                                      aux_hbm=aux_hbm, kv_format=fmt, dequant_wgs=na),
                           *attn_scratch, collective_axes="wg")
 
         @pl.when(jnp.logical_not(is_attn))
@@ -108,7 +116,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
 
     o_t, lse, *ys = plgpu.kernel(
         body, out_type=(*out_types(q, kvh, ns), *(jax.ShapeDtypeStruct((m, w_i.shape[1]), x.dtype) for w_i in ws)),
-        grid=(total,), grid_names=("p",), num_threads=max(2, NUM_WGS + int(cfg.producer)),
+        grid=(total,), grid_names=("p",), num_threads=max(2 + na, NUM_WGS + int(cfg.producer)),
         thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr,

@@ -12,7 +12,8 @@ copies and the split reduction are those of paged_decode_attention.py, whose `pa
 is this kernel's reference too. Two warpgroups per CTA: a producer issues the TMA copies of every K/V
 block of the CTA's items through `num_stages` stages (one block counter across items, so the pipeline
 does not drain between items; q is double-buffered), and a consumer computes. Copy issue was a measured
-third of a block's time at 16-position pages when the computing warpgroup issued them.
+third of a block's time at 16-position pages when the computing warpgroup issued them. On a quantized cache
+one or two more warpgroups dequantize each stage into f16 tiles beside the consumer (`attention_kernel`).
 The softmax runs over axis 0 (positions): its max is a cross-warp reduction through Mosaic's reduction
 scratch, which is one buffer per CTA, so only one warpgroup may compute; its sums come from a second wgmma,
 ones @ P^T (`row_sums`), which needs no such reduction per block. P^T is stored to SMEM transposed
@@ -33,11 +34,15 @@ from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels import MASK_VALUE
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
-from pallas_kernels._kv_dequant import Dequant, cache_format, check_format, deq_transforms, quant_scratch
+from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
+    dequant_block, quant_scratch
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
+# a quantized cache's dequantizing warpgroups when a call names none: None = 2 over an even number of stages, else
+# 1; 0 = the consumer dequantizes (the first version)
+DEQUANT_WGS: int | None = None
 
 
 def _cols(x, shape):
@@ -54,7 +59,7 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
-                     kv_format: str = "bfloat16"):
+                     kv_format: str = "bfloat16", dequant_wgs: int = 2):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -63,16 +68,28 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     second wgmma, ones @ P^T, beside V^T P^T (no cross-warp reduction; the sum of the bf16 P the numerator
     uses); "reduce" = P's column sums in f32, a cross-warp reduction per block.
 
-    A quantized cache (`kv_format` fp8 / int4, its aux rows in `aux_hbm`, `quant` = `_kv_dequant.quant_scratch`):
-    the producer copies each block's aux rows with K, and the consumer dequantizes each stage into bf16 tiles
-    before the two wgmmas (pallas_kernels/_kv_dequant.py)."""
+    A quantized cache (`kv_format` fp8 / int4, its aux rows in `aux_hbm`; `quant` from `prepare`): the
+    producer copies each block's aux rows with K; `dequant_wgs` more warpgroups (2 + j) turn each stage into f16
+    tiles (pallas_kernels/_kv_dequant.py), double-buffered (`deq_ready` / `deq_free`), so dequantizing a block runs
+    beside the consumer's matmuls and softmax on the one before; block g is dequantizer g % dequant_wgs's, into
+    tile buffer g % 2. The consumer's operands are then f16 (queries, P, the tiles). A dequantizer sees every
+    completion of each stage barrier it waits on: one dequantizer, or two over an even number of stages.
+    `dequant_wgs=0`: the first version, kept as a fallback: the consumer dequantizes each stage into bf16 tiles
+    itself, serially (0.16-0.58 of copy at 4k context, attention_kv-v1-20261124.json)."""
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
     gp = q_s.shape[1]
-    dq = Dequant(kv_format, q_s.shape[2], quant, interpret)
-    cd = q_s.dtype                                  # the matmuls' operand dtype (bf16)
+    nd = dequant_wgs if kv_format != "bfloat16" else 0
+    if nd not in (0, 1, 2) or (nd and num_stages % nd):
+        raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0, 1, or 2 over an even number of stages")
+    quantized = nd > 0                              # dequantizing warpgroups beside the consumer
+    dq = Dequant("bfloat16" if quantized else kv_format, q_s.shape[2], quant, interpret)   # in the consumer (nd 0)
+    aux_s = dq.aux_s
+    if quantized:
+        aux_s, k_deq, v_deq, deq_ready, deq_free = quant
+    cd = q_s.dtype                                  # the matmuls' operand dtype (bf16; f16 with dequantizers)
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
@@ -96,7 +113,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                                     page_size=k_hbm.shape[2])
                 copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
                               pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot, aux_hbm=aux_hbm,
-                              aux_s=dq.aux_s)
+                              aux_s=aux_s)
                 return g + 1
             return lax.fori_loop(0, n_blk, block, g)
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
@@ -116,9 +133,15 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         def step(g, tok0, kv_hi, q, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            rows = dq.rows(slot)
-            s = ops.kq(dq.k(k_s.at[slot], rows), q) * c                    # [BKV, GP]
+            if quantized:
+                dslot = lax.rem(g, 2)
+                plgpu.barrier_wait(deq_ready.at[dslot])
+                kt, vt = k_deq.at[dslot], v_deq.at[dslot]
+            else:
+                plgpu.barrier_wait(k_bar.at[slot])
+                rows = dq.rows(slot)
+                kt = dq.k(k_s.at[slot], rows)
+            s = ops.kq(kt, q) * c                                         # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
@@ -126,15 +149,17 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
             acc = acc * _cols(alpha, acc.shape)
-            plgpu.barrier_wait(v_bar.at[slot])
-            vt = dq.v(v_s.at[slot], rows)
+            if not quantized:
+                plgpu.barrier_wait(v_bar.at[slot])
+                vt = dq.v(v_s.at[slot], rows)
             if by_wgmma:
                 l = l * _cols(alpha, l.shape)
                 acc, l = ops.vp_and_sums(acc, l, p.astype(cd), vt, p_s, ones)
             else:
                 l = l * alpha + p.sum(axis=0)
                 acc = ops.vp(acc, p.astype(cd), vt, p_s)
-            plgpu.barrier_arrive(consumed.at[slot])        # both wgmmas on this slot are complete
+            # both wgmmas on this slot (tile buffer) are complete
+            plgpu.barrier_arrive(deq_free.at[dslot] if quantized else consumed.at[slot])
             return acc, m_new, l
 
         def item(k, g):
@@ -160,68 +185,122 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         lax.fori_loop(0, n_mine, item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
+    def dequantizer(j):
+        k_pairs, v_pairs = aux_columns(kv_format, q_s.shape[2], "k"), aux_columns(kv_format, q_s.shape[2], "v")
+
+        def item(k, g):
+            *_, n_blk = coords(pid + k * num_ctas)
+
+            def block(i, g):
+                @pl.when(lax.rem(g, nd) == j)
+                def _():
+                    slot, dslot = lax.rem(g, num_stages), lax.rem(g, 2)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    pl.when(g >= 2)(lambda: plgpu.barrier_wait(deq_free.at[dslot]))
+                    dequant_block(kv_format, k_s.at[slot], k_deq.at[dslot], aux_s.at[slot], k_pairs, interpret)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    dequant_block(kv_format, v_s.at[slot], v_deq.at[dslot], aux_s.at[slot], v_pairs, interpret)
+                    plgpu.commit_smem()                 # the tiles' stores, read next by the consumer's wgmmas
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    plgpu.barrier_arrive(deq_ready.at[dslot])
+                return g + 1
+            return lax.fori_loop(0, n_blk, block, g)
+        total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
+
+        def drain(g, cr):                               # the consumer's last releases of this one's buffers
+            pl.when(lax.rem(g, nd) == j)(lambda: plgpu.barrier_wait(deq_free.at[lax.rem(g, 2)]))
+            return cr
+        lax.fori_loop(jnp.maximum(total - 2, 0), total, drain, None)
+
     pl.when(wg == 1)(producer)
     pl.when(wg == 0)(consumer)
+    for j in range(nd):
+        pl.when(wg == 2 + j)(functools.partial(dequantizer, j))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
-                                             "row_sums", "interpret"), inline=True)
+                                             "row_sums", "interpret", "dequant_wgs"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, row_sums: str | None = None,
-                                   interpret: bool = False, aux_cache=None) -> Float[Array, "B H D"]:
+                                   interpret: bool = False, aux_cache=None,
+                                   dequant_wgs: int | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
-    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here."""
+    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here by
+    `dequant_wgs` warpgroups (None: `DEQUANT_WGS`), by default over 2 stages (fp8; the f16 tiles take the SMEM of a
+    third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
     share = num_ctas <= 0.6 * num_sms()
+    nd = DEQUANT_WGS if dequant_wgs is None else dequant_wgs
+    beside = aux_cache is not None and nd != 0
     if num_stages is None:
-        num_stages = 3 if share else 2
+        # dequantizers: the f16 tiles take 128 KB of SMEM; int4's stages (18 KB at head_dim 128) fit four deep
+        num_stages = (4 if k_cache.dtype == jnp.uint8 else 2) if beside else 3 if share else 2
+    if aux_cache is None:
+        nd = 0
+    elif nd is None:
+        nd = 2 if num_stages % 2 == 0 else 1
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
     qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages, aux_cache=aux_cache)
+                              num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     fmt = cache_format(k_cache, aux_cache)
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
-                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt)
+                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
         kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
-        grid=(num_ctas,), grid_names=("p",), num_threads=2, thread_name="wg", compiler_params=compiler_params(),
+        grid=(num_ctas,), grid_names=("p",), num_threads=2 + nd, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)))
     return finish(o_t, lse, q.shape, kvh, ns)
 
 
-def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None):
-    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types)."""
+def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
+            dequant_wgs: int = 1):
+    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types); a quantized
+    cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the consumer's dequantizing)."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
     qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    # wgmma wants one swizzle for both operands: int4 at head_dim 64 writes its dequantized halves as 32-column
-    # slices, so every bf16 operand tile then takes the 64-byte swizzle of its k_deq / v_deq
-    tf = deq_transforms(fmt, d) if fmt == "int4" else smem_tile_transforms(q.dtype)
-    scratch = [plgpu.SMEM((2, gp, d), q.dtype, transforms=tf),
-               plgpu.SMEM((gp, block_kv), q.dtype, transforms=tf),
+    cd = q.dtype
+    tf = smem_tile_transforms(cd)
+    if fmt == "int4" and not dequant_wgs:
+        tf = deq_transforms(fmt, d)                        # the consumer's bf16 tiles' swizzle (see below)
+    if fmt != "bfloat16" and dequant_wgs:
+        # f16 operands: the e4m3 -> f16 conversion is the hardware's, and f16 math does two values an instruction.
+        # wgmma wants one swizzle for both operands: int4 at head_dim 64 writes its dequantized halves as
+        # 32-column slices, so every operand tile then takes the 64-byte swizzle of the dequantized tiles.
+        cd, tf = jnp.float16, deq_transforms(fmt, d)
+        qr = qr.astype(cd)
+    scratch = [plgpu.SMEM((2, gp, d), cd, transforms=tf),
+               plgpu.SMEM((gp, block_kv), cd, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),
                plgpu.SMEM((gp,), jnp.float32),
                plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
                *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
                plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
-    if fmt != "bfloat16":
+    if fmt != "bfloat16" and not dequant_wgs:
         scratch += quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1])
+    elif fmt != "bfloat16":
+        scratch += [plgpu.SMEM((num_stages, block_kv, aux_cache.shape[-1]), aux_cache.dtype),
+                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # dequantized K, double-buffered
+                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V
+                    plgpu.Barrier(num_barriers=2),                             # tiles ready
+                    plgpu.Barrier(num_barriers=2)]                             # tiles free again
     return qr, ns, scratch
 
 

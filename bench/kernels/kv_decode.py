@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import os
 import time
 import traceback
 
@@ -41,8 +43,11 @@ def make_cache(key, fmt, pages, ps, d=D, kvh=KVH):
     random bytes (NaN codes replaced), int4 random bytes, aux scales ~ 0.02, int4 centers ~ N(0, 0.1)."""
     ks = jax.random.split(key, 4)
     shape = (1, pages, ps, kvh, d)
-    if fmt == "bfloat16":
-        return jax.random.normal(ks[0], shape, jnp.bfloat16), jax.random.normal(ks[1], shape, jnp.bfloat16), None
+    if fmt == "bfloat16":        # random bits: sign, exponent 2^-1..2^0, 7 mantissa bits (no f32 temporary)
+        def bf(k):
+            b = jax.random.bits(k, shape, jnp.uint16)
+            return jax.lax.bitcast_convert_type((b & 0x807F) | 0x3F00, jnp.bfloat16)
+        return bf(ks[0]), bf(ks[1]), None
 
     def vals(k):
         if fmt == "int4":
@@ -111,7 +116,7 @@ def check_prefill(rng, fmt, ps=16, g=4, d=D):
     return relerr(out, paged_prefill_attention_ref(*args, d ** -0.5, aux_cache=aux))
 
 
-def decode_case(fmt, b, ctx, ps, nsm, iters):
+def decode_case(fmt, b, ctx, ps, nsm, iters, **kw):
     p = pages_for(ctx, ps)
     n = b * p
     kc, vc, aux = make_cache(jax.random.key(b * 7 + ctx), fmt, n, ps)
@@ -119,13 +124,16 @@ def decode_case(fmt, b, ctx, ps, nsm, iters):
     lens = jnp.full((b,), ctx, jnp.int32)
     qs = [jax.random.normal(jax.random.key(i), (b, H, D), jnp.bfloat16) for i in range(2)]
     nbytes = read_bytes(fmt, b, ctx)
-    out = {"kv_dtype": fmt, "batch": b, "ctx": ctx, "page_size": ps, "bytes": nbytes}
+    out = {"kv_dtype": fmt, "batch": b, "ctx": ctx, "page_size": ps, "bytes": nbytes, "kw": kw}
     try:
-        f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_ctas=nsm, **KW))
+        f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_ctas=nsm, **kw, **KW))
         t0 = time.perf_counter()
         o = jax.block_until_ready(f(qs[0], kc, vc, jnp.int32(0), pt, lens, aux_cache=aux))
         out["first_call_s"] = time.perf_counter() - t0
-        ref = paged_decode_attention_ref(qs[0][:4], kc, vc, jnp.int32(0), pt[:4], lens[:4], D ** -0.5, aux_cache=aux)
+        idx = pt[:4].reshape(-1)          # the reference on the first 4 sequences' pages only (it dequantizes)
+        sub = jnp.arange(idx.shape[0], dtype=jnp.int32).reshape(4, -1)
+        ref = paged_decode_attention_ref(qs[0][:4], kc[:, idx], vc[:, idx], jnp.int32(0), sub, lens[:4], D ** -0.5,
+                                         aux_cache=None if aux is None else aux[:, idx])
         out["relerr_first4"] = relerr(o[:4], ref)
         t = time_fn(lambda qq: f(qq, kc, vc, jnp.int32(0), pt, lens, aux_cache=aux), arg_sets=[(qq,) for qq in qs],
                     iters=iters, reps=3)
@@ -134,6 +142,7 @@ def decode_case(fmt, b, ctx, ps, nsm, iters):
         traceback.print_exc()
         out["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
     del kc, vc, aux
+    gc.collect()
     return out
 
 
@@ -142,6 +151,7 @@ def main():
     ap.add_argument("--kv-dtype", default="bfloat16,fp8,int4", help="comma-separated formats")
     ap.add_argument("--quick", action="store_true", help="checks + context 4k only")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--compare-dequant-wgs", action="store_true", help="also time one dequantizing warpgroup")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="attention_kv")
     ap.add_argument("--page-size", type=int, default=16)
@@ -149,6 +159,11 @@ def main():
     args = ap.parse_args()
     global H, KVH
     if args.smoke:
+        # as tests/conftest.py: the interpreter runs each warpgroup's program on the CPU client's threads, and with
+        # the few threads of a 2-core machine's one device, warpgroups blocked in barrier waits starve the others
+        # (the swapped kernel on a quantized cache has 4): 8 host devices give it more
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
         H, KVH = 8, 2
         KW["interpret"] = True
         args.quick = True
@@ -175,7 +190,7 @@ def main():
     log(f"copy {cbw / 1e12:.2f} TB/s (read+write)")
     shapes = [(2, 256)] if KW else [(64, 4096), (256, 4096)] if args.quick else \
         [(64, 1024), (64, 4096), (64, 16384), (256, 1024), (256, 4096), (256, 16384)]
-    decode = []
+    decode, variants = [], []
     for b, ctx in shapes:
         for fmt in fmts:
             r = decode_case(fmt, b, ctx, args.page_size, nsm, iters=10 if args.quick else 20)
@@ -183,6 +198,12 @@ def main():
             log(f"decode {fmt} b={b} ctx={ctx}: {r.get('s', 0) * 1e3:.3f} ms "
                 f"{r.get('bytes_per_s', 0) / 1e12:.2f} TB/s = {r.get('bytes_per_s', 0) / cbw:.2f} of copy "
                 f"relerr {r.get('relerr_first4')}  {r.get('error', '')[:200]}  [{time.perf_counter() - t0:.0f}s]")
+    for fmt in [f for f in fmts if f != "bfloat16"] if args.compare_dequant_wgs else []:
+        for b, ctx in [s for s in shapes if s[1] == 4096]:
+            r = decode_case(fmt, b, ctx, args.page_size, nsm, iters=10, dequant_wgs=1)
+            variants.append(r)
+            log(f"decode {fmt} b={b} ctx={ctx} dequant_wgs=1: {r.get('s', 0) * 1e3:.3f} ms "
+                f"{r.get('bytes_per_s', 0) / cbw:.2f} of copy {r.get('error', '')[:200]}")
     rows = [[r["kv_dtype"], r["batch"], r["ctx"], r.get("s", 0) * 1e3, r["bytes"] / 1e9, r.get("bytes_per_s", 0) / 1e12,
              r.get("bytes_per_s", 0) / cbw, r.get("error", "")[:40]] for r in decode]
     table = print_table(["kv_dtype", "batch", "ctx", "ms", "GB read", "TB/s", "of copy", "error"], rows,
@@ -198,6 +219,7 @@ def main():
                 summary[f"decode_ms_b{r['batch']}_ctx{r['ctx']}_{fmt}"] = round(r["s"] * 1e3, 4)
     log("summary", summary)
     path = write_results(args.name, summary, {"checks": checks, "copy": copy, "decode": decode, "table": table,
+                                              "dequant_wgs_1": variants,
                                               "shape": {"heads": H, "kv_heads": KVH, "head_dim": D},
                                               "wall_s": time.perf_counter() - t0}, out_dir=args.out)
     save_plot(path[:-5] + ".png", [

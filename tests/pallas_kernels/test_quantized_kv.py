@@ -10,20 +10,21 @@ from pallas_kernels import kv_quant
 from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 
-# (format, page_size, group, head_dim, block_kv, num_splits, programs)
-DECODE = [("fp8", 16, 4, 64, 64, None, 3), ("int4", 64, 8, 128, 64, 3, 4), ("int4", 16, 1, 64, 128, 2, 5),
-          ("fp8", 64, 1, 128, 128, 1, 2)]
+# (format, page_size, group, head_dim, block_kv, num_splits, programs, stages, dequantizing warpgroups)
+# (None: 2 over an even number of stages, else 1; 0: the consumer dequantizes)
+DECODE = [("fp8", 16, 4, 64, 64, None, 3, 2, None), ("int4", 64, 8, 128, 64, 3, 4, 3, None),
+          ("int4", 16, 1, 64, 128, 2, 5, 4, 2), ("fp8", 64, 1, 128, 128, 1, 2, 2, 0)]
 
 
-@pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs", DECODE)
-def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, progs):
+@pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs,stages,nd", DECODE)
+def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd):
     lens = [0, 1, 2 * bkv + 5, 3 * ps - 1]
     c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens, kv_dtype=fmt)
     q = c.queries(len(lens))
     args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
     out = paged_decode_attention_swapped(*args, scale=c.scale, num_ctas=progs, num_splits=ns, block_kv=bkv,
-                                         num_stages=2, row_sums="wgmma" if g < 8 else "reduce", interpret=True,
-                                         aux_cache=c.aux)
+                                         num_stages=stages, row_sums="wgmma" if g < 8 else "reduce", interpret=True,
+                                         aux_cache=c.aux, dequant_wgs=nd)
     ref = paged_decode_attention_ref(*args, c.scale, aux_cache=c.aux)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"seed {c.seed}"
@@ -33,7 +34,8 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
 
 @pytest.mark.parametrize("fmt,ps,d,kw", [("fp8", 16, 128, {}), ("int4", 16, 128, {}),
                                          ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
-                                         ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma"})])
+                                         ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma"}),
+                                         ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     vd = d // 2 if fmt == "int4" else d
@@ -100,6 +102,8 @@ def test_prefill_heads_and_fused_on_quantized_cache_lower_for_gpu(fmt, d):
     dec = (sds((256, 32, d), jnp.bfloat16), cache, cache, lay, sds((256, 80), jnp.int32), sds((256,), jnp.int32))
     paged_decode_attention.trace(*dec, scale=0.1, aux_cache=aux).lower(lowering_platforms=("cuda",))
     w = sds((4096, 14336), jnp.bfloat16)
-    text = decode_attention_beside_gemm.trace(*dec, sds((1792, 4096), jnp.bfloat16), (w, w), scale=0.1, attn_ctas=33,
-                                              aux_cache=aux).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 1
+    for nd in (None, 0):                # a dequantizing warpgroup (the default), or the consumer dequantizes
+        text = decode_attention_beside_gemm.trace(*dec, sds((1792, 4096), jnp.bfloat16), (w, w), scale=0.1,
+                                                  attn_ctas=33, aux_cache=aux, dequant_wgs=nd).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 1
