@@ -29,7 +29,7 @@ from nfjax.kv.cache import KVCache, check_format
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-from pallas_kernels.kv_quant import KV_DTYPES, is_quantized
+from pallas_kernels.kv_quant import KV_DTYPES, is_quantized, rotate, rotates
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
 
@@ -91,11 +91,28 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
                   aux_pages=aux)
 
 
+def rotate_queries(q: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
+    """The queries in the frame of the cache: formats that store K and V rotated (kv_quant.ROTATED) need qH
+    (q.k = (qH).(kH)); every entry point here applies it (and `rotate_outputs`), and a caller of the kernels
+    directly must too."""
+    return rotate(q) if rotates(kv.kv_dtype) else q
+
+
+def rotate_outputs(o: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
+    """Attention outputs back out of the cache's frame: over V stored rotated, attention gives oH, and H H = I."""
+    return rotate(o) if rotates(kv.kv_dtype) else o
+
+
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                      scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
                      num_ctas: int | None = None) -> Float[Array, "R H D"]:
     """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
     `num_ctas`: the decode kernel's persistent CTA count (NanoFlow's resource share)."""
+    return rotate_outputs(_decode(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret, num_ctas),
+                          kv)
+
+
+def _decode(q, kv, layer, meta, scale, use_kernels, interpret, num_ctas):
     if not _use_kernels(use_kernels, q, kv):
         s = meta.seq_lens.shape[0]
         lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
@@ -118,6 +135,11 @@ def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, "
                       scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
                       max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
     """All T rows; only the prefill tokens' rows are meaningful."""
+    return rotate_outputs(_prefill(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret,
+                                   max_prefill_seqs), kv)
+
+
+def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs):
     if not _use_kernels(use_kernels, q, kv):
         return _reference(q, kv, layer, meta, scale)
     s = meta.seq_lens.shape[0]
@@ -141,12 +163,11 @@ def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""]
                     scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
                     num_ctas: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
     """The whole mixed batch (padding rows: 0 on the kernel path, don't-care on the reference path)."""
+    q = rotate_queries(q, kv)
     if not _use_kernels(use_kernels, q, kv):
-        return _reference(q, kv, layer, meta, scale)
+        return rotate_outputs(_reference(q, kv, layer, meta, scale), kv)
     t = q.shape[0]
-    dec = decode_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
-                           num_ctas=num_ctas)
-    pre = prefill_attention(q, kv, layer, meta, scale, use_kernels=True, interpret=interpret,
-                            max_prefill_seqs=max_prefill_seqs)
+    dec = _decode(q, kv, layer, meta, scale, True, interpret, num_ctas)
+    pre = _prefill(q, kv, layer, meta, scale, True, interpret, max_prefill_seqs)
     dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec)
-    return jnp.where((jnp.arange(t) < meta.num_decode)[:, None, None], dec_full, pre)
+    return rotate_outputs(jnp.where((jnp.arange(t) < meta.num_decode)[:, None, None], dec_full, pre), kv)

@@ -81,15 +81,19 @@ class KVCache:
 
     def _write_page_scaled(self, layer, page, off, k, v) -> "KVCache":
         """fp8 with one scale per page and kv head (accuracy comparison only): the layer is dequantized, the
-        new rows set, and every page requantized with its amax. A page whose scale did not change gets the
-        same codes back; one whose scale grew has its earlier rows rounded again. Costs the whole layer."""
+        new rows set, and every page requantized, with its scale unchanged while it still holds the page's amax
+        (the same codes back), else with the amax's (the earlier rows are rounded again). Costs the whole layer."""
         put = dict(mode="drop", unique_indices=True)
         aux = self.aux[layer]
         outs = []
         for vals, new, col in ((self.k[layer], k, 0), (self.v[layer], v, 1)):
             x = kv_quant.dequantize_fp8(vals, aux[..., col])                      # [N, PS, KH, D]
             x = x.at[page, off].set(new.astype(jnp.float32), **put)
-            scale = kv_quant.fp8_scale(jnp.abs(x).max(axis=(1, 3)))               # [N, KH]
+            amax = jnp.abs(x).max(axis=(1, 3))                                      # [N, KH]
+            old = aux[..., col].astype(jnp.float32).max(axis=1)                     # the page's scale (0: fresh)
+            # keep a scale that still holds the page: requantizing with it gives the same codes back (a scale
+            # recomputed from dequantized values would shrink, and re-round every page at every write)
+            scale = jnp.where((old > 0) & (amax <= kv_quant.FP8_MAX * old), old, kv_quant.fp8_scale(amax))
             scale = jnp.broadcast_to(scale[:, None, :], x.shape[:3])
             q, _ = kv_quant.quantize_fp8(x, scale)
             outs.append((q, scale))

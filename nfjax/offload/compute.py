@@ -57,6 +57,9 @@ def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array
     its p + 1 scores (ties at the threshold kept too) and the softmax runs over those."""
     b, t = positions.shape
     k, v = kv.dense()
+    rotated = len(kv.arrays) > 2 and kv_quant.rotates("int4")   # K and V stored rotated (kv_quant.ROTATED)
+    if rotated:
+        q = kv_quant.rotate(q)          # the queries into the cache's frame
     _, s, kh, d = k.shape
     h = q.shape[1]
     qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
@@ -70,6 +73,8 @@ def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array
         scores = jnp.where(scores >= jnp.take_along_axis(desc, idx, axis=-1), scores, MASK_VALUE)
     w = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", w, v)
+    if rotated:
+        out = kv_quant.rotate(out)      # and the outputs back out of it
     return out.reshape(b * t, h * d).astype(q.dtype)
 
 

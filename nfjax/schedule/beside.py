@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from nfjax.compat import num_sms, on_gpu
-from nfjax.kv.attention import decode_rows, kernels_support
+from nfjax.kv.attention import decode_rows, kernels_support, rotate_outputs, rotate_queries
 from nfjax.schedule.api import Kernel
 
 DEFAULT_ATTN_SHARE = 0.25       # 33 of 132 H100 SMs: bench/results/decode_share-fused-20261123.json
@@ -38,12 +38,12 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     if not fits:
         return _sequential(layer, ctxs, ins, parts)
     t = q.shape[0]
-    q_r, pt, lens = decode_rows(q, ctx_a.meta)
+    q_r, pt, lens = decode_rows(rotate_queries(q, kv), ctx_a.meta)
     attn_ctas = ctx_a.num_ctas or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
     attn, (gate, up) = decode_attention_beside_gemm(
         q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
         attn_ctas=attn_ctas, aux_cache=kv.aux)
-    attn = attn.reshape(attn.shape[0], -1)
+    attn = rotate_outputs(attn, kv).reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))
     return [(attn,), (gate, up)]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from nfjax.config import CacheConfig, ModelConfig, pages_for
+from nfjax.kv.attention import paged_attention, rotate_outputs, rotate_queries
 from nfjax.kv.blocked_attention import blocked_paged_attention
 from nfjax.kv.cache import KVCache, bytes_per_token
 from nfjax.kv.metadata import PADDING_SLOT, build_metadata
@@ -59,6 +60,11 @@ def test_page_scaled_fp8_keeps_one_scale_per_page_and_head():
     rel = np.abs(kd - rows) / np.abs(rows)
     assert np.all(rel[-1][big[-1]] <= 2.0 ** -4) and np.all(rel[big] <= 0.3)
     assert np.linalg.norm(vd - vals) / np.linalg.norm(vals) < 0.08     # iid rows: the scale still grows a little
+    # a write elsewhere leaves a full page exactly as it was (its scale still holds it: no re-rounding)
+    before = [np.asarray(a[0, 2]) for a in kv.arrays()]
+    kv = kv.write(jnp.int32(0), jnp.asarray([5], jnp.int32), jnp.asarray(rows[:1], jnp.float32),
+                  jnp.asarray(vals[:1], jnp.float32))
+    assert all(np.array_equal(b, np.asarray(a[0, 2])) for a, b in zip(kv.arrays(), before))
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int4"])
@@ -79,7 +85,8 @@ def test_take_and_put_pages_move_pages_as_stored(fmt):
 @pytest.mark.parametrize("fmt,ps", [("fp8", 16), ("int4", 16), ("int4", 64), ("fp8_page", 16)])
 def test_references_read_quantized_pages(fmt, ps):
     """Both kernel-less paths (the reference, and the blocked loop the CPU runs) on a mixed batch: a quantized
-    cache gives the reference's output on its dequantized pages."""
+    cache gives the reference's output on its dequantized pages; int4 stores K and V rotated, so the queries go in
+    rotated and the outputs come out rotated back, as `paged_attention` (the engine's entry point) does itself."""
     rng = np.random.default_rng(3)
     specs = [(300, 1), (7, 1), (0, 9), (40, 5)]              # (cached before, new tokens): decodes, then chunks
     need = [pages_for(a + n, ps) for a, n in specs]
@@ -97,11 +104,14 @@ def test_references_read_quantized_pages(fmt, ps):
     q = jnp.asarray(rng.standard_normal((18, 4, 64)), jnp.float32)
     kp, vp, aux = kv.layer_pages(1)
     args = (meta.positions, meta.token_seq, meta.page_table, meta.seq_lens, 0.125)
-    ref = ragged_paged_attention_ref(q, *kq.dequantize_kv(kp, vp, aux), *args)
+    qr = rotate_queries(q, kv)
+    ref = rotate_outputs(ragged_paged_attention_ref(qr, *kq.dequantize_kv(kp, vp, aux), *args), kv)
     live = 1 + 1 + 9 + 5
     for attend in (ragged_paged_attention_ref, blocked_paged_attention):
-        out = attend(q, kp, vp, *args, aux_pages=aux)
+        out = rotate_outputs(attend(qr, kp, vp, *args, aux_pages=aux), kv)
         np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], rtol=2e-5, atol=2e-5)
+    out = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=False)
+    np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], rtol=2e-5, atol=2e-5)
     exact = ragged_paged_attention_ref(q, *_unquantized(k, v, all_slots, ps, n_pages), *args)   # f32 pages
     err = np.linalg.norm(np.asarray(ref - exact)[:live]) / np.linalg.norm(np.asarray(exact)[:live])
     assert err < (0.05 if fmt.startswith("fp8") else 0.16), err      # e4m3: 2^-4 / sqrt(3) rms a value

@@ -66,9 +66,11 @@ def test_kv_pairs_and_their_aux_rows(fmt, d):
     if fmt == "fp8":
         assert np.array_equal(np.asarray(aux[..., 2:], np.float32), np.zeros((7, 2, w - 2)))
         ref = [np.asarray(kq.dequantize_fp8(*kq.quantize_fp8(jnp.asarray(a)))) for a in (k, v)]
-    else:
-        ref = [np.asarray(kq.dequantize_int4(*kq.quantize_int4(jnp.asarray(a)))) for a in (k, v)]
-    assert np.array_equal(kd, ref[0]) and np.array_equal(vd, ref[1])
+    else:            # K and V are stored rotated (kv_quant.ROTATED): rotated back here (H H = I)
+        ref = [np.asarray(kq.dequantize_int4(*kq.quantize_int4(kq.rotate(jnp.asarray(a))))) for a in (k, v)]
+        kd, vd, ref = kd @ kq.hadamard(d), vd @ kq.hadamard(d), [r @ kq.hadamard(d) for r in ref]
+    np.testing.assert_allclose(kd, ref[0], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(vd, ref[1], rtol=1e-6, atol=1e-5)
     for a, b in ((kd, k), (vd, v)):
         err = np.linalg.norm(a - b) / np.linalg.norm(b)
         # int4 on k: three outlier channels stretch every group's range (rms error ~ range / 15 / sqrt(12))
@@ -89,3 +91,29 @@ def test_bytes_per_token_and_head():
         kq.aux_width("int4", 96)
     with pytest.raises(ValueError, match="choices: bfloat16, fp8, int4"):
         kq.check_kv_dtype("int8")
+
+
+def test_int4_keys_and_values_are_stored_rotated():
+    """int4 stores K and V rotated by the normalized Hadamard matrix (orthogonal, symmetric): rotating the queries
+    the same way keeps q.k, rotating the outputs back undoes it on p.v, and the rotation spreads outlier channels
+    (a lower round-trip error than the same rows quantized unrotated)."""
+    h = kq.hadamard(64)
+    np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
+    np.testing.assert_allclose(h, h.T)
+    q, k = _draw(5, (9, 64)), _draw(6, (9, 64))
+    rot = lambda a: np.asarray(kq.rotate(jnp.asarray(a)))          # noqa: E731
+    np.testing.assert_allclose(rot(q) @ rot(k).T, q @ k.T, rtol=1e-4, atol=1e-3)
+    p = np.abs(_draw(7, (5, 9), outliers=False))
+    np.testing.assert_allclose(rot(p @ rot(k)), p @ k, rtol=1e-4, atol=1e-3)
+    kq_, vq_, aux = kq.quantize_kv("int4", jnp.asarray(k), jnp.asarray(k))
+    kd, vd = (np.asarray(a) @ h for a in kq.dequantize_kv(kq_, vq_, aux))    # rotated back
+    np.testing.assert_allclose(kd, vd)
+    plain = np.asarray(kq.dequantize_int4(*kq.quantize_int4(jnp.asarray(k))))
+    err_rot, err_plain = (np.linalg.norm(a - k) / np.linalg.norm(k) for a in (kd, plain))
+    assert err_rot < 0.8 * err_plain, (err_rot, err_plain)
+    assert kq.rotates("int4") and not kq.rotates("fp8")
+    with pytest.raises(ValueError, match="power of 2"):
+        kq.hadamard(96)
+    x = _draw(8, (4, 192))          # head_dim 192: three 64-blocks, still orthogonal and symmetric
+    np.testing.assert_allclose(rot(rot(x)), x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(rot(x)[:, 64:128], x[:, 64:128] @ h, rtol=1e-4, atol=1e-4)
