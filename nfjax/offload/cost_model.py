@@ -189,8 +189,10 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     head_w = v * d * item
 
     def fixed(tokens: int) -> float:
+        """A pass outside the layers: each batch's head, the host's pass work (measured on one batch), and each
+        further batch's embedding and head calls."""
         head = max(2 * bs * tokens * v * d / hw.gemm_flops, head_w / hw.hbm_bytes)
-        return nb * (head + 3 * hw.dispatch_s)
+        return nb * head + hw.pass_s + (nb - 1) * 2 * hw.dispatch_s
 
     memory = {
         "gpu": lin(rest + work, wg=L * w_dense, wc=inflight, wd=inflight, cg=kv_all, hg=act_all),

@@ -10,6 +10,7 @@ Not served here (a UserError naming the field): penalties, min_tokens, logprobs.
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Sequence
@@ -38,12 +39,22 @@ def default_offload_dir() -> Path:
     return cache_dir() / "offload"
 
 
+def same_placement(a: Policy, b: Policy) -> bool:
+    """Policies whose weights are placed alike (split, 4-bit, host memory kind) and live off the disk (a disk
+    tier's files belong to the engine that wrote them)."""
+    return (a.weights == b.weights and a.compress_weights == b.compress_weights and a.host_memory == b.host_memory
+            and a.weights.disk == 0)
+
+
 class OffloadEngine:
     def __init__(self, cfg, rest_state, layer_gd, layer_source, tokenizer, policy: Policy, max_model_len: int | None
-                 = None, rest_gd=None, trace: bool = False, progress: bool = False):
+                 = None, rest_gd=None, trace: bool = False, progress: bool = False,
+                 weights_from: "OffloadEngine | None" = None):
         """`layer_source(j)` gives decoder layer j's weights (a pytree of arrays anywhere, as
         `nnx.split(layer)` has them); `rest_gd/rest_state` the model without its layers (kept on the device).
-        The policy's budget is checked first: nothing is placed if it does not fit."""
+        The policy's budget is checked first: nothing is placed if it does not fit. `weights_from`: an engine
+        (closed or not) of the same model whose weights were placed the same way (`same_placement`): its placed
+        weights are taken as they are instead of placing them again (the benches' policy grids)."""
         self.cfg, self.policy, self.tokenizer = cfg, policy, tokenizer
         self.disk = None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -53,15 +64,20 @@ class OffloadEngine:
         self.disk = DiskFolder(root) if policy.uses_disk() else None
         try:
             self.tiers = Tiers(policy, self.device, self.disk)
-            self.rest_state = jax.device_put(rest_state, self.tiers.on_device)
-            first = layer_source(0)
-            leaves, treedef = jax.tree_util.tree_flatten(first)
-            itemsize = 2 if cfg.dtype == "bfloat16" else 4
-            self.weights = WeightStore(policy, self.tiers, treedef, [tuple(x.shape) for x in leaves], itemsize)
-            for j in range(cfg.num_layers):
-                check_interrupt()
-                self.weights.put(j, jax.tree_util.tree_leaves(first if j == 0 else layer_source(j)))
-                first = None
+            if weights_from is not None and same_placement(weights_from.policy, policy):
+                self.rest_state = weights_from.rest_state
+                self.weights = copy.copy(weights_from.weights)
+                self.weights.tiers = self.tiers
+            else:
+                self.rest_state = jax.device_put(rest_state, self.tiers.on_device)
+                first = layer_source(0)
+                leaves, treedef = jax.tree_util.tree_flatten(first)
+                itemsize = 2 if cfg.dtype == "bfloat16" else 4
+                self.weights = WeightStore(policy, self.tiers, treedef, [tuple(x.shape) for x in leaves], itemsize)
+                for j in range(cfg.num_layers):
+                    check_interrupt()
+                    self.weights.put(j, jax.tree_util.tree_leaves(first if j == 0 else layer_source(j)))
+                    first = None
             self.programs = Programs(cfg, rest_gd, layer_gd, topk=policy.attention_topk / 100)
             self.trace = Trace() if trace else None
             self.executor = Executor(policy, self.programs, self.weights, self.trace)

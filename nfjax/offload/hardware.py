@@ -10,11 +10,14 @@
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
                   page cache (posix_fadvise DONTNEED) and read back with np.load
   cpu_attn_bytes  KV bytes a second that decode attention on the CPU reads (nfjax/offload/cpu_attention.py, the
-                  function the runtime runs, on a [8, 512, 8, 64] block)
+                  function the runtime runs, on a [4, 512, 8, 64] block)
   dispatch_s      the fixed cost of one layer program call: the offload layer program of a tiny OPT layer (hidden
                   64, two sequences, one token: its compute is negligible), called and waited on
   transfer_s      the fixed cost of one transfer on an I/O thread: a 1 KB device_put submitted and waited for
   cpu_attn_fixed_s the fixed cost of one `cpu_attention` call (a 16-position block)
+  pass_s          the host's cost of one generated token's pass outside the layer programs (embedding, head,
+                  sampling, the engine's bookkeeping): an OffloadEngine on that tiny one-layer model, all on the
+                  device, one sequence: (time of 9 tokens - time of 1) / 8, less one layer call
 
 On a CPU-only machine the "device" is the CPU and every rate is measured as it exists there (a device_put to the
 CPU device is a host copy); nothing is invented. The cache is a JSON file under $NFJAX_CACHE/hardware/, named by
@@ -51,6 +54,7 @@ class HardwareProfile:
     dispatch_s: float
     transfer_s: float = 0.0
     cpu_attn_fixed_s: float = 0.0
+    pass_s: float = 0.0
     measured_at: str = ""
 
     def to_json(self) -> dict:
@@ -72,7 +76,7 @@ class HardwareProfile:
                 f"{(self.h2d_pinned_bytes or 0) / g:.2f}) GB/s, device->host {self.d2h_bytes / g:.2f} GB/s, disk "
                 f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
                 f"{self.cpu_attn_bytes / g:.2f} GB/s of KV (+{self.cpu_attn_fixed_s * 1e6:.0f} us a call), layer "
-                f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us")
+                f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us, pass {self.pass_s * 1e6:.0f} us")
 
 
 def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> float:
@@ -152,25 +156,45 @@ def _cpu_attention(dtype) -> float:
     return cpu_attention_bench(_rate, dtype)
 
 
+def _tiny_model():
+    from nfjax.config import ModelConfig
+    from nfjax.models.random_init import random_model
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+                      qkv_bias=True, model_type="opt")
+    return random_model(cfg, host=True)
+
+
 def _dispatch(device) -> float:
     """Seconds of one call of the offload layer program on a tiny OPT layer (compute negligible)."""
     import jax
     import jax.numpy as jnp
 
-    from nfjax.config import ModelConfig
     from nfjax.engine.runner import split_layers
-    from nfjax.models.random_init import random_model
     from nfjax.offload.compute import Programs
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                      num_kv_heads=4, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
-                      qkv_bias=True, model_type="opt")
-    rest_gd, _, layer_gd, stacked = split_layers(random_model(cfg, host=True))
+    m = _tiny_model()
+    cfg = m.cfg
+    rest_gd, _, layer_gd, stacked = split_layers(m)
     w = jax.device_put(jax.tree.map(lambda a: a[0], stacked), device)
     prog = Programs(cfg, rest_gd, layer_gd).layer[True]
     x = jax.device_put(jnp.zeros((2, 1, 64), jnp.float32), device)
     kv = jax.device_put((jnp.zeros((2, 32, 4, 16), jnp.float32),) * 2, device)
     pos = jax.device_put(jnp.zeros((2, 1), jnp.int32), device)
     return 1.0 / _rate(1.0, lambda: jax.block_until_ready(prog(w, x, kv, pos)), max_reps=100)
+
+
+def _pass(dispatch_s: float) -> float:
+    """Seconds of one decode pass's host work outside the layer programs (see the module's docstring)."""
+    from nfjax.engine.sampling_params import SamplingParams
+    from nfjax.offload.engine import OffloadEngine
+    from nfjax.offload.policy import Policy
+    from nfjax.tokenizer.silent import SilentTokenizer
+    m = _tiny_model()
+    with OffloadEngine.from_model(m, SilentTokenizer(m.cfg.vocab_size), Policy(), max_model_len=32) as eng:
+        def run(n):
+            return lambda: eng.generate([[1, 2, 3]], SamplingParams.greedy(max_tokens=n, ignore_eos=True))
+        one, many = 1.0 / _rate(1.0, run(1), max_reps=5), 1.0 / _rate(1.0, run(9), max_reps=5)
+    return max(0.0, (many - one) / 8 - dispatch_s)
 
 
 def _transfer(device) -> float:
@@ -210,11 +234,12 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     h2d, pinned, d2h = _transfers(device, nbytes)
     from nfjax.offload.engine import default_offload_dir
     rd, wr = _disk(Path(disk_dir) if disk_dir else default_offload_dir(), nbytes)
+    dispatch = _dispatch(device)
     return HardwareProfile(
         device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=_gemm(device, jnp.dtype(dtype)),
         hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_pinned_bytes=pinned, d2h_bytes=d2h, disk_read_bytes=rd,
-        disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=_dispatch(device),
-        transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(),
+        disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch,
+        transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
