@@ -96,3 +96,20 @@ def test_compressed_kv_cache_is_the_same_on_every_tier(tmp_path):
                 names = {p.name for p in eng.disk.path.iterdir()}
                 assert any(n.startswith("kv") and n.endswith("-2.npy") for n in names)   # codes K, codes V, scales
     assert got[0] == got[1]
+
+
+def test_placed_weights_serve_a_policy_placing_alike():
+    """`weights_from`: a policy with the same weight placement takes the placed weights (no second placement) and
+    still gives the engine's tokens; a different placement places its own."""
+    want = engine_tokens("opt")
+    first = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(50, 50, 0))
+    a = OffloadEngine.from_model(model("opt"), tokenizer("opt"), first, max_model_len=MAX_LEN)
+    a.close()
+    same = Policy(gpu_batch_size=1, num_gpu_batches=3, weights=Split(50, 50, 0), cache=Split(0, 100, 0))
+    with OffloadEngine.from_model(model("opt"), tokenizer("opt"), same, max_model_len=MAX_LEN, weights_from=a) as b:
+        assert b.weights.layers is a.weights.layers and b.weights.tiers is b.tiers
+        outs = b.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+    assert tuple(tuple(o.token_ids) for o in outs) == want
+    other = same.replace(weights=Split(0, 100, 0))
+    with OffloadEngine.from_model(model("opt"), tokenizer("opt"), other, max_model_len=MAX_LEN, weights_from=a) as c:
+        assert c.weights.layers is not a.weights.layers and c.weights.bytes_by_tier()["gpu"] == 0
