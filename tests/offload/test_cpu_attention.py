@@ -87,3 +87,20 @@ def test_tokens_equal_the_paged_engine_with_attention_on_the_cpu(name, tmp_path)
 def _kv_tiers(pol, layers):
     from nfjax.offload.store import index_tiers
     return index_tiers(layers * pol.num_gpu_batches, pol.cache)
+
+
+def test_cpu_attention_over_the_int4_cache(tmp_path):
+    """The KV cache in int4 (head_dim 64): attending the packed blocks on the CPU gives the tokens the device
+    gives with the cache on the GPU (the same dequantization, on the other backend)."""
+    from nfjax.models.random_init import random_model
+    from tests.offload.common import OPT
+    m = random_model(OPT.replace(hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64), seed=5, std=0.25,
+                     host=True)
+    got = []
+    for cache, ca in ((Split(100, 0, 0), False), (Split(30, 30, 40), True)):
+        pol = Policy(gpu_batch_size=2, num_gpu_batches=3, cache=cache, compress_cache=True, cpu_attention=ca,
+                     offload_dir=str(tmp_path))
+        with OffloadEngine.from_model(m, tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+            got.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=8,
+                                                                                         ignore_eos=True))])
+    assert got[0] == got[1]
