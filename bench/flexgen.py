@@ -22,8 +22,9 @@ Summary keys: flexgen_out_tok_s_<shape>_<N>gb, flexgen_vs_rowbyrow, flexgen_out_
 The cost model and the LP (issue #25, bench/flexgen_model.py): this machine's hardware profile is measured (or read
 from its cache) first, and every run records the cost model's predicted tokens/s beside the measured one
 (summary `cost_model_mean_abs_err_pct`, over the zig-zag runs). `--grid auto` replaces the named grid by
-`--grid-size` (default 24) feasible policies spread over the model's ranking; `--lp` also runs the policy the LP
-search picks (`--offload auto`) and reports its measured tokens/s over the grid's best (`lp_policy_vs_best_grid`);
+`--grid-size` (default 24) feasible policies spread over the model's ranking; `--lp` (or `--offload auto`) also runs
+the policy the LP search picks for the caps (`--gpu-memory-gb`, `--cpu-memory-gb`, `--disk-gb`), logging it with
+its predicted tokens/s, and reports its measured tokens/s over the grid's best (`lp_policy_vs_best_grid`);
 `--cpu-attention-ab` runs the best policy with KV off the GPU once more with `cpu_attention` flipped
 (`cpu_attention_speedup`: on over off).
 
@@ -90,7 +91,7 @@ def grid(args) -> dict:
         if bad:
             raise SystemExit(f"--policies: unknown {bad[0]!r}; the {shape} grid has {', '.join(pols)}")
         pols = {n: pols[n] for n in names}
-    if args.offload:
+    if args.offload and args.offload != "auto":           # --offload auto is --lp (main)
         pols[os.path.basename(args.offload)] = Policy.load(args.offload)
     return pols
 
@@ -192,9 +193,10 @@ def main(argv=None) -> int:
     pols = grid(args)
     if args.grid == "auto":
         pols = {**fm.auto_grid(cfg, args, hw, limits, args.grid_size, make_policy),
-                **({k: v for k, v in pols.items() if k == os.path.basename(args.offload)} if args.offload else {})}
+                **({k: v for k, v in pols.items() if k == os.path.basename(args.offload)}
+                   if args.offload and args.offload != "auto" else {})}
     lp = fm.lp_policy(cfg, args, hw, limits, make_policy, log=lambda m: print(f"[{m}]", flush=True)) \
-        if args.lp else None
+        if args.lp or args.offload == "auto" else None
     if lp is not None:
         pols["lp"] = lp.policy
     runs, skipped = {}, {}

@@ -14,7 +14,8 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "NFJAX_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "bench.flexgen", "--shape", "opt-smoke", "--layers", "2",
                         "--prompt-len", "16", "--gen-len", "4", "--gpu-memory-gb", "1", "--out-dir", str(tmp_path),
-                        "--offload-dir", str(tmp_path / "off"), "--lp", "--cpu-attention-ab", "--max-block", "8"],
+                        "--offload-dir", str(tmp_path / "off"), "--offload", "auto", "--cpu-attention-ab",
+                        "--max-block", "8"],
                        cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
