@@ -32,6 +32,8 @@ GB = 1e9
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NUM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 REALIZE_TOP = 6                      # LP solutions rounded and checked, best first
+GPU_HEADROOM = 0.95                  # the LP plans for this share of the GPU cap: the budget's working buffers are
+#                                      an estimate, and XLA's own scratch and fragmentation are not in it
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
     too small and by how much."""
     from nfjax.autosearch.milp import solver_name
     t0 = time.perf_counter()
+    plan_caps = {**caps, "gpu": None if caps.get("gpu") is None else GPU_HEADROOM * caps["gpu"]}
     if pairs is None:
         pairs = [(b, k) for b in BATCH_SIZES for k in NUM_BATCHES if max_block is None or b * k <= max_block]
     sols: list[LPSolution] = []
@@ -173,14 +176,14 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
         for ca in cpu_attention:
             cost = layer_cost(cfg, bs, nb, workload, hw, compress_weights, compress_cache, ca, host_memory)
             gpu_floor = value(cost.memory["gpu"], {f: 0.0 for f in FRACS} | {"wd": 1.0, "cd": 1.0, "hd": 1.0})
-            if caps.get("gpu") is not None and gpu_floor > caps["gpu"]:
+            if plan_caps.get("gpu") is not None and gpu_floor > plan_caps["gpu"]:
                 continue                              # the fixed GPU share alone is over the cap
             cases = [False]
             full = value(cost.memory["gpu"], {f: 0.0 for f in FRACS} | {"wd": 1.0, "cg": 1.0, "hd": 1.0})
-            if caps.get("gpu") is None or full <= caps["gpu"]:
+            if plan_caps.get("gpu") is None or full <= plan_caps["gpu"]:
                 cases.append(True)
             for case in cases:
-                r = solve_lp(cost, caps, kv_all_on_gpu=case)
+                r = solve_lp(cost, plan_caps, kv_all_on_gpu=case)
                 if r is not None:
                     fr, secs = r
                     sols.append(LPSolution(bs, nb, ca, fr, secs, cost.block * cost.gen_len / secs))
@@ -197,7 +200,7 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
                                compress_cache=compress_cache, cpu_attention=sol.cpu_attention,
                                host_memory=host_memory, **splits)
             try:
-                budget.check(cfg, pol, workload.context, caps)
+                budget.check(cfg, pol, workload.context, plan_caps)
             except PolicyError as e:
                 errors.append(str(e))
                 continue
@@ -215,15 +218,17 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
 
 def infeasible(cfg, workload, hw, caps, compress_weights, compress_cache, host_memory) -> PolicyError:
     """The error of a search with no feasible pair: the smallest policy (1 x 1) solved with each capped tier allowed
-    to grow (growing the disk costs least, the GPU most), naming the tiers that had to grow and by how much."""
+    to grow (growing the disk costs least, the GPU most), naming the tiers that had to grow and by how much (the
+    GPU's in terms of its cap, of which the plan uses `GPU_HEADROOM`)."""
     cost = layer_cost(cfg, 1, 1, workload, hw, compress_weights, compress_cache, False, host_memory)
     weights = {t: w for t, w in (("disk", 1.0), ("cpu", 10.0), ("gpu", 100.0)) if caps.get(t) is not None}
-    r = solve_lp(cost, caps, slack=weights)
+    share = {t: GPU_HEADROOM if t == "gpu" else 1.0 for t in caps}
+    r = solve_lp(cost, {t: None if c is None else share[t] * c for t, c in caps.items()}, slack=weights)
     flags = {"gpu": "--gpu-memory-gb", "cpu": "--cpu-memory-gb", "disk": "--disk-gb"}
     if r is None:
         return PolicyError("--offload auto: no policy fits the caps (the diagnosis LP failed too)")
     _, _, grow = r
-    short = [(t, g) for t, g in grow.items() if g > 1e-6 * max(caps[t], 1.0)]
+    short = [(t, g / share[t]) for t, g in grow.items() if g > 1e-6 * max(caps[t], 1.0)]
     parts = "; ".join(f"the {t} tier is {g / GB:.4g} GB too small (has {caps[t] / GB:.4g} GB: raise {flags[t]} "
                       f"to at least {(caps[t] + g) / GB:.4g})" for t, g in short)
     return PolicyError(f"--offload auto: no policy fits, not even one sequence a block: {parts or 'unknown tier'}. "

@@ -13,7 +13,7 @@ from nfjax.models.random_init import random_model
 from nfjax.offload.cost_model import FRACS, Workload, layer_cost, value
 from nfjax.offload.engine import OffloadEngine
 from nfjax.offload.hardware import HardwareProfile
-from nfjax.offload.search import search
+from nfjax.offload.search import GPU_HEADROOM, search
 from nfjax.tokenizer.silent import SilentTokenizer
 from tests.offload.common import OPT, PROMPTS, engine_tokens_of, tokenizer
 
@@ -70,7 +70,7 @@ def test_searched_policy_with_weights_off_the_gpu_gives_the_engines_tokens(tmp_p
     cost = layer_cost(cfg, 2, 2, wl, HW)
     floor = value(cost.memory["gpu"], {f: float(f in ("wd", "cd", "hd")) for f in FRACS}) + cost.kv_buffer
     full = value(cost.memory["gpu"], {f: float(f in ("wg", "cg", "hg")) for f in FRACS})
-    res = search(cfg, wl, HW, {"gpu": floor + 0.3 * (full - floor), "cpu": None, "disk": None},
+    res = search(cfg, wl, HW, {"gpu": (floor + 0.3 * (full - floor)) / GPU_HEADROOM, "cpu": None, "disk": None},
                  pairs=[(1, 2), (2, 2), (2, 3)])
     pol = res.policy.replace(offload_dir=str(tmp_path))
     assert pol.weights.gpu < 100

@@ -14,7 +14,7 @@ import pytest
 from nfjax.offload import Policy, PolicyError, budget
 from nfjax.offload.cost_model import FRACS, KINDS, Workload, fractions, layer_cost, predict, value
 from nfjax.offload.hardware import HardwareProfile
-from nfjax.offload.search import search, solve_lp
+from nfjax.offload.search import GPU_HEADROOM, search, solve_lp
 from tests.offload.common import OPT
 
 HW = HardwareProfile("test", "test", gemm_flops=2e12, hbm_bytes=1e11, h2d_bytes=1e8, h2d_pinned_bytes=2e8,
@@ -29,11 +29,13 @@ def _at(**ones) -> dict:
 
 
 def _caps(cost, gpu_share: float, cpu_share: float) -> dict:
-    """GPU: its fixed share, the loading buffers and `gpu_share` of the rest; CPU: `cpu_share` of everything."""
+    """GPU: its fixed share, the loading buffers and `gpu_share` of the rest (the plan's share of the cap: the
+    search keeps `GPU_HEADROOM`); CPU: `cpu_share` of everything."""
     floor = value(cost.memory["gpu"], _at(wd=1, cd=1, hd=1))
     full = value(cost.memory["gpu"], _at(wg=1, cg=1, hg=1))
     off = value(cost.memory["cpu"], _at(wc=1, cc=1, hc=1))
-    return {"gpu": floor + cost.kv_buffer + gpu_share * (full - floor), "cpu": cpu_share * off, "disk": None}
+    return {"gpu": (floor + cost.kv_buffer + gpu_share * (full - floor)) / GPU_HEADROOM, "cpu": cpu_share * off,
+            "disk": None}
 
 
 def _grid(step_w: float = 0.05, step_h: float = 0.25) -> dict:
@@ -69,6 +71,7 @@ def test_lp_solutions_satisfy_the_constraints_and_equal_brute_force():
     for bs, nb in PAIRS:
         cost = layer_cost(CFG, bs, nb, WL, HW)
         caps = _caps(cost, 0.4, 0.5)
+        caps["gpu"] *= GPU_HEADROOM                 # the LP itself: no headroom
         fr, secs = solve_lp(cost, caps)
         for names in KINDS.values():
             assert all(fr[f] >= -1e-9 for f in names) and sum(fr[f] for f in names) == pytest.approx(1, abs=1e-6)
@@ -118,14 +121,14 @@ def test_no_feasible_policy_names_the_tier_and_the_shortfall():
     with pytest.raises(PolicyError, match=r"the gpu tier is .* GB too small .*--gpu-memory-gb") as e:
         search(CFG, WL, HW, {"gpu": 0.5 * floor, "cpu": None, "disk": None}, pairs=PAIRS)
     short = float(str(e.value).split("the gpu tier is ")[1].split(" GB")[0])
-    assert short == pytest.approx(0.5 * floor / 1e9, rel=1e-3)
+    assert short == pytest.approx((floor / GPU_HEADROOM - 0.5 * floor) / 1e9, rel=1e-3)
     # 8 layers: the GPU at its floor can take no weights (8 layers cost more than the 4 in flight); everything must
     # fit in host memory + disk, and the disk is 10% of the data short
     cfg8 = CFG.replace(num_layers=8)
     cost = layer_cost(cfg8, 1, 1, WL, HW)
     floor = value(cost.memory["gpu"], _at(wd=1, cd=1, hd=1)) + cost.kv_buffer
     data = value(cost.memory["cpu"], _at(wc=1, cc=1, hc=1))
-    caps = {"gpu": floor, "cpu": 0.5 * data, "disk": 0.4 * data}
+    caps = {"gpu": floor / GPU_HEADROOM, "cpu": 0.5 * data, "disk": 0.4 * data}
     with pytest.raises(PolicyError, match=r"the disk tier is .* GB too small .*--disk-gb to at least") as e:
         search(cfg8, WL, HW, caps, pairs=[(1, 1)])
     assert "gpu tier" not in str(e.value) and "cpu tier" not in str(e.value)
