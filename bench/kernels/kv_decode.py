@@ -130,11 +130,12 @@ def decode_case(fmt, b, ctx, ps, nsm, iters, **kw):
         t0 = time.perf_counter()
         o = jax.block_until_ready(f(qs[0], kc, vc, jnp.int32(0), pt, lens, aux_cache=aux))
         out["first_call_s"] = time.perf_counter() - t0
-        idx = pt[:4].reshape(-1)          # the reference on the first 4 sequences' pages only (it dequantizes)
-        sub = jnp.arange(idx.shape[0], dtype=jnp.int32).reshape(4, -1)
-        ref = paged_decode_attention_ref(qs[0][:4], kc[:, idx], vc[:, idx], jnp.int32(0), sub, lens[:4], D ** -0.5,
+        m = min(4, b)
+        idx = pt[:m].reshape(-1)          # the reference on the first 4 sequences' pages only (it dequantizes)
+        sub = jnp.arange(idx.shape[0], dtype=jnp.int32).reshape(m, -1)
+        ref = paged_decode_attention_ref(qs[0][:m], kc[:, idx], vc[:, idx], jnp.int32(0), sub, lens[:m], D ** -0.5,
                                          aux_cache=None if aux is None else aux[:, idx])
-        out["relerr_first4"] = relerr(o[:4], ref)
+        out["relerr_first4"] = relerr(o[:m], ref)
         t = time_fn(lambda qq: f(qq, kc, vc, jnp.int32(0), pt, lens, aux_cache=aux), arg_sets=[(qq,) for qq in qs],
                     iters=iters, reps=3)
         out.update(s=t["median_s"], bytes_per_s=nbytes / t["median_s"], timing=t)
