@@ -28,7 +28,12 @@ its predicted tokens/s, and reports its measured tokens/s over the grid's best (
 `--cpu-attention-ab` runs the best policy with KV off the GPU once more with `cpu_attention` flipped
 (`cpu_attention_speedup`: on over off).
 
-    python -m bench.flexgen --grid auto --lp --cpu-attention-ab --layers 12 --no-baseline   # the issue #25 run
+    python -m bench.flexgen --grid auto --lp --cpu-attention-ab --no-baseline     # the issue #25 run, in one go
+
+A run longer than one device command splits: `--grid-part K/N` runs every N-th policy of the (sorted) grid from
+the K-th, each part writing its own results (`--name`), and `--merge A.json,B.json` adds the runs of earlier
+parts (and their LP and CPU-attention records) before the summary is computed (`--no-trace`, `--no-baseline`
+on all but one part).
 """
 from __future__ import annotations
 
@@ -178,6 +183,9 @@ def main(argv=None) -> int:
     g.add_argument("--lp", action="store_true", help="also run the LP search's policy, against the grid's best")
     g.add_argument("--cpu-attention-ab", action="store_true",
                    help="the best policy with KV off the GPU, again with cpu_attention flipped")
+    g.add_argument("--grid-part", default=None, metavar="K/N", help="run every N-th policy from the K-th (0-based)")
+    g.add_argument("--merge", default=None, help="result JSONs of earlier parts, comma-separated")
+    g.add_argument("--no-trace", action="store_true", help="skip the traced decode pass and its timeline")
     g.add_argument("--policies", default=None, help="names from the shape's grid, comma-separated (default all)")
     g.add_argument("--no-baseline", action="store_true", help="skip the row-by-row baseline")
     g.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
@@ -185,7 +193,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from bench.setup import model_config
     from nfjax.offload import PolicyError
-    from nfjax.offload.trace import plot
     from bench import flexgen_model as fm
     cfg = model_config(args)
     hw = fm.profile(cfg, args, log=lambda m: print(f"[{m}]", flush=True))
@@ -197,12 +204,21 @@ def main(argv=None) -> int:
                    if args.offload and args.offload != "auto" else {})}
     lp = fm.lp_policy(cfg, args, hw, limits, make_policy, log=lambda m: print(f"[{m}]", flush=True)) \
         if args.lp or args.offload == "auto" else None
+    runs, skipped = {}, {}
+    order = sorted(pols)
+    if args.grid_part:
+        try:
+            k, n = (int(x) for x in args.grid_part.split("/"))
+            assert 0 <= k < n
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--grid-part: K/N with 0 <= K < N, got {args.grid_part!r}") from None
+        order = order[k::n]
     if lp is not None:
         pols["lp"] = lp.policy
-    runs, skipped = {}, {}
+        order.append("lp")
     # policies that place their weights alike run one after another, the weights placed once (`same_placement`)
     w = {k: pols[k].weights for k in pols}
-    order = sorted(pols, key=lambda k: (w[k].gpu, w[k].cpu, w[k].disk, pols[k].compress_weights, pols[k].host_memory))
+    order.sort(key=lambda k: (w[k].gpu, w[k].cpu, w[k].disk, pols[k].compress_weights, pols[k].host_memory))
     for name in order:
         pol = pols[name]
         try:
@@ -213,6 +229,7 @@ def main(argv=None) -> int:
             continue
         print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s, predicted {runs[name].get('predicted_tok_s', 0):.2f}]",
               flush=True)
+    merged = _merge(args.merge, runs) if args.merge else {}
     if not runs:
         raise SystemExit("no policy of the grid fits the caps: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     plain = {k: v for k, v in runs.items() if not (v["policy"]["compress_weights"] or v["policy"]["compress_cache"])}
@@ -226,13 +243,54 @@ def main(argv=None) -> int:
     data = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "runs": runs, "skipped": skipped, "hardware": hw.to_json(),
             "caps": {k: v for k, v in limits.items()}}
-    _model_summary(cfg, args, hw, runs, lp, summary, data)
+    lp_info = merged.get("lp")
+    if lp is not None:
+        lp_info = {"policy": lp.policy.to_json(), "predicted_tok_s": lp.predicted_tok_s, "lp_tok_s": lp.lp.out_tok_s,
+                   "solver": lp.solver, "solve_s": lp.solve_seconds, "feasible_lps": len(lp.solutions)}
+    if isinstance(merged.get("cpu_attention_ab"), dict):
+        data["cpu_attention_ab"] = merged["cpu_attention_ab"]
+    _model_summary(cfg, args, hw, runs, lp_info, summary, data)
     if not args.no_baseline:
         base_pol = make_policy({**_fields(runs[best]["policy"]), "num_gpu_batches": 1, "schedule": "row_by_row"}, args)
         data["rowbyrow"] = run_policy(cfg, base_pol, args)
         summary["flexgen_rowbyrow_out_tok_s"] = data["rowbyrow"]["out_tok_s"]
         summary["flexgen_vs_rowbyrow"] = runs[best]["out_tok_s"] / data["rowbyrow"]["out_tok_s"]
-    # the timeline: the best run that moves data (weights or KV off the GPU; GPU attention, one compute a batch)
+    if not args.no_trace:
+        _trace(cfg, args, runs, best, summary, data)
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:                      # what the engine really took of the GPU, all runs
+        summary["flexgen_gpu_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
+    print_table(["policy", "block", "out tok/s", "predicted", "s", "weights gpu/cpu/disk MB"],
+                [[k, v["block"], v["out_tok_s"], v.get("predicted_tok_s", ""), v["seconds"],
+                  "/".join(f"{x / 1e6:.1f}" for x in v["weight_bytes"].values())]
+                 for k, v in {**runs, **({"row-by-row": data["rowbyrow"]} if "rowbyrow" in data else {})}.items()])
+    write_results(args.name, summary, data, args.out_dir)
+    return 0
+
+
+def _merge(paths: str, runs: dict) -> dict:
+    """Runs of earlier parts' result files added to `runs` (this invocation's win on a name clash); returns their
+    LP and CPU-attention records."""
+    import json
+    out: dict = {}
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        try:
+            data = json.load(open(path))["data"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--merge {path}: not a bench.flexgen result ({e})") from None
+        for k, v in data.get("runs", {}).items():
+            runs.setdefault(k, v)
+        for k in ("lp", "cpu_attention_ab"):
+            if isinstance(data.get(k), dict):
+                out.setdefault(k, data[k])
+    return out
+
+
+def _trace(cfg, args, runs: dict, best: str, summary: dict, data: dict) -> None:
+    """A traced decode pass of the best run that moves data (weights or KV off the GPU; GPU attention, one compute a
+    batch), its overlap shares and its timeline picture."""
+    from nfjax.offload.trace import plot
     moving = {k: v for k, v in runs.items() if not v["policy"]["cpu_attention"]
               and (v["policy"]["weights"]["gpu"] < 100 or v["policy"]["cache"]["gpu"] < 100)}
     shown = max(moving, key=lambda k: runs[k]["out_tok_s"]) if moving else best
@@ -245,36 +303,30 @@ def main(argv=None) -> int:
     data["trace"] = {"events": events, "decode_window_ms": window, **overlap_stats(
         [e for e in events if window is None or window[0] <= e["start_ms"] <= window[1]])}
     summary.update({f"trace_{k}": v for k, v in data["trace"].items() if k.startswith("overlapped_pct")})
-    import jax
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:                      # what the engine really took of the GPU, all runs
-        summary["flexgen_gpu_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
     png = result_path(args.name, args.out_dir).replace(".json", "-timeline.png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
     plot(events, png, f"{args.shape}, policy {shown}: one decode pass (measured)", window)
     data["trace"]["policy"] = shown
     data["timeline_png"] = png
-    print_table(["policy", "block", "out tok/s", "s", "weights gpu/cpu/disk MB"],
-                [[k, v["block"], v["out_tok_s"], v["seconds"], "/".join(f"{x / 1e6:.1f}" for x in
-                                                                      v["weight_bytes"].values())]
-                 for k, v in {**runs, **({"row-by-row": data["rowbyrow"]} if "rowbyrow" in data else {})}.items()])
-    write_results(args.name, summary, data, args.out_dir)
-    return 0
 
 
-def _model_summary(cfg, args, hw, runs: dict, lp, summary: dict, data: dict) -> None:
-    """The LP against the grid's best, CPU attention on/off, and the cost model's error over every zig-zag run."""
+def _model_summary(cfg, args, hw, runs: dict, lp: dict | None, summary: dict, data: dict) -> None:
+    """The LP against the grid's best, CPU attention on/off, and the cost model's error over every zig-zag run
+    (`lp`: the LP's record, this invocation's or a merged part's)."""
     from nfjax.offload import Policy
     grid_runs = {k: v for k, v in runs.items() if k != "lp"}
     if lp is not None and "lp" in runs and grid_runs:
         best = max(grid_runs, key=lambda k: grid_runs[k]["out_tok_s"])
         summary["lp_policy_vs_best_grid"] = runs["lp"]["out_tok_s"] / grid_runs[best]["out_tok_s"]
-        summary["lp_predicted_tok_s"] = lp.predicted_tok_s
+        summary["lp_predicted_tok_s"] = lp["predicted_tok_s"]
         summary["lp_grid_size"] = len(grid_runs)
-        data["lp"] = {"policy": lp.policy.to_json(), "predicted_tok_s": lp.predicted_tok_s,
-                      "lp_tok_s": lp.lp.out_tok_s, "solver": lp.solver, "solve_s": lp.solve_seconds,
-                      "best_grid_policy": best, "feasible_lps": len(lp.solutions)}
-    if args.cpu_attention_ab:
+        data["lp"] = {**lp, "best_grid_policy": best}
+    ab = data.get("cpu_attention_ab")
+    if not args.cpu_attention_ab and isinstance(ab, dict):          # merged from an earlier part
+        summary["cpu_attention_speedup"] = ab["on"]["out_tok_s"] / ab["off"]["out_tok_s"]
+        orig = runs.get(ab["policy"], {}).get("policy")
+        runs_all = [*runs.values(), *(r for r in (ab["on"], ab["off"]) if r["policy"] != orig)]
+    elif args.cpu_attention_ab:
         off_gpu = {k: v for k, v in runs.items() if v["policy"]["cache"]["gpu"] < 100}
         if off_gpu:
             name = max(off_gpu, key=lambda k: off_gpu[k]["out_tok_s"])

@@ -38,3 +38,20 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     assert {"compute", "load weights", "load cache", "store cache"} <= lanes
     assert (tmp_path / res.name.replace(".json", "-timeline.png")).stat().st_size > 10_000
     assert list((tmp_path / "off").iterdir()) == []
+
+
+def test_merge_adds_earlier_parts(tmp_path):
+    """`--merge`: an earlier part's runs join this invocation's (which win a name clash), with its LP and CPU
+    attention records; a file that is not a result is an error naming it."""
+    import pytest
+
+    from bench.flexgen import _merge
+    part = {"data": {"runs": {"a": {"out_tok_s": 1.0}, "b": {"out_tok_s": 2.0}}, "lp": {"predicted_tok_s": 3.0},
+                     "cpu_attention_ab": "no run holds KV off the GPU"}}
+    (tmp_path / "p0.json").write_text(json.dumps(part))
+    runs = {"b": {"out_tok_s": 5.0}}
+    got = _merge(str(tmp_path / "p0.json"), runs)
+    assert runs == {"b": {"out_tok_s": 5.0}, "a": {"out_tok_s": 1.0}} and got == {"lp": {"predicted_tok_s": 3.0}}
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="bad.json"):
+        _merge(f"{tmp_path / 'p0.json'},{tmp_path / 'bad.json'}", {})
