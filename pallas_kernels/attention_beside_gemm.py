@@ -69,7 +69,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections). `aux_cache`: a quantized
     cache (kv_quant.py), dequantized by the attention CTAs: by `dequant_wgs` warpgroups beside their consumer (None:
-    1 unless paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version)."""
+    1 unless the format's paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
@@ -79,14 +79,14 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
     gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
-    nd = swapped.DEQUANT_WGS if dequant_wgs is None else dequant_wgs
+    fmt = cache_format(k_cache, aux_cache)
+    nd = swapped.DEQUANT_WGS.get(fmt) if dequant_wgs is None else dequant_wgs
     # at most one dequantizer: a fourth warpgroup would idle in the GEMM CTAs and halve their registers
     na = 0 if aux_cache is None else 1 if nd is None else min(nd, 1)
     if na:
         num_stages = 2          # the double-buffered f16 tiles take a stage's SMEM (paged_decode_swapped.py)
     qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
                                    num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=na)
-    fmt = cache_format(k_cache, aux_cache)
     kvh = k_cache.shape[3]
     a_prog, nw = attn_ctas, len(ws)
 

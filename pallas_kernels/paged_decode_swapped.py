@@ -40,9 +40,12 @@ from pallas_kernels.paged_decode_attention import combine_splits, grouped_querie
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
-# a quantized cache's dequantizing warpgroups when a call names none: None = 2 over an even number of stages, else
-# 1; 0 = the consumer dequantizes (the first version)
-DEQUANT_WGS: int | None = None
+# A quantized cache's dequantizing warpgroups when a call names none, per format: None = 2 over an even number of
+# stages, else 1; 0 = the consumer dequantizes (the first version). H100, decode at 4k context, batch 64 / 256, of
+# the copy rate on the bytes read (attention_kv-v2-20261124.json against attention_kv-v1): int4 0.24 / 0.29 with
+# two dequantizers against 0.16 / 0.17 in the consumer; fp8 0.75 against 0.575 at batch 256 but 0.15 against 0.53
+# at batch 64 (one dequantizer no better; not understood), so fp8 keeps the consumer's path until that is found.
+DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int4": None}
 
 
 def _cols(x, shape):
@@ -233,10 +236,11 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here by
-    `dequant_wgs` warpgroups (None: `DEQUANT_WGS`), by default over 2 stages (fp8; the f16 tiles take the SMEM of a
-    third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
+    `dequant_wgs` warpgroups (None: the format's `DEQUANT_WGS`), by default over 2 stages (fp8; the f16 tiles take
+    the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
     share = num_ctas <= 0.6 * num_sms()
-    nd = DEQUANT_WGS if dequant_wgs is None else dequant_wgs
+    fmt = cache_format(k_cache, aux_cache)
+    nd = DEQUANT_WGS.get(fmt) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if num_stages is None:
         # dequantizers: the f16 tiles take 128 KB of SMEM; int4's stages (18 KB at head_dim 128) fit four deep
@@ -251,7 +255,6 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                               num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
-    fmt = cache_format(k_cache, aux_cache)
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                                scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd)
 

@@ -11,8 +11,8 @@ from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 
 # (format, page_size, group, head_dim, block_kv, num_splits, programs, stages, dequantizing warpgroups)
-# (None: 2 over an even number of stages, else 1; 0: the consumer dequantizes)
-DECODE = [("fp8", 16, 4, 64, 64, None, 3, 2, None), ("int4", 64, 8, 128, 64, 3, 4, 3, None),
+# (None: the format's default, int4's 2 over an even number of stages, else 1; 0: the consumer dequantizes)
+DECODE = [("fp8", 16, 4, 64, 64, None, 3, 2, 2), ("int4", 64, 8, 128, 64, 3, 4, 3, None),
           ("int4", 16, 1, 64, 128, 2, 5, 4, 2), ("fp8", 64, 1, 128, 128, 1, 2, 2, 0)]
 
 
@@ -34,7 +34,7 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
 
 @pytest.mark.parametrize("fmt,ps,d,kw", [("fp8", 16, 128, {}), ("int4", 16, 128, {}),
                                          ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
-                                         ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma"}),
+                                         ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma", "dequant_wgs": 2}),
                                          ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
