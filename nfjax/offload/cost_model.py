@@ -3,12 +3,13 @@
 A pass runs every layer over the block's `nb` GPU batches of `bs` sequences. Within a layer, computations and
 the transfers of the layer's data overlap (the next layer's weights, the next batch's KV block and activations,
 the previous batch's stores all run on the I/O threads while the device computes), so a layer takes the longest
-of five lanes, each summed over the block's batches:
+of six lanes, each summed over the block's batches:
 
   compute    the device's matmuls (a roofline: max(flops / gemm rate, weight bytes / memory bandwidth), per batch),
              attention (the runtime's dense masked attention over the whole block of S positions), one program
-             dispatch a batch, 4-bit weights decompressed once a layer; under `cpu_attention` the decode attention
-             of CPU-held KV on the CPU, in series with the device's work (the runtime waits for it)
+             dispatch a batch, 4-bit weights decompressed once a layer
+  cpu        under `cpu_attention`, the decode attention of CPU-held KV on the CPU thread (with one batch a block
+             it is in series with the device, so it is counted in `compute` instead)
   h2d        host -> device: weights in host memory (pinned or numpy rate) and those read from disk, KV blocks
              held off the device (the whole block, as `KVStore.load` moves it), activations held off the device
   d2h        device -> host: the KV rows a computation wrote, activations
@@ -40,7 +41,7 @@ from pallas_kernels import kv_quant
 
 FRACS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 KINDS = {"weights": ("wg", "wc", "wd"), "cache": ("cg", "cc", "cd"), "activations": ("hg", "hc", "hd")}
-LANES = ("compute", "h2d", "d2h", "disk_read", "disk_write")
+LANES = ("compute", "cpu", "h2d", "d2h", "disk_read", "disk_write")
 ALIGN = 16                         # the engine pads prefill and the block's positions to multiples of this
 
 
@@ -168,11 +169,17 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         delegate = cpu_attention and phase == "decode"
         comp = lin(nb * (gemm(bs * tq) + hw.dispatch_s))
         unpack = lin(0, wc=dec_unpack, wd=dec_unpack)
-        if delegate:       # CPU-held blocks, in series on the host: two programs around the CPU's attention, the
-            #                new rows and q down, the output up; no block crosses
-            cpu = (kv_blk / hw.cpu_attn_bytes + hw.cpu_attn_fixed_s + hw.dispatch_s + (rows[phase] + qo / 2) / d2h
-                   + qo / 2 / h2d - attn_gpu(tq))
-            att = lin(nb * attn_gpu(tq), cc=nb * cpu, cd=nb * cpu)
+        cpu_lane = lin(0)
+        if delegate:       # CPU-held blocks: two programs around the CPU's attention (the new rows and q down, the
+            #                output up; no block crosses), on the CPU thread while the device runs the next batch's
+            #                first program; with one batch a block, in series with the device
+            cpu = kv_blk / hw.cpu_attn_bytes + hw.cpu_attn_fixed_s + (rows[phase] + qo / 2) / d2h + qo / 2 / h2d
+            if nb > 1:
+                att = lin(nb * attn_gpu(tq), cc=nb * (hw.dispatch_s - attn_gpu(tq)),
+                          cd=nb * (hw.dispatch_s - attn_gpu(tq)))
+                cpu_lane = lin(0, cc=nb * cpu, cd=nb * cpu)
+            else:
+                att = lin(attn_gpu(tq), cc=cpu + hw.dispatch_s - attn_gpu(tq), cd=cpu + hw.dispatch_s - attn_gpu(tq))
             kv_in, kv_out = lin(0), lin(0)
         else:
             att = lin(nb * attn_gpu(tq))
@@ -181,6 +188,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         act_io = nb * (act[phase] / h2d + io)
         lanes[phase] = {
             "compute": add(comp, att, unpack),
+            "cpu": cpu_lane,
             "h2d": add(lin(0, wc=w_store / h2d_w + io, wd=w_store / h2d + io), kv_in, lin(0, hc=act_io, hd=act_io)),
             "d2h": add(kv_out, lin(0, hc=nb * (act[phase] / d2h + io), hd=nb * (act[phase] / d2h + io))),
             "disk_read": lin(0, wd=w_store / rd, cd=nb * kv_blk / rd, hd=nb * act[phase] / rd),

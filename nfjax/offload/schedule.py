@@ -125,6 +125,8 @@ class Executor:
     def __init__(self, policy: Policy, programs, weights: WeightStore, trace=None):
         self.policy, self.programs, self.weights, self.trace = policy, programs, weights, trace
         self.pool = ThreadPoolExecutor(policy.io_threads, thread_name_prefix="nfjax-offload-io")
+        # attention on the CPU: one thread, so a block's row writes and reads keep their order
+        self.cpu = ThreadPoolExecutor(1, thread_name_prefix="nfjax-offload-cpu")
         self.num_layers = len(weights.layers)
         self._next_w0: Future | None = None
         self._inflight: set[Future] = set()
@@ -132,6 +134,7 @@ class Executor:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.cpu.shutdown(wait=True, cancel_futures=True)
 
     def drain(self) -> None:
         """Wait for every transfer in flight (their errors are not raised here): a block's end, or an interrupted
@@ -170,10 +173,10 @@ class Executor:
         """Attention of CPU-held blocks on the CPU: a decode pass (one token a sequence) under cpu_attention."""
         return self.policy.cpu_attention and xs[0].shape[1] == 1
 
-    def _compute_cpu_attention(self, j: int, k: int, w, x, kv, positions, pos_np):
-        """(j, k) with its attention on the CPU (nfjax/offload/cpu_attention.py): q and the new K/V rows come
-        down, the rows go into the host block, the CPU attends over it, the output goes up. Returns the layer's
-        out; the block is up to date when this returns."""
+    def _cpu_attention_start(self, j: int, k: int, w, x, kv, positions, pos_np) -> tuple:
+        """(j, k)'s first program, and its attention started on the CPU thread (nfjax/offload/cpu_attention.py):
+        q and the new K/V rows come down, the rows go into the host block, the CPU attends over it, the output goes
+        up. Returns (what the second program needs, the output's future)."""
         b, t = pos_np.shape
         block = kv.host(j, k)
         if (b, t) not in self._zero_rows:
@@ -182,14 +185,28 @@ class Executor:
         q, rows, carry = self.programs.pre_attention(w, x, self._zero_rows[(b, t)], positions)
         if self.trace is not None:
             self.trace.computed(f"L{j} B{k} pre", q)
-        kv.store_rows(j, k, rows, pos_np)
         cfg = self.programs.cfg
-        run = lambda: cpu_attention(q, block, pos_np, cfg.head_dim ** -0.5, self.programs.topk)    # noqa: E731
-        attn = run() if self.trace is None else self.trace.timed("cpu attention", f"L{j} B{k}", run)
-        out = self.programs.post_attention(w, carry, self.weights.tiers.to_device(attn.reshape(b, t, -1)))
+
+        def attend():
+            kv.store_rows(j, k, rows, pos_np)
+            attn = cpu_attention(q, block, pos_np, cfg.head_dim ** -0.5, self.programs.topk)
+            return self.weights.tiers.to_device(attn.reshape(b, t, -1))
+        f = self.cpu.submit(attend if self.trace is None else
+                            lambda: self.trace.timed("cpu attention", f"L{j} B{k}", attend))
+        self._inflight.add(f)
+        f.add_done_callback(self._inflight.discard)
+        return carry, f
+
+    def _cpu_attention_finish(self, j: int, k: int, w, carry, attn: Future):
+        """(j, k)'s second program, on the attention output: the layer's out. The host block is up to date."""
+        out = self.programs.post_attention(w, carry, attn.result())
         if self.trace is not None:
             self.trace.computed(f"L{j} B{k} post", out)
         return out
+
+    def _compute_cpu_attention(self, j: int, k: int, w, x, kv, positions, pos_np):
+        """(j, k) with its attention on the CPU, in series: the layer's out."""
+        return self._cpu_attention_finish(j, k, w, *self._cpu_attention_start(j, k, w, x, kv, positions, pos_np))
 
     # ---- passes -----------------------------------------------------------------------------------------------
     def run(self, xs: list, positions: list, pos_np: list, kv: KVStore) -> list:
@@ -228,6 +245,23 @@ class Executor:
         kv_next, act_next = {order[0]: load_kv(*order[0])}, {order[0]: load_act(*order[0])}
         final: list = [None] * nb
         prev_out = None
+        # with 2+ batches a CPU-attended (j, k) finishes during the next step: the device runs that step's first
+        # program while the CPU attends (k's activations are next read nb steps on); one batch: in series
+        lag = delegate and nb > 1
+        pending = None
+
+        def finish(j, k, out):
+            nonlocal prev_out
+            if j == L - 1:
+                final[k] = out
+            elif acts.where[k] == "gpu":
+                acts.store(k, out)
+            else:
+                act_stored[k] = self._io("store act", f"L{j} B{k}", acts.store, k, out)
+            if prev_out is not None:
+                jax.block_until_ready(prev_out)              # synchronize: the step before has finished
+            prev_out = out
+
         for idx, (j, k) in enumerate(order):
             if k == 0:                                       # layer j+1's weights while layer j computes
                 if j + 1 < L:
@@ -247,29 +281,31 @@ class Executor:
             af = act_next.pop((j, k))
             x = acts.vals[k] if af is None else af.result()
             kvs = kv_next.pop((j, k)).result()
-            if delegate and kv.tier(j, k) != "gpu":
-                out = self._compute_cpu_attention(j, k, w, x, kv, positions[k], pos_np[k])
+            started = None
+            if delegate and kv.tier(j, k) != "gpu":       # its rows go into the host block on the CPU thread
+                started = (j, k, w, *self._cpu_attention_start(j, k, w, x, kv, positions[k], pos_np[k]))
             else:
                 out, cache = self._compute(j, k, w, x, kv.tier(j, k), kvs, positions[k])
-            if delegate and kv.tier(j, k) != "gpu":
-                pass                                     # its rows are in the host block already
-            elif kv.tier(j, k) == "gpu":
-                kv.keep(j, k, cache)
+                if kv.tier(j, k) == "gpu":
+                    kv.keep(j, k, cache)
+                else:
+                    kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, cache,
+                                                 pos_np[k])
+            if pending is not None:                          # the step before, attended on the CPU meanwhile
+                finish(pending[0], pending[1], self._cpu_attention_finish(*pending))
+                pending = None
+            if started is None:
+                finish(j, k, out)
+            elif lag:
+                pending = started
             else:
-                kv_stored[(j, k)] = self._io("store cache", f"L{j} B{k}", kv.store_rows, j, k, cache, pos_np[k])
-            if j == L - 1:
-                final[k] = out
-            elif acts.where[k] == "gpu":
-                acts.store(k, out)
-            else:
-                act_stored[k] = self._io("store act", f"L{j} B{k}", acts.store, k, out)
+                finish(j, k, self._cpu_attention_finish(*started))
             if nxt is not None:
                 act_next[nxt] = load_act(*nxt)               # batch k+1's activations (stored earlier)
-            if prev_out is not None:
-                jax.block_until_ready(prev_out)              # synchronize: (j, k-1) has finished
-            prev_out = out
             if k == nb - 1:
                 wf.pop(j, None)
+        if pending is not None:
+            finish(pending[0], pending[1], self._cpu_attention_finish(*pending))
         return final
 
     def _row_by_row(self, xs, positions, pos_np, kv: KVStore) -> list:

@@ -56,9 +56,10 @@ def test_cpu_attention_matches_numpy(t):
 
 
 POLICIES = {
-    # Top-K at 99.99%: every score kept, through the sparse path
-    "kv-cpu-topk100": Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 100, 0), cpu_attention=True,
+    # one batch a block (the CPU's attention in series); Top-K at 99.99%: every score kept, through the sparse path
+    "kv-cpu-topk100": Policy(gpu_batch_size=4, num_gpu_batches=1, cache=Split(0, 100, 0), cpu_attention=True,
                              attention_topk=99.99),
+    # three batches: each batch's CPU attention runs while the device starts the next batch
     "kv-all-tiers": Policy(gpu_batch_size=2, num_gpu_batches=3, weights=Split(50, 50, 0), cache=Split(30, 30, 40),
                            cpu_attention=True),
     "row-by-row": Policy(gpu_batch_size=4, num_gpu_batches=1, cache=Split(0, 100, 0), cpu_attention=True,

@@ -3,7 +3,7 @@ constraint, equal a brute-force enumeration of the same cost model over a grid o
 with more memory, and a search with no feasible policy names the tier that is too small and by how much.
 
 The hardware profile here is a fixed input (slow links, so that placement matters: the worst feasible placement of
-the grid is >= 10x slower than the best), not a claim about any machine; tests/offload/test_hardware.py measures."""
+the grid is >= 5x slower than the best), not a claim about any machine; tests/offload/test_hardware.py measures."""
 from __future__ import annotations
 
 import itertools
@@ -55,8 +55,10 @@ def _grid(step_w: float = 0.05, step_h: float = 0.25) -> dict:
 
 def _brute(cost, caps, fr) -> tuple[float, float]:
     """(best, worst) block time over the feasible grid points."""
-    pre = np.max([value(e, fr) for e in cost.prefill.values()], axis=0)
-    dec = np.max([value(e, fr) for e in cost.decode.values()], axis=0)
+    def lane(e):                          # a lane with no placement term is a constant: broadcast it
+        return np.broadcast_to(value(e, fr), fr["wg"].shape)
+    pre = np.max([lane(e) for e in cost.prefill.values()], axis=0)
+    dec = np.max([lane(e) for e in cost.decode.values()], axis=0)
     t = cost.layers * pre + cost.fixed_prefill + (cost.gen_len - 1) * (cost.layers * dec + cost.fixed_decode)
     ok = np.ones(t.shape, bool)
     for tier, e in cost.memory.items():
@@ -65,11 +67,12 @@ def _brute(cost, caps, fr) -> tuple[float, float]:
     return float(t[ok].min()), float(t[ok].max())
 
 
-def test_lp_solutions_satisfy_the_constraints_and_equal_brute_force():
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_lp_solutions_satisfy_the_constraints_and_equal_brute_force(cpu_attention):
     grid = _grid()
     best_lp, best_grid = None, None
     for bs, nb in PAIRS:
-        cost = layer_cost(CFG, bs, nb, WL, HW)
+        cost = layer_cost(CFG, bs, nb, WL, HW, cpu_attention=cpu_attention)
         caps = _caps(cost, 0.4, 0.5)
         caps["gpu"] *= GPU_HEADROOM                 # the LP itself: no headroom
         fr, secs = solve_lp(cost, caps)
@@ -79,7 +82,7 @@ def test_lp_solutions_satisfy_the_constraints_and_equal_brute_force():
         assert used["gpu"] <= caps["gpu"] * (1 + 1e-6) and used["cpu"] <= caps["cpu"] * (1 + 1e-6)
         assert secs == pytest.approx(cost.total_time(fr), rel=1e-9)
         lo, hi = _brute(cost, caps, grid)
-        assert hi > 10 * lo                       # placement matters under these caps
+        assert hi > 5 * lo                        # placement matters under these caps
         assert secs <= lo * (1 + 1e-6)            # no grid point beats the LP
         assert lo <= secs * (1 + 1e-6), (bs, nb, secs, lo)    # and the grid reaches it (the optimum is on it)
         tok = bs * nb * WL.gen_len
