@@ -111,8 +111,16 @@ def caps(policy: Policy, device=None, offload_dir: Path | None = None) -> dict[s
     return out
 
 
+def check_model(cfg: ModelConfig) -> None:
+    """FlexGen mode runs the dense layer's ops (nfjax/offload/compute.py): a MoE model is a PolicyError."""
+    if cfg.num_experts:
+        raise PolicyError(f"--offload: mixture-of-experts models (model_type {cfg.model_type}, num_experts="
+                          f"{cfg.num_experts}) are not supported in FlexGen mode; run them without --offload")
+
+
 def check(cfg: ModelConfig, policy: Policy, max_len: int, limits: dict[str, float | None]) -> dict[str, int]:
     """Bytes per tier; a tier over its cap is a PolicyError naming the cap's field and what fills the tier."""
+    check_model(cfg)
     if policy.compress_cache and cfg.head_dim % kv_quant.INT4_GROUP:
         raise PolicyError(f"policy compress_cache: the int4 KV format groups head_dim in {kv_quant.INT4_GROUP}s; "
                           f"this model's head_dim is {cfg.head_dim}")

@@ -244,6 +244,7 @@ def auto_policy(cfg: ModelConfig, workload: Workload, base: Policy, *, device=No
 
     from nfjax.offload.engine import default_offload_dir
     from nfjax.offload.hardware import measure
+    budget.check_model(cfg)
     device = device or jax.devices()[0]
     root = Path(base.offload_dir) if base.offload_dir else default_offload_dir()
     hw = measure(device, cfg.dtype, root, remeasure=remeasure, log=log)

@@ -66,6 +66,17 @@ def test_compress_cache_needs_head_dim_in_groups_of_64(tmp_path):
         OffloadEngine.from_model(model("llama"), tokenizer("llama"), pol, max_model_len=MAX_LEN)
 
 
+def test_a_moe_model_is_refused_before_anything_loads(tmp_path):
+    from nfjax.models.random_init import MIXTRAL_SMOKE
+    from nfjax.offload.cost_model import Workload
+    from nfjax.offload.search import auto_policy
+    with pytest.raises(PolicyError, match="mixture-of-experts.*num_experts=4"):
+        budget.check(MIXTRAL_SMOKE, Policy(offload_dir=str(tmp_path / "off")), 64, {})
+    with pytest.raises(PolicyError, match="mixture-of-experts"):
+        auto_policy(MIXTRAL_SMOKE, Workload(prompt_len=8, gen_len=4), Policy())
+    assert not (tmp_path / "off").exists()
+
+
 def test_the_budget_counts_what_each_tier_holds():
     cfg = model("llama").cfg
     pol = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0, 50, 50), cache=Split(0, 0, 100))
