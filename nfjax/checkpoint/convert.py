@@ -17,9 +17,7 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +25,7 @@ from typing import Iterator
 from nfjax.checkpoint import hf_names
 from nfjax.config import ModelConfig
 from nfjax.errors import UserError
+from nfjax.interrupts import Terminated, pid_alive, rmtree_quietly, sigterm_interrupts
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -69,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             if getattr(args, "gguf", None) is not None:
                 from nfjax.checkpoint.gguf_convert import convert_gguf
                 cfg = convert_gguf(args.gguf, args.out, dtype=args.dtype, force=args.force,
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg = convert(args.hf, args.out, dtype=args.dtype, force=args.force,
                               progress=False if args.no_progress else None)
     except KeyboardInterrupt as e:
-        sig = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        sig = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         print(f"nfjax convert: interrupted ({sig}); the partial output was removed, {args.out} is unchanged",
               file=sys.stderr)
         return 143 if sig == "SIGTERM" else 130
@@ -363,7 +362,7 @@ def _atomic_output(out: Path) -> Iterator[Path]:
         (tmp / TMP_MARKER).unlink()
         _replace(tmp, out)
     except BaseException:
-        _rmtree_quietly(tmp)
+        rmtree_quietly(tmp)
         for p in created:
             try:
                 p.rmdir()
@@ -393,54 +392,6 @@ def _replace(tmp: Path, out: Path) -> None:
 TMP_MARKER = ".nfjax-convert-in-progress"   # inside a temp folder while it is being written; removed before rename
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C so that the temp folder is removed on the way out."""
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise _Terminated()
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _rmtree_quietly(tmp: Path) -> None:
-    """Remove `tmp`, with further SIGINT/SIGTERM held off (a second Ctrl-C would leave it half removed);
-    retried once, since a writer thread (Orbax) may still be adding files while it is removed."""
-    import time
-
-    main = threading.current_thread() is threading.main_thread()
-    old = [(s, signal.signal(s, signal.SIG_IGN)) for s in (signal.SIGINT, signal.SIGTERM)] if main else []
-    try:
-        for _ in range(3):
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not tmp.exists():
-                break
-            time.sleep(0.2)
-    finally:
-        for s, h in old:
-            signal.signal(s, h)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 def _remove_stale_temps(parent: Path, name: str) -> None:
     """Remove temp folders that an earlier, interrupted or killed conversion to `parent/name` left behind.
 
@@ -456,7 +407,7 @@ def _remove_stale_temps(parent: Path, name: str) -> None:
         return
     for d in entries:
         m = pat.fullmatch(d.name)
-        if not m or d.is_symlink() or not d.is_dir() or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+        if not m or d.is_symlink() or not d.is_dir() or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
             continue
         try:
             inside = {c.name for c in d.iterdir()}

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from nfjax.interrupts import Terminated, pid_alive
 from nfjax.offload.compress import Packed, compress, compressible
 from nfjax.offload.policy import Policy, Split
 
@@ -53,16 +54,6 @@ def index_tiers(n: int, split: Split) -> list[str]:
 
 
 # ---- the disk tier's folder ------------------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def remove_stale(root: Path) -> list[Path]:
     """Remove the folders that runs killed before they could clean up (SIGKILL, power loss) left in `root`: only
     folders named as `DiskFolder` names them whose process is gone."""
@@ -71,7 +62,7 @@ def remove_stale(root: Path) -> list[Path]:
         return removed
     for d in root.iterdir():
         m = FOLDER_RE.fullmatch(d.name)
-        if m and d.is_dir() and not d.is_symlink() and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and d.is_dir() and not d.is_symlink() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
             print(f"nfjax offload: removed {d}, left by an interrupted run", file=sys.stderr)
@@ -98,10 +89,6 @@ class DiskArray:
         return self.path.stat().st_size
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM raised in the main thread like Ctrl-C, so that the disk tier is removed on the way out."""
-
-
 _INTERRUPTED: list[int] = []             # signals received while a disk tier existed, not yet acted on
 
 
@@ -113,7 +100,7 @@ def check_interrupt() -> None:
     if _INTERRUPTED:
         sig = _INTERRUPTED.pop()
         _INTERRUPTED.clear()
-        raise _Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
+        raise Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
 
 
 class DiskFolder:
@@ -139,7 +126,7 @@ class DiskFolder:
     def _on_signal(signum, frame):
         if _INTERRUPTED:                      # a second signal: stop now
             _INTERRUPTED.clear()
-            raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         _INTERRUPTED.append(signum)
 
     def file(self, name: str) -> Path:
