@@ -29,86 +29,17 @@ from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
 from nfjax.config import EngineConfig
-from nfjax.engine.sampler import sample
 from nfjax.engine.batcher import Batch
-from nfjax.engine.penalties import (FullInput, Logprobs, PenaltyState, full_input, full_sample, needs_full,
-                                    num_penalty_slots)
-from nfjax.engine.step_input import StepInput, pack, stage, unpack, unpack_into
+from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input, needs_full, num_penalty_slots
+from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
 from nfjax.kv.cache import KVCache, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.kv.prefix_cache import TierCopies
-from nfjax.models.llama import ForwardOptions, LlamaModel, layer_forward, sequential_layer_fn
+from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-
-
-def _embed(rest_gd, rest_state, prev: Int[Array, "S"], inp: StepInput) -> Float[Array, "T D"]:
-    tokens = jnp.where(inp.token_src >= 0, prev[jnp.maximum(inp.token_src, 0)], inp.tokens)
-    return nnx.merge(rest_gd, rest_state).embed_input(tokens, inp.meta.positions)
-
-
-def _layers(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOptions, inv_freq, layer_states: tuple,
-            kv: KVCache, x: Float[Array, "T D"], meta: AttentionMetadata, i0: Int[Array, ""]):
-    """Consecutive layers i0, i0 + 1, ... (one per state in `layer_states`) under the shard_map (local weight
-    shards and KV heads; explicit psums in the ops). With one device there is no shard_map, so stream regions
-    (`compute_on`) sit directly in the program's entry computation."""
-    tp = mesh.shape[TP_AXIS]
-
-    def body(layer_states, kv, x, meta, i0):
-        x = getattr(layer_fn, "split_carry", lambda v: v)(x)
-        for j, st in enumerate(layer_states):
-            x, kv = layer_forward(nnx.merge(layer_gd, st), i0 + j, x, kv, meta, inv_freq, layer_fn,
-                                  TP_AXIS if tp > 1 else None, opts)
-        return getattr(layer_fn, "join_carry", lambda v: v)(x), kv
-
-    if tp == 1:
-        return body(layer_states, kv, x, meta, i0)
-    kvs = kv.like(kv_spec())
-    specs = (layer_specs,) * len(layer_states)
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, kvs, P(), P(), P()), out_specs=(P(), kvs),
-                         check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
-
-
-def _head(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
-          inp: StepInput) -> Int[Array, "M"]:
-    """Samples of the bucket's S rows, padded to `max_seqs` rows: every bucket's embed reads the same shape."""
-    model = nnx.merge(rest_gd, rest_state)
-    logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled)
-    return jnp.pad(out, (0, max_seqs - out.shape[0]))
-
-
-def _full_head(rest_gd, max_seqs: int, like: FullInput, rest_state, x: Float[Array, "T D"], inp: StepInput,
-               packed: Int[Array, "N"], state: PenaltyState) -> tuple[Int[Array, "M"], Logprobs, PenaltyState]:
-    """The head of a batch with penalties, min_tokens or logprobs (nfjax/engine/penalties.py): `packed` holds
-    the step's `FullInput` (shaped like `like`), `state` the penalty slots (donated, updated in place)."""
-    model = nnx.merge(rest_gd, rest_state)
-    logits = model.logits(model.norm(x[inp.meta.logits_index]))
-    out, logprobs, state = full_sample(logits, inp, unpack(like, packed), state)
-    return jnp.pad(out, (0, max_seqs - out.shape[0])), logprobs, state
-
-
-def _seed_slot(state: PenaltyState, slot: Int[Array, ""], tokens: Int[Array, "N"]) -> PenaltyState:
-    """The slot's counts cleared and its prompt flags set to `tokens` (padding: ids >= vocab, dropped)."""
-    return PenaltyState(state.counts.at[slot].set(0),
-                        state.in_prompt.at[slot].set(False).at[slot, tokens].set(True, mode="drop"))
-
-
-def layer_groups(num_layers: int, size: int) -> list[tuple[int, int]]:
-    """(first layer, count) of each program's layers: `size` at a time, the remainder last."""
-    return [(i, min(size, num_layers - i)) for i in range(0, num_layers, size)]
-
-
-def split_layers(model: LlamaModel):
-    """(graphdef, state) of the model without its layers, and (graphdef, stacked state) of the layers."""
-    layers = model.layers
-    model.layers = None
-    try:
-        rest_gd, rest_state = nnx.split(model)
-    finally:
-        model.layers = layers
-    layer_gd, stacked = nnx.split(layers)
-    return rest_gd, rest_state, layer_gd, stacked
+from nfjax.engine.step_programs import (embed_step, full_head_step, head_step, layer_groups, layers_step, seed_slot,
+                                       split_layers)
 
 
 @dataclass
@@ -231,16 +162,16 @@ class Runner:
                 jobs.append((self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
                     inp, packed), None))
                 self._staged[b] = inp           # lowering read only its shapes; the steps take it over
-            jobs.append((self._embed, b, jax.jit(partial(_embed, self.rest_gd), out_shardings=rep).lower(
+            jobs.append((self._embed, b, jax.jit(partial(embed_step, self.rest_gd), out_shardings=rep).lower(
                 self.rest_state, self._prev, inp), xo))
             for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
                 jobs.append((self._head, (b, any_sampled), jax.jit(
-                    partial(_head, self.rest_gd, any_sampled, self.max_seqs), out_shardings=rep).lower(
+                    partial(head_step, self.rest_gd, any_sampled, self.max_seqs), out_shardings=rep).lower(
                     self.rest_state, x, inp), xo))
             like = self._full_like(b)
             packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32, sharding=rep)
             jobs.append((self._full_head, b, jax.jit(
-                partial(_full_head, self.rest_gd, self.max_seqs, like), donate_argnums=4,
+                partial(full_head_step, self.rest_gd, self.max_seqs, like), donate_argnums=4,
                 out_shardings=rep).lower(self.rest_state, x, inp, packed, self.penalty_state), xo))
             for v in self.variants.by_bucket[b].values():
                 self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
@@ -250,7 +181,7 @@ class Runner:
                 for dec in decode:
                     fwd = dataclasses.replace(self.opts, decode_only=dec)
                     table = self._decode_steps if dec else self._steps
-                    layers = jax.jit(partial(_layers, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
+                    layers = jax.jit(partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
                                              self.inv_freq), donate_argnums=(1, 2),
                                      out_shardings=(rep, self.kv_sharding))
                     groups = self._groups[v.label]
@@ -289,7 +220,7 @@ class Runner:
         if not c.prefix_cache:
             return
         toks = jax.ShapeDtypeStruct((c.max_model_len,), jnp.int32, sharding=rep)
-        self._seed = jax.jit(_seed_slot, donate_argnums=0, out_shardings=rep).lower(
+        self._seed = jax.jit(seed_slot, donate_argnums=0, out_shardings=rep).lower(
             self.penalty_state, self._layer_ids[0], toks).compile()
         if c.host_cache_gb or c.disk_cache_dir:
             self.tier_copies = TierCopies(self.kv, self.kv_sharding, rep, c.num_pages, c.max_pages_per_seq)
@@ -418,7 +349,7 @@ class Runner:
             model = nnx.merge(self.rest_gd, rest_state)
             x = model.embed_input(tokens, meta.positions)
             for i0, n in self.groups:
-                x, kv = _layers(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
+                x, kv = layers_step(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
                                 self.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))
             return model.logits(model.norm(x[meta.logits_index]))
         put = partial(jax.device_put, device=self.replicated)

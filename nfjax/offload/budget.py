@@ -43,7 +43,7 @@ def layer_shapes(cfg: ModelConfig) -> tuple[list[str], list[tuple[int, ...]]]:
     from flax import nnx
 
     from nfjax.checkpoint.orbax_io import abstract_model
-    from nfjax.engine.runner import split_layers
+    from nfjax.engine.step_programs import split_layers
     _, _, _, stacked = split_layers(abstract_model(cfg.replace(num_layers=1)))
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(stacked))[0]
     return (["/".join(str(getattr(k, "key", k)) for k in p) for p, _ in flat],

@@ -90,7 +90,7 @@ class OffloadEngine:
     @classmethod
     def from_model(cls, model, tokenizer, policy: Policy, **kw) -> "OffloadEngine":
         """From an in-memory model (its layers stacked on a leading axis, any device)."""
-        from nfjax.engine.runner import split_layers
+        from nfjax.engine.step_programs import split_layers
         rest_gd, rest_state, layer_gd, stacked = split_layers(model)
         return cls(model.cfg, rest_state, layer_gd, lambda j: jax.tree.map(lambda a: a[j], stacked), tokenizer,
                    policy, rest_gd=rest_gd, **kw)

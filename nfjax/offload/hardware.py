@@ -170,7 +170,7 @@ def _dispatch(device) -> float:
     import jax
     import jax.numpy as jnp
 
-    from nfjax.engine.runner import split_layers
+    from nfjax.engine.step_programs import split_layers
     from nfjax.offload.compute import Programs
     m = _tiny_model()
     cfg = m.cfg

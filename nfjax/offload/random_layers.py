@@ -43,7 +43,7 @@ def random_parts(cfg: ModelConfig, seed: int = 0, std: float = 0.02):
     """(rest_gd, rest_state, layer_gd, source) for `OffloadEngine(cfg, rest_state, layer_gd, source, ...,
     rest_gd=rest_gd)`: `source(j)` generates layer j's weights on the device (N(0, std); norm scales 1, biases
     0)."""
-    from nfjax.engine.runner import split_layers
+    from nfjax.engine.step_programs import split_layers
     from nfjax.models.opt import model_class
     abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, nnx.Rngs(0)))
     rest_gd, rest_abs, layer_gd, stacked_abs = split_layers(abstract)
