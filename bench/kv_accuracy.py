@@ -7,8 +7,8 @@ top-1 agreement with the bfloat16 cache, through the engine's own paged cache.
 Every format runs in its own engine (`build_engine`, weights in bfloat16, so the baseline is a bfloat16 cache as on
 the GPU) and all of them step in lockstep over the same windows of the text: each step gives every window its next
 `--chunk` true tokens (1: each token's K/V enter the cache in its own step, as in decoding), through the engine's
-layer programs' code (`nfjax.engine.runner._layers`: the rope/append op quantizes into the cache, attention reads
-the cache back through `nfjax.kv.attention`, on the CPU the kernel-less path). Each position's logits give the
+layer programs' code (`nfjax.engine.step_programs.layers_step`: the rope/append op quantizes into the cache,
+attention reads the cache back through `nfjax.kv.attention`, on the CPU the kernel-less path). Each position's logits give the
 negative log-likelihood of the next true token, the argmax (compared with the bfloat16 cache's), and the KL
 divergence from the bfloat16 cache's distribution.
 
@@ -43,7 +43,7 @@ def make_forward(runner):
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from nfjax.engine.runner import _layers
+    from nfjax.engine.step_programs import layers_step
     from nfjax.models.llama import sequential_layer_fn
 
     @partial(jax.jit, donate_argnums=(2,))
@@ -51,7 +51,7 @@ def make_forward(runner):
         model = nnx.merge(runner.rest_gd, rest_state)
         x = model.embed(tokens)
         for i0, n in runner.groups:
-            x, kv = _layers(runner.layer_gd, runner.layer_specs, runner.mesh, sequential_layer_fn, runner.opts,
+            x, kv = layers_step(runner.layer_gd, runner.layer_specs, runner.mesh, sequential_layer_fn, runner.opts,
                             runner.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))
         return model.logits(model.norm(x)), kv
     return lambda kv, tokens, meta: fwd(runner.rest_state, runner.layer_states, kv, tokens, meta)
