@@ -91,7 +91,7 @@ def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
 # (nfjax.kv.attention.rotate_queries / rotate_outputs); the kernels and references are unchanged. The rotation
 # spreads outlier channels over the group: SmolLM2's K round-trips through int4 at 8.6% rms error rotated against
 # 13.2% plain (V 9.0% against 9.6%; fp8 gains nothing: 2.5% against 2.1%), and its held-out perplexity with an
-# int4 cache was +12.9% plain, +5.9% with K rotated, +4.4% with both (bench/NOTES.md section 12).
+# int4 cache was +12.9% plain, +5.9% with K rotated, +4.4% with both (docs/design.md section 14).
 ROTATED = ("int4",)
 
 

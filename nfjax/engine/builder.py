@@ -97,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="--offload: the host memory it may use (default: what is free)")
     g.add_argument("--disk-gb", type=float, default=None, help="--offload: the disk it may use (default: what is free)")
     g.add_argument("--offload-dir", default=None, help="--offload: the disk tier's folder (default $NFJAX_CACHE/offload)")
-    g.add_argument("--remeasure-hardware", action="store_true",
+    g.add_argument("--remeasure-hardware", action="store_const", const=True, default=None,
                    help="--offload auto: measure this machine's rates again instead of using the cached ones")
 
 
