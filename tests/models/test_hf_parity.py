@@ -100,6 +100,32 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
+def assert_matches_hf(model, hf) -> None:
+    """A random prompt's 64 greedy tokens (nfjax's reference forward, the engine, HF's generate) all equal, and
+    the reference forward's logits over prompt + tokens within REL_TOL of HF's (the prompt's rows alone too)."""
+    prompt = np.random.default_rng(0).integers(3, hf.config.vocab_size, PROMPT_LEN).tolist()
+    ours_tokens = reference.greedy(model, prompt, NEW_TOKENS)
+    engine_tokens = _engine_greedy(model, prompt)
+    ours_logits = np.asarray(reference.logits(model, jnp.asarray([prompt + ours_tokens[:-1]]))[0])
+
+    hf.generation_config.eos_token_id = None      # eos disabled: always NEW_TOKENS tokens
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+        hf_tokens = gen[0, PROMPT_LEN:].tolist()
+        hf_logits = hf(torch.tensor([prompt + ours_tokens[:-1]])).logits[0].float().numpy()
+
+    assert len(hf_tokens) == NEW_TOKENS
+    err_prefill = _rel_err(ours_logits[:PROMPT_LEN], hf_logits[:PROMPT_LEN])
+    err_all = _rel_err(ours_logits, hf_logits)
+    assert err_prefill <= REL_TOL and err_all <= REL_TOL, (err_prefill, err_all)
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), None)
+    assert ours_tokens == hf_tokens, f"greedy tokens differ from step {first_diff}"
+    first_diff = next((i for i, (a, b) in enumerate(zip(engine_tokens, hf_tokens)) if a != b), None)
+    assert engine_tokens == hf_tokens, f"the engine's greedy tokens differ from step {first_diff}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf_parity(name, tmp_path, monkeypatch):
     hf, hf_dir = _hf_model(name, tmp_path)
@@ -113,26 +139,4 @@ def test_hf_parity(name, tmp_path, monkeypatch):
     assert (model.lm_head is None) == hf.config.tie_word_embeddings
     assert model.cfg.qkv_bias == name.startswith("qwen2")
 
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(3, hf.config.vocab_size, PROMPT_LEN).tolist()
-    ours_tokens = reference.greedy(model, prompt, NEW_TOKENS)
-    engine_tokens = _engine_greedy(model, prompt)
-    ours_logits = np.asarray(reference.logits(model, jnp.asarray([prompt + ours_tokens[:-1]]))[0])
-
-    hf.generation_config.eos_token_id = None      # eos disabled: always NEW_TOKENS tokens
-    hf.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-        hf_tokens = gen[0, PROMPT_LEN:].tolist()
-        full = torch.tensor([prompt + ours_tokens[:-1]])
-        hf_logits = hf(full).logits[0].float().numpy()
-
-    assert len(hf_tokens) == NEW_TOKENS
-    err_prefill = _rel_err(ours_logits[:PROMPT_LEN], hf_logits[:PROMPT_LEN])
-    err_all = _rel_err(ours_logits, hf_logits)
-    assert err_prefill <= REL_TOL and err_all <= REL_TOL, (err_prefill, err_all)
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), None)
-    assert ours_tokens == hf_tokens, f"greedy tokens differ from step {first_diff}"
-    first_diff = next((i for i, (a, b) in enumerate(zip(engine_tokens, hf_tokens)) if a != b), None)
-    assert engine_tokens == hf_tokens, f"the engine's greedy tokens differ from step {first_diff}"
+    assert_matches_hf(model, hf)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,9 +21,8 @@ from nfjax.checkpoint.convert import convert  # noqa: E402
 from nfjax.checkpoint.orbax_io import load_model  # noqa: E402
 from nfjax.config import ConfigError, ModelConfig  # noqa: E402
 from nfjax.errors import UserError  # noqa: E402
-from nfjax.models import reference  # noqa: E402
 from nfjax.models.moe import MoEModel  # noqa: E402
-from tests.models.test_hf_parity import NEW_TOKENS, PROMPT_LEN, REL_TOL, _engine_greedy, _rel_err  # noqa: E402
+from tests.models.test_hf_parity import assert_matches_hf  # noqa: E402
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                initializer_range=0.2, max_position_embeddings=256, num_experts_per_tok=2)
@@ -60,24 +57,7 @@ def test_moe_hf_parity(name, tmp_path):
     model = load_model(tmp_path / "nfjax")
     assert isinstance(model, MoEModel)
 
-    prompt = np.random.default_rng(0).integers(3, hf.config.vocab_size, PROMPT_LEN).tolist()
-    ours_tokens = reference.greedy(model, prompt, NEW_TOKENS)
-    engine_tokens = _engine_greedy(model, prompt)
-    ours_logits = np.asarray(reference.logits(model, jnp.asarray([prompt + ours_tokens[:-1]]))[0])
-
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-        hf_tokens = gen[0, PROMPT_LEN:].tolist()
-        hf_logits = hf(torch.tensor([prompt + ours_tokens[:-1]])).logits[0].float().numpy()
-
-    assert len(hf_tokens) == NEW_TOKENS
-    err = _rel_err(ours_logits, hf_logits)
-    assert err <= REL_TOL, err
-    assert ours_tokens == hf_tokens
-    assert engine_tokens == hf_tokens
+    assert_matches_hf(model, hf)
 
 
 _MIXTRAL = {**_COMMON, "model_type": "mixtral", "intermediate_size": 64, "num_local_experts": 4}
