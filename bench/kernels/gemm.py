@@ -93,8 +93,9 @@ class Worker:
         return {"s": sec, "tflops": 2 * m * k * n / sec / 1e12, "relerr": rel, "first_call_s": first}
 
 
-def worker_main(smoke: bool):
-    w = Worker(smoke)
+def worker_main(smoke: bool, worker_cls=None):
+    """Serve jobs from stdin with `worker_cls` (default this module's Worker), one tagged JSON line each."""
+    w = (worker_cls or Worker)(smoke)
     for line in sys.stdin:
         job = json.loads(line)
         try:
@@ -108,14 +109,15 @@ def worker_main(smoke: bool):
 
 # ------------------------------------------------------------------------------------------------ parent
 class Pool:
-    """One worker subprocess, fed one job at a time with a per-job time limit."""
+    """One worker subprocess (`python -m MODULE --worker`), fed one job at a time with a per-job time limit."""
+    module = "bench.kernels.gemm"
 
     def __init__(self, smoke: bool, timeout_s: float):
         self.smoke, self.timeout_s, self.proc, self.buf = smoke, timeout_s, None, b""
         self.hard_deadline = float("inf")      # time.monotonic() after which every job is cut short
 
     def start(self):
-        cmd = module_command("bench.kernels.gemm", "--worker", *(["--smoke"] if self.smoke else []))
+        cmd = module_command(self.module, "--worker", *(["--smoke"] if self.smoke else []))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.buf = b""
 

@@ -19,11 +19,9 @@ a time, killed after --job-timeout-s (bench/kernels/gemm.py's Pool: a hung barri
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
-from bench.common import module_command, print_table, write_results  # jax-free at import
+from bench.common import print_table, write_results  # jax-free at import
 from bench.kernels import gemm as dense_bench
 
 SHAPES = {"up": (4096, 14336), "down": (14336, 4096)}     # Mixtral-8x7B: gate/up and down of one expert
@@ -89,24 +87,7 @@ class Worker(dense_bench.Worker):
 
 
 class Pool(dense_bench.Pool):
-    def start(self):
-        import subprocess
-        cmd = module_command("bench.kernels.grouped_gemm", "--worker", *(["--smoke"] if self.smoke else []))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self.buf = b""
-
-
-def worker_main(smoke: bool):
-    w = Worker(smoke)
-    for line in sys.stdin:
-        job = json.loads(line)
-        try:
-            res = w.run(job)
-        except Exception as ex:  # noqa: BLE001 - reported to the parent, which restarts this process
-            import traceback
-            traceback.print_exc()
-            res = {"error": f"{type(ex).__name__}: {str(ex)[:600]}"}
-        print(dense_bench.TAG + json.dumps({"id": job["id"], **res}), flush=True)
+    module = "bench.kernels.grouped_gemm"
 
 
 def make_summary(rows: dict, programs) -> dict:
@@ -146,7 +127,7 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker_main(args.smoke)
+        return dense_bench.worker_main(args.smoke, Worker)
 
     t_start = time.perf_counter()
     pool = Pool(args.smoke, args.job_timeout_s)
