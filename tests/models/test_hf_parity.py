@@ -126,6 +126,22 @@ def assert_matches_hf(model, hf) -> None:
     assert engine_tokens == hf_tokens, f"the engine's greedy tokens differ from step {first_diff}"
 
 
+def assert_config_refused(hf_config: dict, field: str, tmp_path) -> None:
+    """An HF config.json nfjax does not support: a ConfigError naming `field` from `ModelConfig.from_hf`, and a
+    UserError naming it from `nfjax convert`, which leaves no output folder."""
+    from nfjax.checkpoint.convert import convert
+    from nfjax.config import ConfigError, ModelConfig
+    from nfjax.errors import UserError
+
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(hf_config)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(UserError, match=field):
+        convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf_parity(name, tmp_path, monkeypatch):
     hf, hf_dir = _hf_model(name, tmp_path)

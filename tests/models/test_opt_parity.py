@@ -8,7 +8,6 @@ Also: config features nfjax's OPT lacks are a ConversionError naming the config.
 """
 from __future__ import annotations
 
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,10 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from nfjax.checkpoint.convert import convert  # noqa: E402
 from nfjax.checkpoint.orbax_io import load_model  # noqa: E402
-from nfjax.config import ConfigError, ModelConfig  # noqa: E402
-from nfjax.errors import UserError  # noqa: E402
+from nfjax.config import ModelConfig  # noqa: E402
 from nfjax.models.opt import OPTModel  # noqa: E402
-from tests.models.test_hf_parity import assert_matches_hf  # noqa: E402
+from tests.models.test_hf_parity import assert_config_refused, assert_matches_hf  # noqa: E402
 
 _SMALL = dict(vocab_size=384, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.2)
@@ -58,14 +56,7 @@ def test_opt_hf_parity(name, tmp_path):
 @pytest.mark.parametrize("field,value", [("do_layer_norm_before", False), ("word_embed_proj_dim", 32),
                                          ("activation_function", "gelu"), ("enable_bias", False)])
 def test_unsupported_opt_config_names_the_field(tmp_path, field, value):
-    d = {**_SMALL, "model_type": "opt", field: value}
-    with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(d)
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(d))
-    with pytest.raises(UserError, match=field):
-        convert(tmp_path / "hf", tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
+    assert_config_refused({**_SMALL, "model_type": "opt", field: value}, field, tmp_path)
 
 
 def test_opt_tensor_parallel_gives_the_tp1_tokens():
