@@ -37,17 +37,23 @@ class BatchKV:
     `rope_append`."""
     arrays: tuple
 
+    @property
+    def kv_dtype(self) -> str:
+        """kv_quant's format name: "int4" with its aux rows as a third array (policy compress_cache), else
+        "bfloat16" (unquantized, in the model's dtype)."""
+        return "int4" if len(self.arrays) > 2 else "bfloat16"
+
     def write(self, layer, slots, k, v) -> "BatchKV":
         b, s = self.arrays[0].shape[:2]
         put = dict(mode="drop", unique_indices=True)
-        new = (k, v) if len(self.arrays) == 2 else kv_quant.quantize_kv("int4", k, v)
+        new = kv_quant.quantize_kv(self.kv_dtype, k, v) if kv_quant.is_quantized(self.kv_dtype) else (k, v)
         return BatchKV(tuple(c.reshape(b * s, *c.shape[2:]).at[slots].set(x.astype(c.dtype), **put).reshape(c.shape)
                              for c, x in zip(self.arrays, new)))
 
     def dense(self):
         """(k, v) [B, S, KH, D] in float32."""
-        return kv_quant.dequantize_kv(*self.arrays[:2], self.arrays[2] if len(self.arrays) > 2 else None,
-                                      jnp.float32)
+        aux = self.arrays[2] if kv_quant.is_quantized(self.kv_dtype) else None
+        return kv_quant.dequantize_kv(*self.arrays[:2], aux, jnp.float32)
 
 
 def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array, "B T"], scale: float,
@@ -57,7 +63,7 @@ def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array
     its p + 1 scores (ties at the threshold kept too) and the softmax runs over those."""
     b, t = positions.shape
     k, v = kv.dense()
-    rotated = len(kv.arrays) > 2 and kv_quant.rotates("int4")   # K and V stored rotated (kv_quant.ROTATED)
+    rotated = kv_quant.rotates(kv.kv_dtype)       # K and V stored rotated (kv_quant.ROTATED)
     if rotated:
         q = kv_quant.rotate(q)          # the queries into the cache's frame
     _, s, kh, d = k.shape
