@@ -28,6 +28,11 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def swiglu(gate, up):
+    """silu(gate) * up, the silu in f32 (the dense MLP's `act` and the MoE experts')."""
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+
+
 def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
@@ -145,7 +150,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))
     def act(self, ctx, gate, up):
-        return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+        return swiglu(gate, up)
 
     @op(Resource.COMPUTE, ins=("a",), outs=("d_partial",))
     def down(self, ctx, a):

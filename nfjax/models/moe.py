@@ -28,7 +28,7 @@ from flax import nnx
 from nfjax.config import ModelConfig
 from nfjax.models.dense import dense
 from nfjax.models.grouped import group_alignment, grouped_matmul
-from nfjax.models.llama import LAYER_OPS, DecoderLayer, LlamaModel, _linear
+from nfjax.models.llama import LAYER_OPS, DecoderLayer, LlamaModel, _linear, swiglu
 from nfjax.models.moe_routing import sort_by_expert, top_k_routing, unsort
 from nfjax.models.ops import OpSpec, Resource, op
 
@@ -38,10 +38,6 @@ class Experts(nnx.Module):
 
     def __init__(self, num_experts: int, din: int, dout: int, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_experts, din, dout), dtype))
-
-
-def _silu_mul(gate, up):
-    return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -79,7 +75,7 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.MEMORY, ins=("e_gate", "e_up"), outs=("e_act",))
     def expert_act(self, ctx, e_gate, e_up):
-        return _silu_mul(e_gate, e_up)
+        return swiglu(e_gate, e_up)
 
     @op(Resource.COMPUTE, ins=("e_act", "group_sizes"), outs=("e_down",))
     def expert_down(self, ctx, e_act, group_sizes):
@@ -95,7 +91,7 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.COMPUTE, ins=("s_gate", "s_up", "h2"), outs=("s_out",))
     def shared_down(self, ctx, s_gate, s_up, h2):
-        s = dense(self.shared_down_proj, _silu_mul(s_gate, s_up), ctx.num_ctas)
+        s = dense(self.shared_down_proj, swiglu(s_gate, s_up), ctx.num_ctas)
         g = jax.nn.sigmoid(self.shared_expert_gate(h2).astype(jnp.float32))          # [T, 1]
         return (g * s.astype(jnp.float32)).astype(s.dtype)
 
