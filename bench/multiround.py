@@ -18,6 +18,11 @@ usage: python -m bench.multiround --shape llama3-8b --conversations 256 --concur
            --host-cache-gb 32 --disk-cache-dir /tmp/nfjax-kv --disk-cache-gb 64
 CPU:   python -m bench.multiround --shape smoke --layers 2 --conversations 8 --concurrency 4 --msg-len 12 \
            --out-len 6 --max-pages 40 --host-cache-gb 0.0001 --disk-cache-gb 0.001
+
+On a GPU the three engines (each compiling its programs, ~200 s each at 8B with 256 conversations) outlast one
+10-minute device command: `--configs off,gpu` in one call and `--configs tiers --merge <first JSON>` in the
+next (the summary needs all three), or `--compile-cache DIR` so the second and third engines load the first
+one's compiled programs (JAX's persistent compilation cache).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import numpy as np
 
 from bench.common import print_table, write_results
 from bench.setup import add_bench_args, bench_engine, config_record, engine_flags
+
+CONFIGS = ("off", "gpu", "tiers")
 
 
 def lognormal(rng, mean: float, lo: int, hi: int) -> int:
@@ -119,7 +126,18 @@ def main(argv=None):
     g.add_argument("--max-pages", type=int, default=None, help="cap on the GPU KV pages (so the GPU cache overflows)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out-dir", default=None)
+    g.add_argument("--name", default="multiround")
+    g.add_argument("--configs", default=",".join(CONFIGS), help=f"engines to run, a subset of {','.join(CONFIGS)}")
+    g.add_argument("--merge", default=None, help="result JSONs of earlier runs whose engines this one skipped")
+    g.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache folder")
     args = p.parse_args(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not names or set(names) - set(CONFIGS):
+        p.error(f"--configs {args.configs}: choose from {','.join(CONFIGS)}")
+    if args.compile_cache:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     lo, hi = (int(x) for x in args.turns.split(","))
     host_gb = args.host_cache_gb or 4.0
     disk_dir = args.disk_cache_dir or tempfile.mkdtemp(prefix="nfjax-kv-")
@@ -127,9 +145,12 @@ def main(argv=None):
     base = dict(vars(args), host_cache_gb=None, disk_cache_dir=None, disk_cache_gb=None, prefix_cache=None)
     configs = {"off": dict(base, prefix_cache=False), "gpu": base,
                "tiers": dict(base, host_cache_gb=host_gb, disk_cache_dir=disk_dir, disk_cache_gb=disk_gb)}
-    results, stats, records = {}, {}, {}
-    for name, a in configs.items():
+    results, stats, records = _merge(args.merge) if args.merge else ({}, {}, {})
+    for name in names:
+        a = configs[name]
+        t0 = time.perf_counter()
         engine = bench_engine(a, max_pages=args.max_pages)
+        print(f"[{name}] engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
         try:
             cfg = engine.config
             context = cfg.cache.max_model_len
@@ -142,11 +163,22 @@ def main(argv=None):
                 results[name]["single"] = run_single_round(engine, args.single_requests or args.conversations,
                                                            args.msg_len, args.out_len, vocab, args.seed + 1)
             records[name] = config_record(cfg)
+            m = results[name]["multiround"]
+            print(f"[{name}] {m['turns']} turns in {m['seconds']:.1f} s: {m['total_tok_s']:,.0f} tok/s, TTFT p50 "
+                  f"{m['ttft_p50_s'] * 1e3:.1f} ms p99 {m['ttft_p99_s'] * 1e3:.1f} ms, hit rate "
+                  f"{stats[name]['hit_rate']:.3f}; single-round "
+                  f"{results[name].get('single', {}).get('total_tok_s', float('nan')):,.0f} tok/s", flush=True)
         finally:
             engine.close()
         del engine
+    if set(results) != set(CONFIGS):
+        path = write_results(args.name, {}, {"flags": engine_flags(args), "results": results, "prefix_stats": stats,
+                                             "configs": records}, out_dir=args.out_dir)
+        print(f"part with {', '.join(results)}: no summary until all of {', '.join(CONFIGS)} ran ({path})")
+        return {}
     rows = []
-    for name, r in results.items():
+    for name in CONFIGS:
+        r = results[name]
         m, s = r["multiround"], stats[name]
         rows.append([name, m["ttft_p50_s"] * 1e3, m["ttft_p99_s"] * 1e3, m["total_tok_s"], s["hit_rate"],
                      s["hit_tokens_gpu"], s["hit_tokens_host"], s["hit_tokens_disk"],
@@ -166,10 +198,27 @@ def main(argv=None):
         pt = stats["tiers"]["prompt_tokens"]
         summary[f"prefix_hit_rate_{tier}"] = stats["tiers"][f"hit_tokens_{tier}"] / pt if pt else 0.0
     print(" ".join(f"{k}={v:.3g}" for k, v in summary.items()), flush=True)
-    write_results("multiround", summary, {"flags": engine_flags(args), "results": results, "prefix_stats": stats,
+    write_results(args.name, summary, {"flags": engine_flags(args), "results": results, "prefix_stats": stats,
                                           "configs": records}, out_dir=args.out_dir)
     return summary
 
 
+def _merge(paths: str) -> tuple[dict, dict, dict]:
+    import json
+    results, stats, records = {}, {}, {}
+    for path in [x.strip() for x in paths.split(",") if x.strip()]:
+        try:
+            data = json.load(open(path))["data"]
+            for name, r in data["results"].items():
+                results[name], stats[name], records[name] = r, data["prefix_stats"][name], data["configs"][name]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--merge {path}: not a bench.multiround result ({e!r})") from None
+    return results, stats, records
+
+
 if __name__ == "__main__":
-    main()
+    from nfjax.errors import UserError
+    try:
+        main()
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None

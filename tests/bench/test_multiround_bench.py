@@ -10,14 +10,26 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_multiround_bench_runs_on_a_cpu(tmp_path):
+def _run(tmp_path, *extra):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-m", "bench.multiround", "--shape", "smoke", "--layers", "1",
-                        "--conversations", "6", "--concurrency", "6", "--turns", "4,5", "--msg-len", "10",
-                        "--out-len", "4", "--max-pages", "20", "--max-model-len", "256", "--token-buckets", "64",
-                        "--host-cache-gb", "0.00002", "--disk-cache-dir", str(tmp_path / "disk"),
-                        "--disk-cache-gb", "0.001", "--single-requests", "4", "--out-dir", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "bench.multiround", "--shape", "smoke", "--layers", "1",
+                           "--conversations", "6", "--concurrency", "6", "--turns", "4,5", "--msg-len", "10",
+                           "--out-len", "4", "--max-pages", "20", "--max-model-len", "256", "--token-buckets", "64",
+                           "--host-cache-gb", "0.00002", "--disk-cache-dir", str(tmp_path / "disk"),
+                           "--disk-cache-gb", "0.001", "--single-requests", "4", "--out-dir", str(tmp_path), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_multiround_bench_runs_on_a_cpu_in_two_parts(tmp_path):
+    """The engines split over two invocations (as over two device commands): the first writes no summary, the
+    second merges the first's results and writes all keys."""
+    p = _run(tmp_path, "--configs", "off,gpu", "--name", "part1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (part,) = tmp_path.glob("part1-*.json")
+    first = json.loads(part.read_text())
+    assert first["summary"] == {} and set(first["data"]["results"]) == {"off", "gpu"}
+    assert "[gpu] " in p.stdout and "turns in" in p.stdout
+    p = _run(tmp_path, "--configs", "tiers", "--merge", str(part))
     assert p.returncode == 0, p.stderr[-3000:]
     (res,) = tmp_path.glob("multiround-*.json")
     doc = json.loads(res.read_text())
@@ -29,3 +41,10 @@ def test_multiround_bench_runs_on_a_cpu(tmp_path):
     assert st["off"]["hit_tokens"] == 0 and st["gpu"]["hit_rate"] > 0
     assert st["tiers"]["hit_tokens_host"] + st["tiers"]["hit_tokens_disk"] > 0
     assert not list((tmp_path / "disk").glob("*.kvpage"))          # the tier's files are gone at close
+
+
+def test_multiround_bench_bad_flags_are_one_line_errors(tmp_path):
+    p = _run(tmp_path, "--configs", "gpu,nope")
+    assert p.returncode != 0 and "--configs gpu,nope" in p.stderr and "Traceback" not in p.stderr
+    p = _run(tmp_path, "--configs", "tiers", "--disk-cache-gb", "1e9")
+    assert p.returncode != 0 and "disk_cache_gb" in p.stderr and "Traceback" not in p.stderr
