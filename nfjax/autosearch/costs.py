@@ -9,7 +9,13 @@ first (each a sequence at context `ctx`), then the prefill tokens as `chunks` eq
   * prefill attention: for each prefill chunk's piece inside [lo, hi) (n rows continuing a sequence at position
     s), the profiled time of an n-row chunk at start s (bilinear between the profiled chunk lengths and starts);
     the pieces share one launch, so all but one drop the no-prefill-row time (`empty_ms`);
-and at a resource share s < 1 that time x the profiled slowdown at s (ops without a share profile run only at 1).
+and at a resource share s < 1 the time the op measured alone at s on the share profile's size, scaled by the
+op's whole-GPU time at the nano-op's size over its whole-GPU time at that size (ops without a share profile run only
+at 1). Anchoring on the size, not on the share-taking kernel's own time at share 1, keeps a pair's parts at what
+the profile measured them at: run 4's gate/up took 0.542 ms at 1792 tokens in the share-taking kernel on all SMs
+and 0.626 in the token profile, so the ratio to share 1 put the part at 0.75 of the SMs at 0.751 ms against 0.650
+measured, and the search shrank the prefill nano-batch to balance a pair that was not unbalanced (320/1728 tokens,
+0.99x the hand-tuned 256/1792). Host-bound measurements are read as floor.py says (`host_floor`).
 Two ops in one horizontal kernel take the longer part at its share plus kappa x the shorter one, kappa the
 interference the profile measured ((fused - longer part alone) / shorter part alone, at the nearest profiled
 sizes, interpolated over the share): 0 is a perfect overlap, 1 the parts in turn. Joining a value's pieces for a
@@ -21,6 +27,8 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+
+from nfjax.autosearch.floor import corrected
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,11 @@ def interp(xs, ys, x: float) -> float:
 
 
 class CostModel:
-    def __init__(self, profile: dict, batch: BatchClass):
-        self.p, self.batch = profile, batch
+    def __init__(self, profile: dict, batch: BatchClass, host_floor: bool = True):
+        """`host_floor`: read the profile's host-bound measurements as floor.py says (False: as measured)."""
+        self.raw, self.batch = profile, batch
+        profile, self.host_bound = corrected(profile) if host_floor else (profile, {})
+        self.p = profile
         self.tokens = profile["tokens"]
         self.decode = profile.get("decode") or {}
         self.prefill = profile.get("prefill") or {}
@@ -97,10 +108,10 @@ class CostModel:
         t = self.tokens[op]
         return interp(t["tokens"], t["ms"], hi - lo)
 
-    def _decode_ms(self, d: int) -> float:
+    def _decode_ms(self, d: int, ctx: int | None = None) -> float:
         dec = self.decode
         rows = [interp(dec["decodes"], row, d) for row in dec["ms"]]
-        return interp(dec["ctx"], rows, self.batch.ctx)
+        return interp(dec["ctx"], rows, self.batch.ctx if ctx is None else ctx)
 
     def _prefill_ms(self, pieces) -> float:
         pf = self.prefill
@@ -119,21 +130,39 @@ class CostModel:
         return tuple(sorted(float(x) for x in s["share"])) if s else (1.0,)
 
     def slowdown(self, op: str, share: float) -> float:
-        """Time at `share` over time at the full GPU (1 for ops without a share profile)."""
+        """Time at `share` over the op's whole-GPU time at the share profile's size (1 for ops without a share
+        profile; where the size is not readable, over the share profile's own time at 1)."""
         s = self.shares.get(op)
         if not s or share >= 1.0:
             return 1.0
-        full = interp(s["share"], s["ms"], 1.0)
+        full = self._at_ms(op, s.get("at") or {})
+        if full is None:
+            full = interp(s["share"], s["ms"], 1.0)
         return interp(s["share"], s["ms"], share) / full if full > 0 else 1.0
+
+    def _at_ms(self, op: str, at: dict) -> float | None:
+        k = self.kind(op)
+        if k == "tokens" and "tokens" in at:
+            t = self.tokens[op]
+            return interp(t["tokens"], t["ms"], at["tokens"])
+        if k == "decode" and "size" in at:
+            return self._decode_ms(at["size"], at.get("ctx"))
+        return None
 
     def op_ms(self, op: str, lo: int, hi: int, share: float = 1.0) -> float:
         return self.full_ms(op, lo, hi) * self.slowdown(op, share)
 
     # ---- horizontal kernels -------------------------------------------------------------------------------
-    def kappa(self, ops: tuple[str, ...], sizes: tuple[float, ...], share: float) -> float:
+    def kappa(self, ops: tuple[str, ...], sizes: tuple[float, ...], share: float, ratio: float | None = None) -> float:
         """The share of the shorter part that running side by side does not hide: (fused - longer) / shorter, from
-        the profiled pair of these ops nearest in size (log distance), interpolated over the first op's share;
-        0 (a perfect overlap) when none was profiled. A CPU, where the parts run in turn, measures 1."""
+        the profiled pairs of these ops nearest in size (log distance); 0 (a perfect overlap) when none was
+        profiled. A CPU, where the parts run in turn, measures 1. With `ratio` (first part's time / second's, as
+        the pair will run), interpolated over the rows' ratio a_ms / b_ms (clamped to the profiled range), else
+        over the first op's share. Why the ratio: the rows vary the share at one size, so share and balance move
+        together, and it is the balance that sets kappa (run 4: 0 with the decode part 1.37x the gate/up part,
+        0.18 at 1.11x, 0.36 at 0.78x, 0.48 at 0.65x; the longer decode part hides the GEMM, the GEMM does not hide
+        the decodes' memory traffic); read over the share, a 0.2 share balanced by smaller sizes kept the 0 that
+        only the unbalanced row measured."""
         rows = [r for r in self.pairs if tuple(r["ops"]) == tuple(ops)]
         if not rows:
             return 0.0
@@ -145,8 +174,14 @@ class CostModel:
             lo, hi = sorted((r["a_ms"], r["b_ms"]))
             return max(0.0, (r["fused_ms"] - hi) / lo) if lo > 0 else 0.0
         near = min(dist(r) for r in rows)
-        pts = sorted((r["share"], k(r)) for r in rows if dist(r) == near)
-        return interp([s for s, _ in pts], [v for _, v in pts], share) if len(pts) > 1 else pts[0][1]
+        rows = [r for r in rows if dist(r) == near]
+        if ratio is not None and ratio > 0 and all(r["a_ms"] > 0 and r["b_ms"] > 0 for r in rows):
+            pts = sorted((math.log(r["a_ms"] / r["b_ms"]), k(r)) for r in rows)
+            x = min(max(math.log(ratio), pts[0][0]), pts[-1][0])
+        else:
+            pts = sorted((r["share"], k(r)) for r in rows)
+            x = share
+        return interp([s for s, _ in pts], [v for _, v in pts], x) if len(pts) > 1 else pts[0][1]
 
     def pair_sizes(self, a: str, ra: tuple[int, int], b: str, rb: tuple[int, int]) -> tuple[float, float]:
         """The sizes a pair row is matched on: decode rows for decode attention, else tokens."""
@@ -161,7 +196,8 @@ class CostModel:
             return max(self.full_ms(a, *ra), self.full_ms(b, *rb))
         sa, sb = shares
         ta, tb = self.op_ms(a, *ra, sa), self.op_ms(b, *rb, sb)
-        return max(ta, tb) + self.kappa((a, b), self.pair_sizes(a, ra, b, rb), sa) * min(ta, tb)
+        kap = self.kappa((a, b), self.pair_sizes(a, ra, b, rb), sa, ta / tb if tb > 0 else None)
+        return max(ta, tb) + kap * min(ta, tb)
 
     # ---- merges -------------------------------------------------------------------------------------------
     def merge_ms(self, value: str, tokens: int, reader: str | None = None) -> float:

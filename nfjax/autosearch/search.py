@@ -124,12 +124,13 @@ def _pair_shares(pr: Problem, model: CostModel, keep: int = 2) -> list[float]:
 
 
 def pair_costs_at(pr: Problem, model: CostModel, share: float) -> dict:
-    """Each overlap's parts at `share` (the first) and the rest (the second), with the interference (kappa)
-    profiled at that share for the class's decode / prefill sizes."""
+    """Each overlap's parts at `share` (the first) and the rest (the second), with the interference (kappa) of
+    the parts as they balance when the decodes and the prefill tokens are the two nano-batches."""
     out = {}
     b = model.batch
     for o in pr.overlaps:
-        kap = model.kappa((o.a, o.b), (b.decodes, b.tokens - b.decodes), share)
+        ta, tb = model.op_ms(o.a, 0, b.decodes, share), model.op_ms(o.b, b.decodes, b.tokens, 1.0 - share)
+        kap = model.kappa((o.a, o.b), (b.decodes, b.tokens - b.decodes), share, ta / tb if tb > 0 else None)
         out[o.name] = (lambda lo, hi, o=o: model.op_ms(o.a, lo, hi, share),
                        lambda lo, hi, o=o: model.op_ms(o.b, lo, hi, 1.0 - share), kap)
     return out

@@ -51,4 +51,5 @@ def h100_like(device: str = "h100", model: str = "llama3-8b", tp: int = 1) -> di
         "value_bytes": {v: 2 * w for v, w in dict(x=D, h=D, q=Q, k=KV, v=KV, q_rot=Q, attn_d=Q, attn=Q, o_partial=D,
                                                    o=D, x2=D, h2=D, gate=I, up=I, a=I, d_partial=D, d=D,
                                                    out=D).items()},
+        "floor_ms": {"tokens": 0.0, "kernels": 0.0},           # roofline times: nothing host-bound
         "copy_bytes_per_ms": 2.9e9, "join_free": ["attn_norm", "rope_append", "ffn_norm", "act", "residual"]}
