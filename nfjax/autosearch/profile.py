@@ -9,6 +9,10 @@ A profile holds, for one decoder layer's op graph (fields, all times in ms for o
     share (`{"op": {"at": {...}, "share": [...], "ms": [...]}}`);
   * `pairs`: the interference table (NanoFlow's R -> P): for each horizontal kernel that runs two ops side by side,
     the fused time at a share of the first op (the second takes the rest) and each op alone on its share;
+  * `layer` (optional): the whole layer as Sequential compiles it, against step tokens x decodes (`ms[t][d]`, at
+    context `ctx`, prefill in `chunks` chunks): the search's baseline where a class falls inside it;
+  * `floor_ms` (optional): the host's dispatch floor per op of the token ops and of the attention kernels, and
+    `launch_ms`, a launch in the step program (floor.py; estimated where absent);
   * `value_bytes` (bytes per token of every value) and `copy_bytes_per_ms` (what joining pieces costs);
   * the record: `command`, `date`, `device` (e.g. "h100", "cpu"), `device_name`, `num_sms`, `model`, `shape`,
     `tp`, `page_size`, `align`, and the op graph it was measured on.

@@ -7,7 +7,8 @@ paid once per `copies` ops: with one op a program every small op measured 0.09 m
 on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per op of `reps`
 batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
 its copies and gets it back for the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
-SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured.
+SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured. The whole layer is
+also timed as Sequential compiles it at the grid's step sizes (`layer_job`): the baseline the search compares with.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nfjax.models.ops import GLOBAL_VALUES
+from nfjax.models.ops import GLOBAL_VALUES, run_ops
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Grid:
     share_ctx: int = 0
     share_tokens: int = 0                   # the second op's tokens
     min_pair_tokens: int = 0                # smallest nano-batch the fused kernel's GEMM takes (its tile)
+    layer_tokens: tuple[int, ...] = ()     # the whole layer as Sequential runs it, at these step sizes ...
+    layer_decodes: tuple[int, ...] = ()    # ... x decode counts (at ctxs[0], prefill in 2 chunks)
     reps: int = 5
     target_ms: float = 20.0                 # per timed batch of calls
     copies: int = 1                         # ops per timed program: token-count ops (XLA fusions, GEMMs) ...
@@ -48,7 +51,8 @@ class Grid:
 
 GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 128, 256, 512), ctxs=(1280,),
                 chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256,
-                share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3)
+                share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3,
+                layer_tokens=(1024, 2048), layer_decodes=(128, 256))
 CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128), starts=(0, 64),
                 share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
 
@@ -121,6 +125,27 @@ def op_job(subject, key, op: str, case, num_ctas=None, copies: int = 1) -> _Job:
     glob = tuple(case.env[v] for v in spec.ins if v in GLOBAL_VALUES)
     return _Job(key, jax.jit(f, donate_argnums=(3,) if writes else ()), nnx.state(subject.layer), case.ctx_args,
                 ins, glob, copies, writes)
+
+
+def layer_job(subject, key, case) -> _Job:
+    """The whole layer, every op once in order, compiled as the Sequential step compiles it (the dot merger on,
+    XLA free to fuse across ops): the baseline a plan must beat. One copy a program: a layer is GPU-bound, and
+    copies sharing the weights would have their GEMMs merged into one."""
+    g = subject.graph
+    gd, specs = nnx.graphdef(subject.layer), [n.spec for n in g]
+    names = [v for v in g.inputs if v not in GLOBAL_VALUES]
+    gnames = [v for v in g.inputs if v in GLOBAL_VALUES]
+
+    def f(state, ctx_args, ins_list, glob):
+        layer, ctx = nnx.merge(gd, state), subject.make_ctx(ctx_args, None)
+        outs = []
+        for ins in ins_list:
+            env = run_ops(specs, layer, ctx, {**dict(zip(names, ins)), **dict(zip(gnames, glob))})
+            glob = tuple(env[v] for v in gnames)
+            outs.append(env[g.output])
+        return outs, glob
+    return _Job(key, jax.jit(f, donate_argnums=(3,)), nnx.state(subject.layer), case.ctx_args,
+                tuple(case.env[v] for v in names), tuple(case.env[v] for v in gnames), 1, True)
 
 
 def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _Job:
@@ -259,6 +284,10 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         for s in ([1.0] if num_sms else []):           # each op on all SMs through its share-taking kernel
             jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, num_sms, grid.kernel_copies))
             jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, num_sms, grid.kernel_copies))
+    layer_cases = [(t, d) for t in grid.layer_tokens for d in grid.layer_decodes if d < t] \
+        if hasattr(subject, "mixed_case") and grid.ctxs else []
+    for t, d in layer_cases:
+        jobs.append(layer_job(subject, ("layer", t, d), subject.mixed_case(t, d, grid.ctxs[0])))
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
@@ -311,6 +340,10 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
                                       "fused_ms": round(ms["pair", k.name, s], 6),
                                       "a_ms": round(ms["alone_a", k.name, s], 6),
                                       "b_ms": round(ms["alone_b", k.name, s], 6)})
+    ts = [t for t in grid.layer_tokens if all(("layer", t, d) in ms for d in grid.layer_decodes)]
+    if ts and layer_cases:
+        prof["layer"] = {"tokens": ts, "decodes": list(grid.layer_decodes), "ctx": grid.ctxs[0], "chunks": 2,
+                         "ms": [[round(ms["layer", t, d], 6) for d in grid.layer_decodes] for t in ts]}
     prof["pair_min_tokens"] = {k.name: grid.min_pair_tokens for k in pairs}
     prof["value_bytes"] = value_bytes(cases["tokens", grid.tokens[-1]])
     prof["copy_bytes_per_ms"] = copy_rate(64 << 20 if num_sms else 8 << 20)

@@ -120,6 +120,15 @@ class LlamaSubject:
         """`d` decodes at context `ctx` in a `tokens`-token nano-batch (rows past d: padding)."""
         return self._case(self._meta([(ctx, 1)] * d, tokens, d), tokens)
 
+    def mixed_case(self, tokens: int, decodes: int, ctx: int, chunks: int = 2) -> Case:
+        """A step as the engine lays it out: `decodes` decodes at context `ctx`, then the rest of the `tokens` as
+        `chunks` equal first chunks of prefill (the search's batch class)."""
+        p = tokens - decodes
+        n = min(chunks, p) if p > 0 else 0
+        cuts = [p * i // n for i in range(n + 1)] if n else [0]
+        seqs = [(ctx, 1)] * decodes + [(0, b - a) for a, b in zip(cuts, cuts[1:])]
+        return self._case(self._meta(seqs, tokens, decodes), tokens)
+
     def prefill_case(self, chunk: int, start: int = 0) -> Case:
         """One prefill chunk of `chunk` rows continuing a sequence at position `start`."""
         return self._case(self._meta([(start, chunk)], chunk, 0), chunk)

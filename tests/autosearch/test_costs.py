@@ -121,3 +121,25 @@ def test_the_search_on_run_4_finds_the_hand_tuned_plan_at_2048():
     assert all(sizes[op] == (2048,) for op in QKV + MLP)
     assert "attn_decode:0+up_gate:1" in p.streams[0].order
     assert r.best_ms == pytest.approx(_layer_ms(2048, 256)[1], rel=1e-9)
+
+
+def test_a_measured_sequential_layer_is_the_baseline():
+    """With the profile's whole-layer table (here run 4's measured step / 32 where it has one: 1.9706 ms at
+    2048 tokens / 256 decodes, 1.0611 at 1024 / 128; 1.85 and 1.20 made up for the other two corners), a plan is
+    written only where it beats the measured layer: the hand-tuned structures at 2048/256 and 1024/128 do (1.887,
+    1.026 modelled); at 2048/128 the best plan models 1.878 ms, under its ops' sum (1.899) but over the layer's
+    1.85, and the class stays Sequential."""
+    prof = {**RUN4, "layer": {"tokens": [1024, 2048], "decodes": [128, 256], "ctx": 1280, "chunks": 2,
+                              "ms": [[1.0611, 1.20], [1.85, 1.9706]]}}
+    assert CostModel(prof, BatchClass(2048, 256, 1280)).measured_sequential_ms() == pytest.approx(1.9706)
+    assert CostModel(prof, BatchClass(2048, 256, 640)).measured_sequential_ms() is None       # other context
+    assert CostModel(prof, BatchClass(2048, 64, 1280)).measured_sequential_ms() is None       # outside the table
+    res = search(layer_graph(), prof, [2048, 1024], [128, 256], 1280, 2, SearchOptions(time_limit=50))
+    by = {(r.batch.tokens, r.batch.decodes): r for r in res}
+    assert by[2048, 256].plan is not None and by[2048, 256].sequential_ms == pytest.approx(1.9706)
+    assert by[1024, 128].plan is not None and by[1024, 128].best_ms < 1.0611
+    r = by[2048, 128]
+    assert r.plan is None and r.sequential_ms == pytest.approx(1.85) and r.best_ms == pytest.approx(1.85)
+    assert min(c[2] for c in r.candidates if c[0].k > 1) < sum(
+        CostModel(RUN4, BatchClass(2048, 128, 1280)).full_ms(op, 0, 2048) for op in layer_graph().names)
+    assert any("measured as a whole layer" in n for n in r.notes) and any("Sequential" in n for n in r.notes)

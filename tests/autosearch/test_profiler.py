@@ -43,3 +43,24 @@ def test_a_cache_reader_does_not_return_the_cache(subject):
         assert glob == () and len(outs) == 2
         leaves = [x.shape for x in jax.tree.leaves(outs)]
         assert case.env["kv"].k.shape not in leaves
+
+
+def test_the_layer_job_is_the_sequential_layer(subject):
+    """The whole-layer measurement (the search's Sequential baseline) runs every op once on a mixed step (decodes,
+    then two prefill chunks) and gives the layer's output, its cache chained through as the step's is."""
+    import numpy as np
+    from nfjax.autosearch.profiler import layer_job
+    from nfjax.models.ops import run_ops
+    case = subject.mixed_case(32, 4, 24)
+    meta = case.ctx_args
+    assert int(meta.num_decode) == 4
+    assert np.asarray(meta.positions).tolist() == [24] * 4 + list(range(14)) * 2   # decodes, then 2 chunks of 14
+    j = layer_job(subject, "layer", case)
+    compile_jobs([j], log=lambda m: None)
+    assert j.error is None
+    want = run_ops([n.spec for n in subject.graph], subject.layer, subject.make_ctx(meta, None),
+                   {"x": case.env["x"], "kv": case.env["kv"], "positions": case.env["positions"],
+                    "slots": case.env["slots"]})["out"]
+    outs, _ = j.compiled(*j.args())
+    np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    assert time_job(j, 2, 1.0) > 0
