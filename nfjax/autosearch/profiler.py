@@ -49,9 +49,12 @@ class Grid:
     kernel_copies: int = 1                  # ... and attention / share / pair measurements (Pallas kernels)
 
 
-GPU_GRID = Grid(tokens=(64, 128, 256, 512, 1024, 2048), decodes=(0, 128, 256, 512), ctxs=(1280,),
-                chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0), share_decodes=256,
-                share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3,
+# token counts between the powers of two too: the search cuts nano-batches on 64-token multiples, where a GEMM's
+# tiles and waves may make its time step (run 4's gate/up split 256/448/320 measured 0.955x Sequential, which the
+# interpolation between powers of two modelled even); 1792 is the hand-tuned plan's prefill nano-batch
+GPU_GRID = Grid(tokens=(64, 128, 256, 384, 512, 768, 1024, 1536, 1792, 2048), decodes=(0, 128, 256, 512),
+                ctxs=(1280,), chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0),
+                share_decodes=256, share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3,
                 layer_tokens=(1024, 2048), layer_decodes=(128, 256))
 CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128), starts=(0, 64),
                 share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
@@ -75,8 +78,8 @@ class _Job:
     """One measurement: `fn(state, ctx_args, ins_list, glob)` runs the op once per entry of `ins_list` (`copies`
     distinct input sets, made just before timing so that only one job's copies live at a time)."""
 
-    def __init__(self, key, fn, state, ctx_args, ins, glob=(), copies: int = 1, writes=False):
-        self.key, self.fn, self.copies, self.writes = key, fn, copies, writes
+    def __init__(self, key, fn, state, ctx_args, ins, glob=(), copies: int = 1, writes=False, merger=False):
+        self.key, self.fn, self.copies, self.writes, self.merger = key, fn, copies, writes, merger
         self.state, self.ctx_args, self.ins, self.glob = state, ctx_args, ins, glob
         self.compiled = None
         self.error = None
@@ -145,7 +148,7 @@ def layer_job(subject, key, case) -> _Job:
             outs.append(env[g.output])
         return outs, glob
     return _Job(key, jax.jit(f, donate_argnums=(3,)), nnx.state(subject.layer), case.ctx_args,
-                tuple(case.env[v] for v in names), tuple(case.env[v] for v in gnames), 1, True)
+                tuple(case.env[v] for v in names), tuple(case.env[v] for v in gnames), 1, True, merger=True)
 
 
 def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _Job:
@@ -174,6 +177,15 @@ def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _
     return _Job(key, jax.jit(f), nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins, glob, copies)
 
 
+def compiler_options(j: _Job) -> dict | None:
+    """XLA's dot merger off, as the split variants compile (nfjax/schedule/variants.py), except for the whole
+    Sequential layer. Why: with it on, the `copies` of an op, which share the weights, had their GEMMs merged into
+    one (run 4: gate/up at 64 tokens 0.028 ms, under the 0.07 its 235 MB of weights take to read; every GEMM
+    size n measured as n x copies / copies)."""
+    from nfjax.compat import NO_DOT_MERGER
+    return None if j.merger else dict(NO_DOT_MERGER)
+
+
 def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
     """Lower every job in turn, compile them on a thread pool; a job that fails keeps its error."""
     lowered = []
@@ -187,7 +199,7 @@ def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
     # a GPU host compiles on its cores; XLA:CPU compiled 55 small programs 3.5x slower on 2 threads than in turn
     threads = threads or (max(1, min(16, os.cpu_count() or 1)) if jax.default_backend() == "gpu" else 1)
     with cf.ThreadPoolExecutor(threads) as pool:
-        futs = {pool.submit(lw.compile): j for j, lw in lowered}
+        futs = {pool.submit(lw.compile, compiler_options=compiler_options(j)): j for j, lw in lowered}
         for fut in cf.as_completed(futs):
             j = futs[fut]
             try:

@@ -23,7 +23,8 @@ MEASURED = {2048: (1.9706, 1.8920, 1.9131), 1024: (1.0611, 1.0134, 1.1115)}
 def _plan(bucket: int, groups, order, share) -> Plan:
     """Run 4's searched plans (bench/results/autosearch-plans-run4-20261124/)."""
     return Plan.from_json({"format": 1, "name": f"run4_{bucket}", "bucket": bucket, "min_bucket": bucket,
-                           "max_bucket": bucket, "align": 64, "share": share, "streams": [{"stream": 0, "order": order}],
+                           "max_bucket": bucket, "align": 64, "share": share,
+                           "streams": [{"stream": 0, "order": order}],
                            "groups": [{"name": n, "ops": o, "nano_batches": s} for n, o, s in groups]})
 
 

@@ -64,3 +64,28 @@ def test_the_layer_job_is_the_sequential_layer(subject):
     outs, _ = j.compiled(*j.args())
     np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
     assert time_job(j, 2, 1.0) > 0
+
+
+def test_ops_compile_without_the_dot_merger_and_the_layer_with_it(subject):
+    """Copies of an op share its weights: with XLA's dot merger on, a GPU merged their GEMMs into one (run 4); the
+    split variants compile with it off too. The whole Sequential layer keeps it, as the Sequential step does."""
+    from nfjax.autosearch.profiler import compiler_options, layer_job
+    from nfjax.compat import NO_DOT_MERGER
+    seen = {}
+
+    class Lowered:
+        def __init__(self, key):
+            self.key = key
+
+        def compile(self, compiler_options=None):
+            seen[self.key] = compiler_options
+            return "compiled"
+
+    jobs = [op_job(subject, "up_gate", "up_gate", subject.token_case(16), copies=2),
+            op_job(subject, "attn_decode", "attn_decode", subject.decode_case(4, 24, 8), copies=2),
+            layer_job(subject, "layer", subject.mixed_case(32, 4, 24))]
+    for j in jobs:
+        j.lower = lambda key=j.key: Lowered(key)
+    compile_jobs(jobs, log=lambda m: None)
+    assert seen == {"up_gate": NO_DOT_MERGER, "attn_decode": NO_DOT_MERGER, "layer": None}
+    assert all(j.compiled == "compiled" for j in jobs) and compiler_options(jobs[2]) is None
