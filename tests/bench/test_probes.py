@@ -37,3 +37,26 @@ def test_drive_runs_every_request_to_completion_under_memory_pressure():
     tight = drive("16x8", 24, _batcher(9))
     assert tight["mean_decodes"] <= 4 < roomy["mean_decodes"]
     assert tight["steps"] > roomy["steps"] >= 8          # every request's 8 tokens, fewer at a time when tight
+
+
+def test_kv_probe_fake_schemes_match_the_format_and_wait_for_full_pages():
+    """kv_int4_variants: rot64 is kv_quant's int4 round trip; a per-page scheme reads a page still filling exactly
+    (or through its /SCHEME), and its bits count the per-page parameters."""
+    import numpy as np
+    import jax.numpy as jnp
+    from bench.probes import kv_int4_variants as p
+    from pallas_kernels import kv_quant as kq
+    x = jnp.asarray(np.random.RandomState(0).randn(2, 256, 3, 64).astype(np.float32))
+    lens = jnp.asarray([100, 256])
+    y = p.fake(x, p.parse_scheme("rot64"), 0, lens)
+    q, s, c = kq.quantize_int4(kq.rotate(x, jnp.float32))
+    np.testing.assert_allclose(y, kq.rotate(kq.dequantize_int4(q, s, c), jnp.float32), atol=1e-5)
+    kivi = p.fake(x, p.parse_scheme("kivi64"), 0, lens)
+    assert np.array_equal(kivi[0, 64:], x[0, 64:])                  # positions 64..99 fill a page still open
+    assert not np.allclose(kivi[0, :64], x[0, :64]) and not np.allclose(kivi[1, 192:], x[1, 192:])
+    tail = p.fake(x, p.parse_scheme("kivi64/rot64"), 0, lens)
+    np.testing.assert_allclose(tail[0, 64:100], y[0, 64:100], atol=1e-6)
+    # per channel: each channel of a page spans its own 16 levels
+    page = np.asarray(kivi[1, :64, 0])
+    assert all(len(np.unique(page[:, ch])) <= 16 for ch in range(64))
+    assert p.bits(p.parse_scheme("kivi16"), 64) == 6.0 and p.bits(p.parse_scheme("rot64"), 128) == 4.5
