@@ -41,6 +41,7 @@ class Grid:
     share_ctx: int = 0
     share_tokens: int = 0                   # the second op's tokens
     min_pair_tokens: int = 0                # smallest nano-batch the fused kernel's GEMM takes (its tile)
+    pair_sizes: tuple[tuple[int, int], ...] = ()   # more (decodes, tokens) the pair rows are measured at
     layer_tokens: tuple[int, ...] = ()     # the whole layer as Sequential runs it, at these step sizes ...
     layer_decodes: tuple[int, ...] = ()    # ... x decode counts (at ctxs[0], prefill in 2 chunks)
     reps: int = 5
@@ -55,7 +56,7 @@ class Grid:
 GPU_GRID = Grid(tokens=(64, 128, 256, 384, 512, 768, 1024, 1536, 1792, 2048), decodes=(0, 128, 256, 512),
                 ctxs=(1280,), chunks=(256, 1024, 2048), starts=(0, 1024), shares=(0.2, 0.25, 0.3, 0.35, 1.0),
                 share_decodes=256, share_ctx=1280, share_tokens=1792, min_pair_tokens=128, copies=8, kernel_copies=3,
-                layer_tokens=(1024, 2048), layer_decodes=(128, 256))
+                layer_tokens=(1024, 2048), layer_decodes=(128, 256), pair_sizes=((128, 896),))
 CPU_GRID = Grid(tokens=(16, 32, 64, 128), decodes=(0, 4, 8, 16), ctxs=(64,), chunks=(16, 64, 128), starts=(0, 64),
                 share_decodes=8, share_ctx=64, share_tokens=56, reps=3, target_ms=5.0)
 
@@ -296,6 +297,16 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         for s in ([1.0] if num_sms else []):           # each op on all SMs through its share-taking kernel
             jobs.append(op_job(subject, ("alone_a", k.name, s), a, ca, num_sms, grid.kernel_copies))
             jobs.append(op_job(subject, ("alone_b", k.name, s), b, cb, num_sms, grid.kernel_copies))
+        # the interference at other sizes (the rows at one size vary balance and share together; kappa follows
+        # the balance, and a class's sizes may be far from the main rows': 1024 tokens with 128 decodes)
+        for d, t in (grid.pair_sizes if subject.kind(a) == "decode" else ()):
+            ca2, cb2 = subject.decode_case(d, grid.share_ctx, d), subject.token_case(t)
+            for s in (shares or [0.25]):
+                na, kc = (max(1, round(s * num_sms)) if num_sms else None), grid.kernel_copies
+                jobs.append(pair_job(subject, ("pair", k.name, s, d, t), k, ca2, cb2, na, kc))
+                jobs.append(op_job(subject, ("alone_a", k.name, s, d, t), a, ca2, na, kc))
+                jobs.append(op_job(subject, ("alone_b", k.name, s, d, t), b, cb2,
+                                   (num_sms - na) if num_sms else None, kc))
     layer_cases = [(t, d) for t in grid.layer_tokens for d in grid.layer_decodes if d < t] \
         if hasattr(subject, "mixed_case") and grid.ctxs else []
     for t, d in layer_cases:
@@ -352,6 +363,13 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
                                       "fused_ms": round(ms["pair", k.name, s], 6),
                                       "a_ms": round(ms["alone_a", k.name, s], 6),
                                       "b_ms": round(ms["alone_b", k.name, s], 6)})
+        for d, t in grid.pair_sizes:
+            for s in (shares or [0.25]):
+                keys = [(w, k.name, s, d, t) for w in ("pair", "alone_a", "alone_b")]
+                if all(key in ms for key in keys):
+                    f, x, y = (round(ms[key], 6) for key in keys)
+                    prof["pairs"].append({"kernel": k.name, "ops": [a, b], "share": s, "sizes": [d, t],
+                                          "fused_ms": f, "a_ms": x, "b_ms": y})
     ts = [t for t in grid.layer_tokens if all(("layer", t, d) in ms for d in grid.layer_decodes)]
     if ts and layer_cases:
         prof["layer"] = {"tokens": ts, "decodes": list(grid.layer_decodes), "ctx": grid.ctxs[0], "chunks": 2,

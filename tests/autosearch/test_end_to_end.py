@@ -13,7 +13,8 @@ from nfjax.schedule.graph import layer_graph
 from nfjax.schedule.plan import load_plan, save_plan
 
 GRID = Grid(tokens=(16, 64), decodes=(0, 8), ctxs=(32,), chunks=(16, 64), starts=(0, 32), share_decodes=8, share_ctx=32,
-            share_tokens=56, reps=2, target_ms=2.0)
+            share_tokens=56, pair_sizes=((4, 28),), layer_tokens=(32, 64), layer_decodes=(4, 8), reps=2,
+            target_ms=2.0)
 PROMPTS = ["Once upon a time", "def main():", "The list type", "a" * 40, "import numpy as np", "x = [1, 2",
            "class Foo:", "Hello", "while True:", "The quick brown fox"]
 PARAMS = [SamplingParams.greedy(max_tokens=m, ignore_eos=True) for m in (24, 12, 30, 8, 20, 16, 28, 10, 18, 22)]
@@ -27,6 +28,10 @@ def test_profile_search_plan_engine_gives_sequentials_tokens(tmp_path):
     assert set(prof["tokens"]) == set(layer_graph().names) - {"attn_decode", "attn_prefill"}
     assert prof["decode"]["decodes"] == [0, 8] and prof["prefill"]["chunks"] == [16, 64] and prof["pairs"]
     assert len(prof["prefill"]["ms"]) == len(GRID.starts)
+    assert sorted(tuple(r["sizes"]) for r in prof["pairs"]) == [(4, 28), (8, 56)]       # the main and the extra size
+    lay = prof["layer"]
+    assert (lay["tokens"], lay["decodes"], lay["ctx"]) == ([32, 64], [4, 8], 32)
+    assert all(t > 0 for row in lay["ms"] for t in row)
     path = save_profile(prof, tmp_path / "tiny_cpu_tp1.json")
     prof = load_profile(path, device="cpu", shape=shape_of(cfg), tp=1)
     (r,) = search(layer_graph(), prof, [64], [8], 32, 2, SearchOptions(nano_batches=(2,), min_overlaps=1))
