@@ -91,6 +91,8 @@ def search_step(args, prof: dict, out: dict) -> dict:
             hand_ms = repr(e)[:200]
         out.setdefault("modelled", {})[str(b)] = {
             "sequential_ms": best["modelled_sequential_ms"] if best else None,
+            "sequential_ops_ms": sum(model.full_ms(op, 0, b) for op in g.names),
+            "sequential_layer_ms": model.measured_sequential_ms(),
             "searched_ms": best["modelled_layer_ms"] if best else None, "handtuned_ms": hand_ms}
     out["classes"] = classes
     print(f"search: {len(res)} classes in {out['autosearch_solve_s']:.1f} s; plans for the bench's batches: "
