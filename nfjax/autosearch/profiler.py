@@ -178,6 +178,14 @@ def pair_job(subject, key, kernel, case_a, case_b, ctas_a, copies: int = 1) -> _
     return _Job(key, jax.jit(f), nnx.state(subject.layer), (case_a.ctx_args, case_b.ctx_args), ins, glob, copies)
 
 
+def floor_job(key, like: _Job) -> _Job:
+    """`like`'s arguments into a program that computes nothing: its time per copy is the host's dispatch floor
+    under `like`'s measurements (floor.py reads the times near it as host-bound)."""
+    def f(state, ctx_args, ins_list, glob):
+        return [jnp.zeros((), jnp.float32) for _ in ins_list], ()
+    return _Job(key, jax.jit(f, keep_unused=True), like.state, like.ctx_args, like.ins, like.glob, like.copies)
+
+
 def compiler_options(j: _Job) -> dict | None:
     """XLA's dot merger off, as the split variants compile (nfjax/schedule/variants.py), except for the whole
     Sequential layer. Why: with it on, the `copies` of an op, which share the weights, had their GEMMs merged into
@@ -311,6 +319,8 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         if hasattr(subject, "mixed_case") and grid.ctxs else []
     for t, d in layer_cases:
         jobs.append(layer_job(subject, ("layer", t, d), subject.mixed_case(t, d, grid.ctxs[0])))
+    first = {k[0]: j for j in jobs[::-1] for k in [j.key] if k[0] in ("tokens", "decode")}
+    jobs += [floor_job(("floor", k), j) for k, j in first.items()]
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
@@ -374,6 +384,9 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     if ts and layer_cases:
         prof["layer"] = {"tokens": ts, "decodes": list(grid.layer_decodes), "ctx": grid.ctxs[0], "chunks": 2,
                          "ms": [[round(ms["layer", t, d], 6) for d in grid.layer_decodes] for t in ts]}
+    fl = {"tokens": ms.get(("floor", "tokens")), "kernels": ms.get(("floor", "decode"))}
+    if all(v is not None for v in fl.values()):
+        prof["floor_ms"] = {k: round(v, 6) for k, v in fl.items()}
     prof["pair_min_tokens"] = {k.name: grid.min_pair_tokens for k in pairs}
     prof["value_bytes"] = value_bytes(cases["tokens", grid.tokens[-1]])
     prof["copy_bytes_per_ms"] = copy_rate(64 << 20 if num_sms else 8 << 20)
