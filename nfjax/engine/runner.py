@@ -242,6 +242,20 @@ class Runner:
         self.penalty_state = self._seed(self.penalty_state, jax.device_put(jnp.int32(slot), self.replicated),
                                         jax.device_put(toks, self.replicated))
 
+    def largest_temps(self, n: int = 3) -> list[tuple[str, int]]:
+        """The `n` compiled programs with the most scratch memory (XLA's memory analysis), largest first: what
+        the KV sizing must leave free beside the weights and the cache."""
+        tables = {"embed": self._embed, "head": self._head, "full_head": self._full_head, "layers": self._steps,
+                  "decode_layers": self._decode_steps}
+        out = []
+        for name, table in tables.items():
+            for key, prog in table.items():
+                try:
+                    out.append((f"{name}{key}", int(prog.memory_analysis().temp_size_in_bytes)))
+                except Exception:  # noqa: BLE001 - a backend without the analysis reports nothing
+                    pass
+        return sorted(out, key=lambda t: -t[1])[:n]
+
     @property
     def num_compiled(self) -> int:
         """Compiled (bucket, strategy) step variants."""

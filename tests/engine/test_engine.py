@@ -152,3 +152,13 @@ def test_step_inputs_staged_in_the_same_buffers():
     fresh = make_engine(cache, sched, execution=ExecutionConfig(stable_inputs=False))
     assert not fresh.runner._staged
     assert [o.token_ids for o in fresh.generate(prompts, sp)] == [o.token_ids for o in outs]
+
+
+def test_largest_program_temps_are_reported_largest_first(roomy_engine):
+    """XLA's scratch per compiled program, for the KV sizing's headroom: named by table and key, sorted."""
+    temps = roomy_engine.runner.largest_temps(n=4)
+    assert len(temps) == 4
+    sizes = [b for _, b in temps]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 0
+    assert all(name.split("(")[0].rstrip("0123456789") in ("embed", "head", "full_head", "layers", "decode_layers")
+               for name, _ in temps)
