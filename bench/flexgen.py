@@ -121,6 +121,8 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None) -> dict:
         (rest_gd, layer_gd), rest_state, source = _PLACED["gds"], None, None
     else:
         last = None                                  # freed before the new placement (one fits, not two)
+        import gc
+        gc.collect()                                 # the engine's reference cycles hold its host arrays
         rest_gd, rest_state, layer_gd, source = random_parts(cfg)
         _PLACED["gds"] = (rest_gd, layer_gd)
     t0 = time.perf_counter()
@@ -197,6 +199,11 @@ def main(argv=None) -> int:
     cfg = model_config(args)
     hw = fm.profile(cfg, args, log=lambda m: print(f"[{m}]", flush=True))
     limits = fm.caps(args)
+    if args.cpu_memory_gb is None and limits.get("cpu"):
+        # the host memory free now, before any placement: a later policy's check would otherwise count the memory
+        # the previous one's freed arrays leave in the process's pinned pool as taken (the H200's baseline saw 47
+        # of ~125 GB after the 60 GB placement was freed)
+        args.cpu_memory_gb = limits["cpu"] / 1e9
     pols = grid(args)
     if args.grid == "auto":
         pols = {**fm.auto_grid(cfg, args, hw, limits, args.grid_size, make_policy),
