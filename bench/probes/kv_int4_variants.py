@@ -17,8 +17,8 @@ or `model:float32` (an engine with float32 weights and a float32 cache: bf16's o
 `rt:bf16` added to a k/v variant rounds the queries and outputs through the shipped int4's rotation as
 nfjax.kv.attention does (rotate_queries / rotate_outputs in the model's dtype), K and V quantized as named;
 `rt:o` the outputs only (a format with V rotated and K not).
-A per-page scheme's pages still filling are read exactly, or through `kiviP/SCHEME` (e.g. kivi64/rot64: the
-page's positions held in a per-token format until it is complete).
+A per-page scheme's pages still filling are read exactly, or through `kiviP/SCHEME` or `fp8pP/SCHEME` (e.g.
+kivi64/rot64: the page's positions held in a per-token format until it is complete).
 Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop's 256 positions):
   exact | bf16           as stored / rounded to bfloat16
   rotN | plainN          int4 groups of N along D, center and scale per group (kv_quant.quantize_int4's
@@ -33,6 +33,8 @@ Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop'
   fp8 | fp8e5            float8 e4m3 / e5m2, one scale per token and kv head (kv_quant's rule: amax / max,
                          rounded up to bfloat16)
   fp8pP | fp8e5pP        the same with one scale per page of P and kv head (from the complete page's amax)
+  SCHEME@rP              SCHEME on the complete pages of P positions, the page still filling read exactly (a
+                         full-precision residual of up to P - 1 positions, as the per-page schemes have)
 
 usage: python -m bench.probes.kv_int4_variants k:rot64,v:rot64 k:kivi16,v:rot64 [...] [--windows 2]
        [--base-dtype float32] [--name kv_int4_variants-v2]
@@ -58,6 +60,9 @@ FP8_FORMATS = {"fp8": ("float8_e4m3fn", 448.0), "fp8e5": ("float8_e5m2", 57344.0
 
 # ---- schemes -------------------------------------------------------------------------------------------------
 def parse_scheme(s: str) -> dict:
+    m = re.fullmatch(r"(.+)@r(\d+)", s)
+    if m:
+        return {"kind": "res", "page": int(m[2]), "inner": parse_scheme(m[1]), "partial": None}
     if s in ("exact", "bf16"):
         return {"kind": s}
     m = re.fullmatch(r"(rot|plain)(\d+)(?:b(\d+))?", s)
@@ -71,9 +76,10 @@ def parse_scheme(s: str) -> dict:
     if m:
         return {"kind": "pc" if m[2] else "cal", "page": int(m[2]) if m[2] else None, "rot": m[3] == "rot",
                 "group": int(m[4]), "bits": 4}
-    m = re.fullmatch(r"(fp8|fp8e5)(?:p(\d+))?", s)
-    if m:
-        return {"kind": "fp8", "fmt": m[1], "page": int(m[2]) if m[2] else None}
+    m = re.fullmatch(r"(fp8|fp8e5)(?:p(\d+))?(?:/(.+))?", s)
+    if m and (m[2] or not m[3]):
+        return {"kind": "fp8", "fmt": m[1], "page": int(m[2]) if m[2] else None,
+                "partial": parse_scheme(m[3]) if m[3] else None}
     raise SystemExit(f"scheme {s!r}: want exact|bf16|rotN|plainN[bB]|[r]kiviP|pcP+rotN|cal+rotN|fp8[e5][pP]")
 
 
@@ -82,6 +88,8 @@ def bits(spec: dict | None, d: int) -> float:
     if spec is None or spec["kind"] in ("exact", "bf16"):
         return 16.0
     k = spec["kind"]
+    if k == "res":
+        return bits(spec["inner"], d)
     if k == "group":
         return spec["bits"] + 32 / min(spec["group"], d)
     if k == "kivi":          # the partial page's format not counted (one page a sequence)
@@ -152,6 +160,8 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
         y = rot(_groups(rot(xp - mu), spec["group"], spec["bits"])) + mu
     elif k == "fp8":
         y = _fp8(xp, spec["fmt"], jnp.max(jnp.abs(xp), (2, 4), keepdims=True))
+    elif k == "res":
+        y = fake(x, spec["inner"], pos0, seq_lens, mean).reshape(xp.shape)
     else:
         raise ValueError(k)
     partial = fake(x, spec.get("partial"), pos0, seq_lens, mean).reshape(xp.shape)
