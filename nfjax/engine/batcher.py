@@ -71,16 +71,31 @@ class Batcher:
         self.free_penalty_slots = list(range(num_penalty_slots(sched.max_seqs)))[::-1]     # pop(): the lowest
         self._out_len_sum = 0                      # outputs of finished (not aborted) requests: sum, count
         self._out_len_count = 0
+        self._wants: dict[str, list[bytes]] = {}  # waiting request id -> the prompt hashes it wants kept
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self._want(req)
+
+    def _want(self, req: Request) -> None:
+        """A waiting request's cached prompt pages are evicted last (nfjax/kv/allocator.py, eviction order)."""
+        if self.allocator.prefix and not req.num_computed and req.request_id not in self._wants:
+            hashes = list(prompt_hashes(req, self.cache.page_size))
+            self._wants[req.request_id] = hashes
+            self.allocator.want(hashes)
+
+    def _unwant(self, req: Request) -> None:
+        hashes = self._wants.pop(req.request_id, None)
+        if hashes is not None:
+            self.allocator.unwant(hashes)
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark finished and release its pages (a launched step may still write them: stream order keeps that safe)."""
         if req.finished:
             return
         req.status, req.finish_reason = Status.FINISHED, reason
+        self._unwant(req)
         if req.pages:
             self._register(req)                     # pages its generated tokens filled
             self.allocator.free(req.pages)
@@ -152,27 +167,35 @@ class Batcher:
 
     def _reuse_prefix(self, batch: Batch, req: Request) -> None:
         """A newly admitted request takes its prompt's cached pages: GPU hits are shared, tier hits get fresh
-        pages loaded before the step. At least one page is left for its first chunk, so admission cannot fail
-        after a load was planned."""
+        pages loaded before the step. The prefix is walked page by page through every tier (a run on the GPU,
+        then one in the host or disk tier, then the GPU again...) up to the first page no tier holds. At least
+        one page is left free for its first chunk, so admission cannot fail after a load was planned."""
         a, ps = self.allocator, self.cache.page_size
         req.reused = {}
         if not a.prefix or req.num_computed:
             return
         hashes = prompt_hashes(req, ps)
-        pages = a.lookup(hashes)
-        if pages and a.num_free < 1:
-            a.free(pages)                           # back to the LRU list, untouched
-            pages = []
-        if pages:
-            req.reused["gpu"] = len(pages) * ps
-        if self.tiers is not None and len(pages) < len(hashes):
+        pages: list[int] = []
+        while len(pages) < len(hashes):
+            run = a.lookup(hashes[len(pages):])
+            while run and a.num_free < 1:            # taking them left no page for the chunk: give the last back
+                a.free([run.pop()])
+            if run:
+                pages += run
+                req.reused["gpu"] = req.reused.get("gpu", 0) + len(run) * ps
+            if self.tiers is None or len(pages) == len(hashes):
+                break
             rows = self.tiers.fetch(hashes[len(pages):], a.num_free - 1)
+            if not rows:
+                break
             new = a.allocate(len(rows))
             for p, h, (row, tier) in zip(new, hashes[len(pages):], rows):
                 a.register(p, h)
                 batch.loads.append((p, row))
                 req.reused[tier] = req.reused.get(tier, 0) + ps
             pages += new
+            if a.num_free < 1:
+                break
         req.pages, req.num_computed, req.num_registered = pages, len(pages) * ps, len(pages)
         if pages and req.penalty_slot is not None:
             batch.prefix_seeds.append(req)
@@ -253,6 +276,7 @@ class Batcher:
                     break       # every penalty slot is taken: wait (first come, first served)
                 req.penalty_slot = self.free_penalty_slots.pop()
             self.waiting.popleft()
+            self._unwant(req)                       # its cached pages are taken now, or evicted as any other
             req.status = Status.RUNNING
             self.running.append(req)
             self._reuse_prefix(batch, req)
@@ -262,6 +286,7 @@ class Batcher:
                 self.running.remove(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
+                self._want(req)
                 break
             left -= took
             batch.prompt_tokens += req.prompt_len

@@ -47,6 +47,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
         self._inflight: StepHandle | None = None
+        self._evicting: list[tuple[list[bytes], object]] = []   # (hashes, PendingRows) on their way to the host
+        self._launches = self._reads = 0                        # steps launched / read back so far
+        self.tier_waits = 0      # evicted rows read back before every step launched ahead of them was read
         self._ids = itertools.count()
         self._rng = random.Random()
         self.preemptions = 0
@@ -94,6 +97,7 @@ class Engine:
 
     def prefix_stats(self) -> dict:
         """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved."""
+        self._settle_evictions()
         d = self.batcher.stats.as_dict()
         a, t = self.batcher.allocator, self.batcher.tiers
         d.update(enabled=a.prefix, gpu_cached_pages=a.num_cached,
@@ -103,16 +107,31 @@ class Engine:
     def close(self) -> None:
         """Release the disk tier's folder (its lock)."""
         if self.batcher.tiers is not None:
+            self._settle_evictions()
             self.batcher.tiers.close()
 
     def _evict_to_host(self, evict: list) -> None:
-        """Evicted cached pages to the host tier, before this step's writes may reuse them."""
-        rows = self.runner.pages_to_host([p for p, _ in evict])
-        for (_, h), row in zip(evict, rows):
-            self.batcher.tiers.put(h, row.copy())
+        """Start copying evicted cached pages to the host tier, before this step's writes may reuse them: the
+        gathers are launched ahead of the step (one device stream: they read the pages first) and their
+        device->host copies run beside it. Nothing is waited for here: an earlier version read the rows back
+        at once, which waited for the step in flight and broke the one-step-ahead loop at every eviction."""
+        pending = self.runner.tier_copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches)
+        self._evicting.append(([h for _, h in evict], pending))
+
+    def _settle_evictions(self) -> None:
+        """Evicted rows into the host tier (run before each step's formation, so its lookups see them). Their
+        copies were launched before the step now in flight, after the one read last: reading them waits for
+        the copies only."""
+        for hashes, pending in self._evicting:
+            if pending.launched > self._reads:
+                self.tier_waits += 1           # (cannot happen from step(): counted for tests)
+            rows = pending.rows()
+            for h, row in zip(hashes, rows):
+                self.batcher.tiers.put(h, row.copy())
+        self._evicting = []
 
     def _load_from_tiers(self, loads: list) -> None:
-        """Tier hits into their fresh pages: one host->device copy and an on-device scatter."""
+        """Tier hits into their fresh pages: one host->device copy and an on-device scatter per run."""
         rows = [r for _, r in loads]
         self.runner.pages_from_host([p for p, _ in loads], rows)
         self.batcher.stats.bytes_from_host += sum(r.nbytes for r in rows)
@@ -191,6 +210,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""
         t0 = time.perf_counter()
+        if self._evicting:
+            self._settle_evictions()
         prev = self._inflight
         slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
         batch = self.batcher.next_batch(slots)
@@ -210,12 +231,14 @@ class Engine:
                 self.runner.seed_penalty_slot(req.penalty_slot, req.prompt_ids)
             handle = self.runner.launch(batch) if batch.seqs else None
             if handle is not None:
+                self._launches += 1
                 handle.host_ms = (time.perf_counter() - t0) * 1e3
         self._inflight = handle
         if prev is None:
             return []
         t1 = time.perf_counter()
         tokens = self.runner.read(prev)
+        self._reads += 1
         logprobs = self.runner.read_logprobs(prev)
         t2 = time.perf_counter()
         self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,

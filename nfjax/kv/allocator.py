@@ -11,6 +11,13 @@ more owner each). Unreferenced cached pages count as free: `allocate` takes the 
 least recently used cached pages, and reports each evicted (page, hash) through `take_evicted` so a slower tier
 can copy it out before the step that overwrites it is launched. Only full pages are ever registered, and a
 request never writes into a page before its first uncached position, so a shared page is never written.
+
+Eviction order. Plain LRU is the worst order for a chat workload: a conversation's next turn waits in a FIFO
+queue while its history's pages sit unreferenced, so the least recently freed pages are those of the request
+admitted next (a cyclic access pattern) and LRU evicts exactly them. So (1) pages are freed tail first, so that a
+request's last pages are evicted before its first ones and the head of a prefix survives longest (a lookup only
+uses a run from the first page); (2) pages whose hash a waiting request's prompt holds (`want`) are evicted only
+when no other cached page is left, the most recently wanted first (the request at the back of the queue).
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ class PageAllocator:
         self._page_of: dict[bytes, int] = {}             # prefix hash -> cached page
         self._hash_of: dict[int, bytes] = {}             # cached page -> its hash
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, least recently used first
+        self._wanted_lru: OrderedDict[int, None] = OrderedDict()  # ... whose hash a waiting request wants
+        self._want: dict[bytes, int] = {}                # hash -> how many waiting requests want it
         self._evicted: list[tuple[int, bytes]] = []
 
     @property
@@ -50,7 +59,7 @@ class PageAllocator:
     @property
     def num_free(self) -> int:
         """Pages `allocate` can hand out: the free list plus unreferenced cached pages (evicted on demand)."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._lru) + len(self._wanted_lru)
 
     @property
     def num_used(self) -> int:
@@ -72,7 +81,10 @@ class PageAllocator:
         if n > self.num_free:
             raise OutOfPages(n, self.num_free)
         while len(self._free) < n:                       # evict the least recently used cached pages
-            page, _ = self._lru.popitem(last=False)
+            if self._lru:
+                page, _ = self._lru.popitem(last=False)
+            else:                                        # only wanted ones left: the last wanted goes first
+                page, _ = self._wanted_lru.popitem(last=True)
             h = self._hash_of.pop(page)
             del self._page_of[h]
             self._evicted.append((page, h))
@@ -92,7 +104,7 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one owner from each page; pages whose count reaches 0 return to the free list (cached ones to
-        the LRU list, most recently used last)."""
+        the LRU list, most recently used last, a request's pages tail first: its last page is evicted first)."""
         pages = list(pages)
         drop: dict[int, int] = {}
         for p in pages:
@@ -101,13 +113,16 @@ class PageAllocator:
             self._check_live(p)
             if n > self._ref[p]:
                 raise ValueError(f"page {p} freed {n} times but has {self._ref[p]} owner(s)")
-        for p in pages:
+        for p in reversed(pages):
             self._ref[p] -= 1
             if self._ref[p] == 0:
-                if p in self._hash_of:
-                    self._lru[p] = None
-                else:
+                h = self._hash_of.get(p)
+                if h is None:
                     self._free.append(p)
+                elif h in self._want:
+                    self._wanted_lru[p] = None
+                else:
+                    self._lru[p] = None
 
     # ---- prefix cache ---------------------------------------------------------------------------------------
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
@@ -122,12 +137,46 @@ class PageAllocator:
             out.append(p)
         for p in out:
             if self._ref[p] == 0:
-                del self._lru[p]
+                if p in self._lru:
+                    del self._lru[p]
+                else:
+                    del self._wanted_lru[p]
             self._ref[p] += 1
         return out
 
+    def want(self, hashes: Iterable[bytes]) -> None:
+        """A waiting request's prompt holds `hashes`: their cached pages are evicted last (see the module doc)."""
+        if not self.prefix:
+            return
+        for h in hashes:
+            self._want[h] = self._want.get(h, 0) + 1
+            p = self._page_of.get(h)
+            if p is not None and self._ref[p] == 0:
+                self._lru.pop(p, None)
+                self._wanted_lru.pop(p, None)
+                self._wanted_lru[p] = None               # the newest want: evicted first among the wanted
+
+    def unwant(self, hashes: Iterable[bytes]) -> None:
+        """Undo one `want(hashes)` (the request was admitted or left the queue)."""
+        if not self.prefix:
+            return
+        for h in hashes:
+            n = self._want.get(h, 0) - 1
+            if n > 0:
+                self._want[h] = n
+                continue
+            self._want.pop(h, None)
+            p = self._page_of.get(h)
+            if p is not None and p in self._wanted_lru:
+                del self._wanted_lru[p]
+                self._lru[p] = None                      # back among the others, as just used
+
     def contains(self, h: bytes) -> bool:
         return h in self._page_of
+
+    def num_wanted(self) -> int:
+        """Unreferenced cached pages some waiting request wants."""
+        return len(self._wanted_lru)
 
     def register(self, page: int, h: bytes) -> bool:
         """Cache a held, full, written page under `h`. False (nothing changes) when the prefix cache is off, `h`

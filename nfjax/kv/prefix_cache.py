@@ -77,18 +77,33 @@ def unpack_pages(kv, pages: Int[Array, "P"], rows: UInt8[Array, "P B"]):
 
 
 def transfer_sizes(max_pages: int) -> list[int]:
-    """Row counts the copy programs are compiled for: powers of 4 up to `max_pages` (then `max_pages`), so a
-    copy of a few pages does not move a whole sequence's worth."""
+    """Row counts the copy programs are compiled for: powers of 2 up to `max_pages` (then `max_pages`). A copy
+    of n pages runs as n's binary digits (65 = 64 + 1), so no padding row is ever moved: at 8B a row is 2 MiB,
+    and padding to powers of 4 moved twice the evicted bytes on average."""
     out, n = [], 1
     while n < max_pages:
         out.append(n)
-        n *= 4
+        n *= 2
     return out + [max_pages]
+
+
+class PendingRows:
+    """Rows on their way to the host: the gather programs are launched and their device->host copies started
+    (`copy_to_host_async`); `rows()` waits for those copies only. Launched before a step that may overwrite the
+    pages, they read the pages first (one device stream); read back after the step in flight before them was
+    read, they never make the host wait for a step."""
+
+    def __init__(self, parts: list[tuple[int, object]], launched: int):
+        self.parts, self.launched = parts, launched    # (rows, device array [rows, row bytes]); steps launched
+
+    def rows(self) -> np.ndarray:
+        out = [np.asarray(a) for _, a in self.parts]
+        return np.concatenate(out) if len(out) > 1 else out[0]
 
 
 class TierCopies:
     """Compiled `pack_pages` / `unpack_pages` for each of `transfer_sizes` (compiled at start: no step compiles
-    later), and the host side of the copies."""
+    later), and the host side of the copies. `rows_to_host` / `rows_from_host` count the rows moved."""
 
     def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int):
         self.replicated, self.num_pages = replicated, num_pages
@@ -101,28 +116,35 @@ class TierCopies:
             self._unpack[n] = jax.jit(unpack_pages, donate_argnums=0, out_shardings=kv_sharding).lower(
                 kv, pg, rows).compile()
         self.sizes = sorted(self._pack)
+        self.rows_to_host = self.rows_from_host = 0
 
     def _runs(self, pages: list[int]):
-        """`pages` in runs of at most the largest size, each padded (ids past the cache) to a compiled size."""
-        top = self.sizes[-1]
-        for i in range(0, len(pages), top):
-            run = pages[i:i + top]
-            n = min(s for s in self.sizes if s >= len(run))
-            ids = np.full(n, self.num_pages, np.int32)
-            ids[:len(run)] = run
-            yield len(run), n, jax.device_put(ids, self.replicated)
+        """`pages` in runs of compiled sizes, largest first, covering them exactly: (start, size, ids)."""
+        i = 0
+        while i < len(pages):
+            n = max(s for s in self.sizes if s <= len(pages) - i)
+            yield i, n, jax.device_put(np.asarray(pages[i:i + n], np.int32), self.replicated)
+            i += n
+
+    def to_host_async(self, kv, pages: list[int], launched: int = 0) -> PendingRows:
+        """Start copying `pages` out as rows: one gather and one device->host copy per run, nothing waited for.
+        `launched`: steps launched so far (PendingRows.launched, for the caller's bookkeeping)."""
+        parts = []
+        for _, n, ids in self._runs(pages):
+            rows = self._pack[n](kv, ids)
+            rows.copy_to_host_async()
+            parts.append((n, rows))
+        self.rows_to_host += len(pages)
+        return PendingRows(parts, launched)
 
     def to_host(self, kv, pages: list[int]) -> np.ndarray:
-        """Rows [len(pages), row_bytes]: one gather and one device->host copy per run."""
-        out = [np.asarray(self._pack[n](kv, ids))[:k] for k, n, ids in self._runs(pages)]
-        return np.concatenate(out) if len(out) > 1 else out[0]
+        """Rows [len(pages), row_bytes] (waits for them)."""
+        return self.to_host_async(kv, pages).rows()
 
     def from_host(self, kv, pages: list[int], rows: list[np.ndarray]):
         """`kv` with `rows` written at `pages`: one contiguous host->device copy and one scatter per run."""
-        off = 0
-        for k, n, ids in self._runs(pages):
-            buf = np.zeros((n, self.row_bytes), np.uint8)
-            buf[:k] = np.stack(rows[off:off + k])
-            off += k
+        for i, n, ids in self._runs(pages):
+            buf = np.stack(rows[i:i + n])
             kv = self._unpack[n](kv, ids, jax.device_put(buf, self.replicated))
+        self.rows_from_host += len(pages)
         return kv

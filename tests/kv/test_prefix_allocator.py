@@ -27,12 +27,49 @@ def test_cached_pages_are_shared_kept_and_evicted_least_recently_used_first():
     assert a.num_free == 4 and a.num_cached == 3          # unreferenced cached pages count as free, stay cached
     assert a.lookup([h(2)]) == [p[2]]                     # taken back: most recently used now
     a.free([p[2]])
-    got = a.allocate(3)                                   # 1 free page, then the LRU: p[0], p[1]
+    got = a.allocate(3)                                   # 1 free page, then the LRU: p[1], p[0] (freed tail first)
     assert p[0] in got and p[1] in got and p[2] not in got
-    assert a.take_evicted() == [(p[0], h(0)), (p[1], h(1))] and a.take_evicted() == []
+    assert a.take_evicted() == [(p[1], h(1)), (p[0], h(0))] and a.take_evicted() == []
     assert a.lookup([h(0)]) == [] and a.lookup([h(2)]) == [p[2]]
     with pytest.raises(OutOfPages):
         a.allocate(1)
+
+
+def test_a_prefix_is_evicted_tail_first_so_its_head_still_hits():
+    """Pages freed together go to the LRU list tail first: evicting some leaves a usable run from the first page
+    (freed head first, the head went first and the whole prefix was lost: a lookup needs the first page)."""
+    a = PageAllocator(9, prefix=True)
+    p = a.allocate(6)
+    for page, i in zip(p, range(6)):
+        a.register(page, h(i))
+    a.free(p)
+    a.allocate(2 + 3)                                     # the 2 never-used pages, then 3 cached ones
+    assert [e for e, _ in a.take_evicted()] == [p[5], p[4], p[3]]
+    assert a.lookup([h(i) for i in range(6)]) == p[:3]
+
+
+def test_pages_a_waiting_request_wants_are_evicted_last_the_last_wanted_first():
+    """A FIFO queue of turns over LRU is a cyclic pattern (the least recently freed pages belong to the request
+    admitted next): pages wanted by waiting requests go last, those of the back of the queue first."""
+    a = PageAllocator(10, prefix=True)
+    p = a.allocate(9)
+    for page, i in zip(p, range(9)):
+        a.register(page, h(i))
+    a.free(p[0:3])                         # conversation A, finished first (least recently used)
+    a.free(p[3:6])                         # B
+    a.free(p[6:9])                         # C, finished last
+    a.want([h(0), h(1), h(2)])             # A's next turn waits at the head of the queue
+    a.want([h(3), h(4), h(5)])             # then B's; C's conversation is over
+    assert a.num_wanted() == 6 and a.num_free == 9
+    a.allocate(5)
+    assert [e for e, _ in a.take_evicted()] == [p[8], p[7], p[6], p[5], p[4]]   # C, then the back of the queue
+    a.unwant([h(3), h(4), h(5)])           # B left the queue (aborted): its page is an ordinary one again
+    a.allocate(1)
+    assert [e for e, _ in a.take_evicted()] == [p[3]]
+    assert a.lookup([h(0), h(1), h(2)]) == p[0:3] and a.num_wanted() == 0
+    a.unwant([h(0), h(1), h(2)])
+    a.free(p[0:3])
+    assert a.num_wanted() == 0 and a.num_free == 3
 
 
 def test_off_by_default():
@@ -47,7 +84,8 @@ def test_hash_chains_the_prefix():
     assert chain_hash(ROOT, [1, 2]) != chain_hash(chain_hash(ROOT, [0]), [1, 2])
     assert chain_hash(ROOT, [1, 2]) == chain_hash(ROOT, np.array([1, 2]))
     assert chain_hash(ROOT, [1, 2]) != chain_hash(ROOT, [2, 1])
-    assert transfer_sizes(16) == [1, 4, 16] and transfer_sizes(20) == [1, 4, 16, 20] and transfer_sizes(1) == [1]
+    assert transfer_sizes(16) == [1, 2, 4, 8, 16] and transfer_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert transfer_sizes(1) == [1]
 
 
 def test_host_tier_is_lru_and_spills():
