@@ -21,8 +21,8 @@ CPU:   python -m bench.multiround --shape smoke --layers 2 --conversations 8 --c
 
 On a GPU the three engines (each compiling its programs, ~200 s each at 8B with 256 conversations) outlast one
 10-minute device command: `--configs off,gpu` in one call and `--configs tiers --merge <first JSON>` in the
-next (the summary needs all three), or `--compile-cache DIR` so the second and third engines load the first
-one's compiled programs (JAX's persistent compilation cache).
+next (the summary needs all three), and the engine flag `--compile-cache DIR` so the second and third engines load
+the first one's compiled programs (JAX's persistent compilation cache).
 """
 from __future__ import annotations
 
@@ -129,15 +129,10 @@ def main(argv=None):
     g.add_argument("--name", default="multiround")
     g.add_argument("--configs", default=",".join(CONFIGS), help=f"engines to run, a subset of {','.join(CONFIGS)}")
     g.add_argument("--merge", default=None, help="result JSONs of earlier runs whose engines this one skipped")
-    g.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache folder")
     args = p.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not names or set(names) - set(CONFIGS):
         p.error(f"--configs {args.configs}: choose from {','.join(CONFIGS)}")
-    if args.compile_cache:
-        import jax
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     lo, hi = (int(x) for x in args.turns.split(","))
     host_gb = args.host_cache_gb or 4.0
     disk_dir = args.disk_cache_dir or tempfile.mkdtemp(prefix="nfjax-kv-")

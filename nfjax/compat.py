@@ -50,3 +50,13 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
 # XLA's CUDA-graph command buffers off: the empty list of command types. A DebugOptions field as well; the
 # candidate cause of the host waiting in dispatch for the GPU's step time (docs/design.md sections 2-3).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def use_compile_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in `folder`, for every program however short its compile (the step
+    programs of a small model compile in well under the default 1 s threshold). Process-wide."""
+    import os
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

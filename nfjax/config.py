@@ -360,6 +360,9 @@ class ExecutionConfig:
     # Copy each step's inputs into the same device buffers before the step's programs read them: a command
     # buffer whose buffers moved is re-recorded before it launches (+0.3 ms a 4-layer program, docs/design.md s3)
     stable_inputs: bool = True
+    # JAX's persistent compilation cache (a folder): a later engine of the same model and settings loads its
+    # compiled programs instead of compiling them (8B on an H200: ready in 16 s against 53 s). Process-wide.
+    compile_cache_dir: str | None = None
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

@@ -87,6 +87,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="XLA CUDA-graph command buffers off")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
+    g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
+                   help="keep compiled programs in DIR (JAX's persistent cache): a restart with the same model and "
+                        "settings loads them instead of compiling")
     g.add_argument("--offload", metavar="POLICY.json|auto", default=None,
                    help="FlexGen mode for models larger than the GPU: weights, KV cache and activations placed "
                         "across GPU, host memory and disk by the policy file (nfjax/offload/policy.py), or by the "
@@ -108,7 +111,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
 
-         "command_buffers": "execution", "stable_inputs": "execution",
+         "command_buffers": "execution", "stable_inputs": "execution", "compile_cache_dir": "execution",
          "tp": "parallel"}
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu
+from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu, use_compile_cache
 from nfjax.config import EngineConfig
 from nfjax.engine.batcher import Batch
 from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input, needs_full, num_penalty_slots
@@ -144,6 +144,8 @@ class Runner:
         """Lower every program in turn, then compile them on a thread pool (XLA compiles outside the GIL)."""
         from nfjax.schedule.variants import SEQUENTIAL
         t0 = time.perf_counter()
+        if self.config.execution.compile_cache_dir:
+            use_compile_cache(self.config.execution.compile_cache_dir)
         jobs: list[tuple[dict, object, object, dict | None]] = []     # (table, key, lowered, compiler options)
         rep = self.replicated
         x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)

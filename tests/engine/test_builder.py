@@ -70,3 +70,27 @@ def test_bad_engine_file_names_the_file(tmp_path):
 def test_from_pretrained_refuses_an_unknown_setting():
     with pytest.raises(UserError, match="max_seq"):
         Engine.from_pretrained(max_seq=4)
+
+
+def test_compile_cache_a_second_start_compiles_nothing(tmp_path):
+    """`--compile-cache DIR`: the first `nfjax generate` writes its programs there, a second identical one finds
+    every program (no new entry) and prints the same text."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cache = tmp_path / "xla"
+
+    def run():
+        p = subprocess.run([sys.executable, "-m", "nfjax.cli", "generate", "--compile-cache", str(cache),
+                            "--max-tokens", "6", "--temperature", "0", "Hello"], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout, sorted(os.listdir(cache))
+    out1, files1 = run()
+    out2, files2 = run()
+    assert len(files1) > 5 and files2 == files1 and out2 == out1
+
+
+def test_compile_cache_flag_is_an_execution_setting():
+    assert overrides_from_args(_parse("--compile-cache", "/tmp/x")) == {"execution": {"compile_cache_dir": "/tmp/x"}}
