@@ -85,7 +85,7 @@ class Engine:
         if c.disk_cache_dir:
             from nfjax.kv.disk_tier import DiskTier
             disk = DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 2 ** 30) // row, row, stats,
-                            self._tier_fingerprint())
+                            self._tier_fingerprint(), background=True)
         return PrefixTiers(HostTier(int(c.host_cache_gb * 2 ** 30) // row, row, stats, spill=disk), disk)
 
     def _tier_fingerprint(self) -> bytes:
@@ -98,6 +98,9 @@ class Engine:
     def prefix_stats(self) -> dict:
         """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved."""
         self._settle_evictions()
+        disk = self.batcher.tiers.disk if self.batcher.tiers is not None else None
+        if disk is not None and not self.has_unfinished():
+            disk.flush()              # idle: the background writer's pages counted (a server reads this each step)
         d = self.batcher.stats.as_dict()
         a, t = self.batcher.allocator, self.batcher.tiers
         d.update(enabled=a.prefix, gpu_cached_pages=a.num_cached,

@@ -187,6 +187,7 @@ def test_corrupt_disk_files_are_recomputed_not_loaded(off, tiered):
         tiered.generate([[int(t) for t in rng.integers(0, 256, PS + 1)] for _ in range(4)],
                         SamplingParams.greedy(max_tokens=1))
     assert all(h in disk for h in hashes)
+    disk.flush()                            # the engine's disk tier writes in the background
     f = disk.path(hashes[1])
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF

@@ -108,3 +108,63 @@ def test_a_failing_write_drops_the_page_and_goes_on(tmp_path, monkeypatch):
     d.put(h(1), row(1))
     np.testing.assert_array_equal(d.pop(h(1)), row(1))
     d.close()
+
+
+def test_background_writer_round_trip_lru_and_cleanup(tmp_path):
+    """The engine's mode: `put` queues the row, a writer thread checksums and writes it (at 8B ~2 MiB a page:
+    BLAKE2b and the write ran on the engine's loop for every spilled page)."""
+    st = PrefixStats()
+    d = DiskTier(tmp_path, 2, 64, st, FP, background=True)
+    for i in range(3):
+        d.put(h(i), row(i))
+    assert len(d) == 2 and h(0) not in d                    # in the tier at once, LRU as before
+    d.flush()
+    assert not d.path(h(0)).exists() and d.path(h(1)).exists() and d.path(h(2)).exists()
+    np.testing.assert_array_equal(d.pop(h(1)), row(1))
+    assert not d.path(h(1)).exists()
+    assert 2 * 64 <= st.bytes_to_disk <= 3 * 64 and st.bytes_from_disk == 64 and st.disk_errors == 0
+    writer = d._writer
+    d.close()
+    assert not writer.is_alive() and not list(tmp_path.glob("*" + SUFFIX)) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_background_writer_pages_taken_back_before_or_while_written(tmp_path, monkeypatch):
+    import threading
+    st = PrefixStats()
+    d = DiskTier(tmp_path, 8, 64, st, FP, background=True)
+    started, go = threading.Event(), threading.Event()
+    real = d._write
+
+    def slow(hh, r):
+        started.set()
+        go.wait(10)
+        return real(hh, r)
+    monkeypatch.setattr(d, "_write", slow)
+    d.put(h(0), row(0))
+    assert started.wait(10)                                 # the writer is inside h(0)'s write
+    d.put(h(1), row(1))                                     # queued behind it
+    np.testing.assert_array_equal(d.pop(h(1)), row(1))      # handed back from the queue, no file
+    np.testing.assert_array_equal(d.pop(h(0)), row(0))      # taken back while being written
+    go.set()
+    d.flush()
+    assert len(d) == 0 and not list(tmp_path.glob("*" + SUFFIX))     # the late file was removed, h(1) never written
+    assert st.bytes_from_disk == 2 * 64 and st.disk_errors == 0
+    d.close()
+
+
+def test_background_write_failure_is_warned_on_the_callers_thread(tmp_path, monkeypatch):
+    st = PrefixStats()
+    d = DiskTier(tmp_path, 4, 64, st, FP, background=True)
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", full)
+    d.put(h(0), row(0))
+    with pytest.warns(RuntimeWarning, match="No space left"):
+        d.flush()
+    monkeypatch.undo()
+    assert h(0) not in d and st.disk_errors == 1 and not list(tmp_path.glob("*.tmp"))
+    d.put(h(1), row(1))
+    d.flush()
+    np.testing.assert_array_equal(d.pop(h(1)), row(1))
+    d.close()
