@@ -47,9 +47,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
         self._inflight: StepHandle | None = None
-        self._evicting: list[tuple[list[bytes], object]] = []   # (hashes, PendingRows) on their way to the host
-        self._launches = self._reads = 0                        # steps launched / read back so far
-        self.tier_waits = 0      # evicted rows read back before every step launched ahead of them was read
+        self._evicting: list = []                # (PendingRows, [(hash, LazyRow)]) on their way to the host
+        self._launches = self._reads = 0         # steps launched / read back so far
         self._ids = itertools.count()
         self._rng = random.Random()
         self.preemptions = 0
@@ -97,7 +96,6 @@ class Engine:
 
     def prefix_stats(self) -> dict:
         """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved."""
-        self._settle_evictions()
         disk = self.batcher.tiers.disk if self.batcher.tiers is not None else None
         if disk is not None and not self.has_unfinished():
             disk.flush()              # idle: the background writer's pages counted (a server reads this each step)
@@ -116,22 +114,34 @@ class Engine:
     def _evict_to_host(self, evict: list) -> None:
         """Start copying evicted cached pages to the host tier, before this step's writes may reuse them: the
         gathers are launched ahead of the step (one device stream: they read the pages first) and their
-        device->host copies run beside it. Nothing is waited for here: an earlier version read the rows back
-        at once, which waited for the step in flight and broke the one-step-ahead loop at every eviction."""
-        pending = self.runner.tier_copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches)
-        self._evicting.append(([h for _, h in evict], pending))
+        device->host copies run beside it. The host tier holds them as lazy rows at once; nothing is waited for
+        here (the rows used to be read back at once, which waited for the step in flight: a sync point that
+        broke the one-step-ahead loop at every eviction)."""
+        from nfjax.kv.prefix_cache import LazyRow
+        copies = self.runner.tier_copies
+        pending = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)
+        lazy = [(h, LazyRow(pending, i, copies.row_bytes)) for i, (_, h) in enumerate(evict)]
+        for h, row in lazy:
+            self.batcher.tiers.put(h, row)
+        self._evicting.append((pending, lazy))
 
-    def _settle_evictions(self) -> None:
-        """Evicted rows into the host tier (run before each step's formation, so its lookups see them). Their
-        copies were launched before the step now in flight, after the one read last: reading them waits for
-        the copies only."""
-        for hashes, pending in self._evicting:
-            if pending.launched > self._reads:
-                self.tier_waits += 1           # (cannot happen from step(): counted for tests)
-            rows = pending.rows()
-            for h, row in zip(hashes, rows):
-                self.batcher.tiers.put(h, row.copy())
-        self._evicting = []
+    def _settle_evictions(self, all_: bool = True) -> None:
+        """Lazy rows replaced by their bytes (the device arrays freed). From `step`, after its read: only copies
+        launched before the step just read (they had that whole step to finish)."""
+        keep = []
+        for pending, lazy in self._evicting:
+            if not all_ and pending.launched >= self._reads:
+                keep.append((pending, lazy))
+                continue
+            for h, row in lazy:
+                self.batcher.tiers.host.settle(h, row)
+        self._evicting = keep
+
+    @property
+    def tier_waits(self) -> int:
+        """Evicted rows read back before the steps launched ahead of them were read (device syncs): 0."""
+        c = self.runner.tier_copies
+        return c.step_waits if c is not None else 0
 
     def _load_from_tiers(self, loads: list) -> None:
         """Tier hits into their fresh pages: one host->device copy and an on-device scatter per run."""
@@ -213,8 +223,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""
         t0 = time.perf_counter()
-        if self._evicting:
-            self._settle_evictions()
         prev = self._inflight
         slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
         batch = self.batcher.next_batch(slots)
@@ -242,6 +250,8 @@ class Engine:
         t1 = time.perf_counter()
         tokens = self.runner.read(prev)
         self._reads += 1
+        if self._evicting:
+            self._settle_evictions(all_=False)
         logprobs = self.runner.read_logprobs(prev)
         t2 = time.perf_counter()
         self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,

@@ -89,16 +89,40 @@ def transfer_sizes(max_pages: int) -> list[int]:
 
 class PendingRows:
     """Rows on their way to the host: the gather programs are launched and their device->host copies started
-    (`copy_to_host_async`); `rows()` waits for those copies only. Launched before a step that may overwrite the
-    pages, they read the pages first (one device stream); read back after the step in flight before them was
-    read, they never make the host wait for a step."""
+    (`copy_to_host_async`); `rows()` waits for those copies only (once; the device arrays are dropped then).
+    Launched before a step that may overwrite the pages, they read the pages first (one device stream).
+    `launched`: steps launched before them; `reads()`: steps read back so far. Reading the rows before every
+    step launched ahead of them was read would wait for that step: counted in `waits[0]` (the engine never
+    does)."""
 
-    def __init__(self, parts: list[tuple[int, object]], launched: int):
-        self.parts, self.launched = parts, launched    # (rows, device array [rows, row bytes]); steps launched
+    def __init__(self, parts: list[tuple[int, object]], launched: int = 0, reads=None, waits=None):
+        self.parts, self.launched, self.reads, self.waits = parts, launched, reads, waits
+        self._host: np.ndarray | None = None
 
     def rows(self) -> np.ndarray:
-        out = [np.asarray(a) for _, a in self.parts]
-        return np.concatenate(out) if len(out) > 1 else out[0]
+        if self._host is None:
+            if self.reads is not None and self.launched > self.reads() and self.waits is not None:
+                self.waits[0] += 1
+            out = [np.asarray(a) for _, a in self.parts]
+            self._host = np.concatenate(out) if len(out) > 1 else out[0]
+            self.parts = []
+        return self._host
+
+
+class LazyRow:
+    """Row `index` of a `PendingRows`, kept in the host tier until the engine settles it (or a tier hit or a
+    spill needs it first)."""
+    __slots__ = ("pending", "index", "nbytes")
+
+    def __init__(self, pending: PendingRows, index: int, nbytes: int):
+        self.pending, self.index, self.nbytes = pending, index, nbytes
+
+    def ready(self) -> bool:
+        """Read back already (getting it waits for nothing)."""
+        return self.pending._host is not None
+
+    def get(self) -> np.ndarray:
+        return self.pending.rows()[self.index].copy()
 
 
 class TierCopies:
@@ -117,6 +141,7 @@ class TierCopies:
                 kv, pg, rows).compile()
         self.sizes = sorted(self._pack)
         self.rows_to_host = self.rows_from_host = 0
+        self._waits = [0]
 
     def _runs(self, pages: list[int]):
         """`pages` in runs of compiled sizes, largest first, covering them exactly: (start, size, ids)."""
@@ -126,16 +151,21 @@ class TierCopies:
             yield i, n, jax.device_put(np.asarray(pages[i:i + n], np.int32), self.replicated)
             i += n
 
-    def to_host_async(self, kv, pages: list[int], launched: int = 0) -> PendingRows:
+    def to_host_async(self, kv, pages: list[int], launched: int = 0, reads=None) -> PendingRows:
         """Start copying `pages` out as rows: one gather and one device->host copy per run, nothing waited for.
-        `launched`: steps launched so far (PendingRows.launched, for the caller's bookkeeping)."""
+        `launched`, `reads`: the caller's step counts (PendingRows); early reads counted in `step_waits`."""
         parts = []
         for _, n, ids in self._runs(pages):
             rows = self._pack[n](kv, ids)
             rows.copy_to_host_async()
             parts.append((n, rows))
         self.rows_to_host += len(pages)
-        return PendingRows(parts, launched)
+        return PendingRows(parts, launched, reads, self._waits)
+
+    @property
+    def step_waits(self) -> int:
+        """Evicted rows read back before the steps launched ahead of them were read (each a device sync)."""
+        return self._waits[0]
 
     def to_host(self, kv, pages: list[int]) -> np.ndarray:
         """Rows [len(pages), row_bytes] (waits for them)."""

@@ -33,8 +33,15 @@ class PrefixStats:
         return d
 
 
+def _host_row(row) -> np.ndarray:
+    """A row, or a `LazyRow` still coming from the device (nfjax/kv/prefix_cache.py) read back now."""
+    return row if isinstance(row, np.ndarray) else row.get()
+
+
 class HostTier:
-    """Rows in host memory, at most `capacity` pages, least recently used first out (to `spill`)."""
+    """Rows in host memory, at most `capacity` pages, least recently used first out (to `spill`). A row may be
+    put while its device->host copy is still running (a `LazyRow`): `settle` replaces it by its bytes in place;
+    a hit or a spill before that reads it back first."""
     name = "host"
 
     def __init__(self, capacity: int, row_bytes: int, stats: PrefixStats, spill=None):
@@ -47,20 +54,31 @@ class HostTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self._rows
 
-    def put(self, h: bytes, row: np.ndarray) -> None:
-        if self.capacity <= 0:
-            if self.spill is not None:
-                self.spill.put(h, row)
-            return
+    def put(self, h: bytes, row) -> None:
         self._rows[h] = row
         self._rows.move_to_end(h)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Over capacity: the least recently used rows to `spill` (dropped without one). A lazy row there waits
+        (the tier is over capacity until it settles): reading it back now could wait for the step in flight."""
         while len(self._rows) > self.capacity:
-            old, r = self._rows.popitem(last=False)
+            old, r = next(iter(self._rows.items()))
+            if self.spill is not None and not isinstance(r, np.ndarray) and not r.ready():
+                return
+            del self._rows[old]
             if self.spill is not None:
-                self.spill.put(old, r)
+                self.spill.put(old, _host_row(r))
 
     def pop(self, h: bytes) -> np.ndarray | None:
-        return self._rows.pop(h, None)
+        row = self._rows.pop(h, None)
+        return None if row is None else _host_row(row)
+
+    def settle(self, h: bytes, lazy) -> None:
+        """`lazy`'s bytes in its place, if the tier still holds it (its LRU position unchanged)."""
+        if self._rows.get(h) is lazy:
+            self._rows[h] = lazy.get()
+        self._shrink()
 
 
 class PrefixTiers:
