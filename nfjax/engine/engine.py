@@ -103,6 +103,9 @@ class Engine:
         a, t = self.batcher.allocator, self.batcher.tiers
         d.update(enabled=a.prefix, gpu_cached_pages=a.num_cached,
                  host_pages=len(t.host) if t else 0, disk_pages=len(t.disk) if t and t.disk else 0)
+        c = self.runner.tier_copies
+        if c is not None:             # rows moved each way, and reads of evicted rows that waited for a step (0)
+            d.update(rows_to_host=c.rows_to_host, rows_from_host=c.rows_from_host, tier_step_waits=c.step_waits)
         return d
 
     def close(self) -> None:

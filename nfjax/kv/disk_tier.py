@@ -215,12 +215,15 @@ class DiskTier:
                     why = "truncated"
                 elif hashlib.blake2b(data, digest_size=16).digest() != digest:
                     why = "checksum mismatch"
+        with self._mu:                                # (the writer thread counts too)
+            if why is not None:
+                self.stats.disk_errors += 1
+            else:
+                self.stats.bytes_from_disk += len(data)
         if why is not None:
-            self.stats.disk_errors += 1
             warnings.warn(f"prefix cache disk tier: {p.name} is {why}; recomputing the page", RuntimeWarning,
                           stacklevel=2)
             return None
-        self.stats.bytes_from_disk += len(data)
         return np.frombuffer(data, np.uint8).copy()
 
     def _clear(self) -> None:
