@@ -54,7 +54,6 @@ import numpy as np
 
 SPEC = {"k": None, "v": None, "traced": 0}        # the variant being built (read when its engine traces)
 CAL_MEAN = None                                   # [L, KH, D] f32: the calibrated K channel means
-PAGE_BLOCK = 256                                  # positions a blocked-loop block holds (blocked_attention)
 FP8_FORMATS = {"fp8": ("float8_e4m3fn", 448.0), "fp8e5": ("float8_e5m2", 57344.0)}
 
 
@@ -170,53 +169,31 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
 
 # ---- the patched engine --------------------------------------------------------------------------------------
 def fake_blocked_attention(q, k_pages, v_pages, positions, token_seq, page_table, seq_lens, scale, layer):
-    """nfjax/kv/blocked_attention.py's loop with `fake` applied to each block's K and V."""
+    """nfjax/kv/blocked_attention.py's loop with `fake` applied to each block's K and V (and `rt`'s rotations
+    rounded as the shipped int4 rounds them)."""
     import jax.numpy as jnp
-    from jax import lax
+    from nfjax.kv.blocked_attention import blocked_paged_attention
     from pallas_kernels import kv_quant as kq
     rt_dtype = q.dtype
-    t, h, d = q.shape
-    _, ps, kh, _ = k_pages.shape
-    s, p = page_table.shape
-    g = h // kh
-    bp = max(1, min(p, PAGE_BLOCK // ps))
-    nb_static = -(-p // bp)
-    table = jnp.pad(page_table, ((0, 0), (0, nb_static * bp - p)))
-    width = bp * ps
+    _, ps, kh, d = k_pages.shape
+    s = page_table.shape[0]
     rt = SPEC.get("rt")
     if rt == "bf16":   # the shipped int4's query rotation, rounded to the model's dtype: (q H) rounded, times H
         q = kq.rotate(kq.rotate(q, q.dtype), jnp.float32)
-    qg = q.reshape(t, kh, g, d).astype(jnp.float32) * scale
-    tok_len = seq_lens[token_seq]
     mean = None if CAL_MEAN is None else jnp.asarray(CAL_MEAN)[layer]
     ks, vs = SPEC["k"], SPEC["v"]
     SPEC["traced"] += 1
 
-    def body(i, carry):
-        m, l, acc = carry
-        pages = lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
-        kb = fake(k_pages[pages].reshape(s, width, kh, d).astype(jnp.float32), ks, i * width, seq_lens, mean)
-        vb = fake(v_pages[pages].reshape(s, width, kh, d).astype(jnp.float32), vs, i * width, seq_lens, mean)
-        kb, vb = kb[token_seq], vb[token_seq]
-        sc = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
-        j = i * width + jnp.arange(width)
-        ok = ((j[None, :] <= positions[:, None]) & (j[None, :] < tok_len[:, None]))[:, None, None, :]
-        m_new = jnp.maximum(m, jnp.max(jnp.where(ok, sc, -jnp.inf), axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        pr = jnp.where(ok, jnp.exp(sc - m_safe[..., None]), 0.0)
-        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        l = l * corr + pr.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgb,tbkd->tkgd", pr, vb)
-        return m_new, l, acc
+    def read_block(pages, start):
+        width = pages.shape[1] * ps
+        return tuple(fake(x[pages].reshape(s, width, kh, d).astype(jnp.float32), spec, start, seq_lens, mean)
+                     for x, spec in ((k_pages, ks), (v_pages, vs)))
 
-    zero = qg * 0.0
-    init = (zero[..., 0] - jnp.inf, zero[..., 0], zero)
-    num_blocks = jnp.minimum((jnp.max(seq_lens) + width - 1) // width, nb_static)
-    _, l, acc = lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = blocked_paged_attention(q.astype(jnp.float32), k_pages, v_pages, positions, token_seq, page_table,
+                                  seq_lens, scale, read_block=read_block)
     if rt:          # and its output rotation: the rotated output rounded, rotated back, rounded
         out = kq.rotate(kq.rotate(out, jnp.float32).astype(rt_dtype), jnp.float32)
-    return out.reshape(t, h, d).astype(rt_dtype if rt else q.dtype)
+    return out.astype(rt_dtype)
 
 
 def install() -> None:

@@ -22,9 +22,12 @@ BLOCK_POSITIONS = 256     # cache positions a loop iteration reads per sequence
 def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],
                             v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                             token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
-                            seq_lens: Int[Array, "S"], scale: float, aux_pages=None) -> Float[Array, "T H D"]:
+                            seq_lens: Int[Array, "S"], scale: float, aux_pages=None,
+                            read_block=None) -> Float[Array, "T H D"]:
     """Same contract as `ragged_paged_attention_ref` (quantized pages with their `aux_pages` are dequantized
-    block by block); rows whose sequence is empty come back 0."""
+    block by block); rows whose sequence is empty come back 0. `read_block(pages [S, bp], start)`: the block's K
+    and V [S, bp x PS, KH, D] in f32, `start` its first position (default: the pages as stored, dequantized; the
+    KV probes read them through other formats)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
@@ -36,12 +39,15 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
     qg = q.reshape(t, kh, g, d).astype(jnp.float32) * scale
     tok_len = seq_lens[token_seq]
 
+    def stored(pages, start):
+        ab = None if aux_pages is None else aux_pages[pages].reshape(s, width, kh, -1)
+        return dequantize_kv(k_pages[pages].reshape(s, width, kh, -1), v_pages[pages].reshape(s, width, kh, -1), ab)
+    read = read_block or stored
+
     def body(i, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)                 # [S, bp]
-        ab = None if aux_pages is None else aux_pages[pages].reshape(s, width, kh, -1)
-        kb, vb = dequantize_kv(k_pages[pages].reshape(s, width, kh, -1), v_pages[pages].reshape(s, width, kh, -1),
-                               ab)
+        kb, vb = read(pages, i * width)
         kb, vb = kb[token_seq], vb[token_seq]                                         # [T, B, KH, D] f32
         sc = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
         j = i * width + jnp.arange(width)
