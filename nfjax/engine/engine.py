@@ -140,12 +140,6 @@ class Engine:
                 self.batcher.tiers.host.settle(h, row)
         self._evicting = keep
 
-    @property
-    def tier_waits(self) -> int:
-        """Evicted rows read back before the steps launched ahead of them were read (device syncs): 0."""
-        c = self.runner.tier_copies
-        return c.step_waits if c is not None else 0
-
     def _load_from_tiers(self, loads: list) -> None:
         """Tier hits into their fresh pages: one host->device copy and an on-device scatter per run."""
         rows = [r for _, r in loads]

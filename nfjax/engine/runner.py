@@ -228,10 +228,6 @@ class Runner:
             self.tier_copies = TierCopies(self.kv, self.kv_sharding, rep, c.num_pages, c.max_pages_per_seq)
 
     # ---- prefix cache -----------------------------------------------------------------------------
-    def pages_to_host(self, pages: list[int]) -> np.ndarray:
-        """Pages as uint8 rows [len(pages), row_bytes] on the host (nfjax/kv/prefix_cache.py)."""
-        return self.tier_copies.to_host(self.kv, pages)
-
     def pages_from_host(self, pages: list[int], rows: list[np.ndarray]) -> None:
         """Rows written into `pages`: one contiguous host->device copy and an on-device scatter."""
         self.kv = self.tier_copies.from_host(self.kv, pages, rows)

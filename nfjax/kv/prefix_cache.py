@@ -167,10 +167,6 @@ class TierCopies:
         """Evicted rows read back before the steps launched ahead of them were read (each a device sync)."""
         return self._waits[0]
 
-    def to_host(self, kv, pages: list[int]) -> np.ndarray:
-        """Rows [len(pages), row_bytes] (waits for them)."""
-        return self.to_host_async(kv, pages).rows()
-
     def from_host(self, kv, pages: list[int], rows: list[np.ndarray]):
         """`kv` with `rows` written at `pages`: one contiguous host->device copy and one scatter per run."""
         for i, n, ids in self._runs(pages):
