@@ -9,6 +9,19 @@ from nfjax.kv.prefix_cache import ROOT, chain_hash, transfer_sizes
 from nfjax.kv.tiers import HostTier, PrefixStats, PrefixTiers
 
 
+class DictTier:
+    """The tier below the host tier (the disk tier's put / pop), its rows in a dict."""
+
+    def __init__(self):
+        self.rows: dict[bytes, np.ndarray] = {}
+
+    def put(self, key, row):
+        self.rows[key] = row
+
+    def pop(self, key):
+        return self.rows.pop(key, None)
+
+
 def h(i: int) -> bytes:
     return chain_hash(ROOT, [i])
 
@@ -89,17 +102,9 @@ def test_hash_chains_the_prefix():
 
 
 def test_host_tier_is_lru_and_spills():
-    stats = PrefixStats()
-    spilled = {}
-
-    class Spill:
-        def put(self, key, row):
-            spilled[key] = row
-
-        def pop(self, key):
-            return spilled.pop(key, None)
-
-    tiers = PrefixTiers(HostTier(2, 4, stats, spill=Spill()), Spill())
+    stats, spill = PrefixStats(), DictTier()
+    spilled = spill.rows
+    tiers = PrefixTiers(HostTier(2, 4, stats, spill=spill), spill)
     rows = {i: np.full(4, i, np.uint8) for i in range(4)}
     for i in range(3):
         tiers.put(h(i), rows[i])
@@ -171,15 +176,9 @@ def test_host_tier_keeps_rows_still_coming_from_the_device_until_they_settle():
         def __array__(self, dtype=None, copy=None):
             Dev.reads += 1
             return np.arange(8, dtype=np.uint8).reshape(2, 4)
-    stats, spilled = PrefixStats(), {}
-
-    class Spill:
-        def put(self, key, row):
-            spilled[key] = row
-
-        def pop(self, key):
-            return spilled.pop(key, None)
-    tiers = PrefixTiers(HostTier(1, 4, stats, spill=Spill()), Spill())
+    stats, spill = PrefixStats(), DictTier()
+    spilled = spill.rows
+    tiers = PrefixTiers(HostTier(1, 4, stats, spill=spill), spill)
     pending = PendingRows([(2, Dev())])
     lazy = [LazyRow(pending, i, 4) for i in range(2)]
     tiers.put(h(0), lazy[0])
