@@ -144,6 +144,18 @@ def write_results(name: str, summary: dict, data: dict, out_dir: str | None = No
     return path
 
 
+def merged_parts(paths: str, bench: str) -> list[tuple[str, dict]]:
+    """(path, data) of each result JSON in the comma-separated `paths` (a `--merge` flag: earlier parts of a
+    run split over device commands); a file that is not one exits naming it and `bench`."""
+    out = []
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        try:
+            out.append((path, json.load(open(path))["data"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--merge {path}: not a {bench} result ({e!r})") from None
+    return out
+
+
 def _json_default(o):
     try:
         import numpy as np

@@ -41,7 +41,7 @@ import argparse
 import os
 import time
 
-from bench.common import print_table, result_path, write_results
+from bench.common import merged_parts, print_table, result_path, write_results
 from bench.setup import add_bench_args
 
 # name -> policy fields (weights / cache / activations as gpu-cpu-disk percentages); the default grid of a shape
@@ -279,13 +279,8 @@ def main(argv=None) -> int:
 def _merge(paths: str, runs: dict) -> dict:
     """Runs of earlier parts' result files added to `runs` (this invocation's win on a name clash); returns their
     LP and CPU-attention records."""
-    import json
     out: dict = {}
-    for path in [p.strip() for p in paths.split(",") if p.strip()]:
-        try:
-            data = json.load(open(path))["data"]
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--merge {path}: not a bench.flexgen result ({e})") from None
+    for _, data in merged_parts(paths, "bench.flexgen"):
         for k, v in data.get("runs", {}).items():
             runs.setdefault(k, v)
         for k in ("lp", "cpu_attention_ab"):

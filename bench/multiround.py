@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from bench.common import print_table, write_results
+from bench.common import merged_parts, print_table, write_results
 from bench.setup import add_bench_args, bench_engine, config_record, engine_flags
 
 CONFIGS = ("off", "gpu", "tiers")
@@ -199,14 +199,12 @@ def main(argv=None):
 
 
 def _merge(paths: str) -> tuple[dict, dict, dict]:
-    import json
     results, stats, records = {}, {}, {}
-    for path in [x.strip() for x in paths.split(",") if x.strip()]:
+    for path, data in merged_parts(paths, "bench.multiround"):
         try:
-            data = json.load(open(path))["data"]
             for name, r in data["results"].items():
                 results[name], stats[name], records[name] = r, data["prefix_stats"][name], data["configs"][name]
-        except (OSError, ValueError, KeyError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--merge {path}: not a bench.multiround result ({e!r})") from None
     return results, stats, records
 

@@ -104,7 +104,8 @@ def engine_run(args, workloads: list[str]) -> dict:
     print("largest program scratch: " + ", ".join(f"{k} {b / 2 ** 30:.2f} GiB" for k, b in temps), flush=True)
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "total_params": cfg.num_params(),
            "optimal_tok_s": optimal,
-           "compile_s": compile_s, "largest_temps": temps, "buckets": ec.batcher.token_buckets, "num_pages": ec.cache.num_pages,
+           "compile_s": compile_s, "largest_temps": temps, "buckets": ec.batcher.token_buckets,
+           "num_pages": ec.cache.num_pages,
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
