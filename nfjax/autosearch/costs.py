@@ -76,9 +76,8 @@ def interp(xs, ys, x: float) -> float:
 class CostModel:
     def __init__(self, profile: dict, batch: BatchClass, host_floor: bool = True):
         """`host_floor`: read the profile's host-bound measurements as floor.py says (False: as measured)."""
-        self.raw, self.batch = profile, batch
-        profile, self.host_bound = corrected(profile) if host_floor else (profile, {})
-        self.p = profile
+        self.batch = batch
+        self.p = profile = corrected(profile)[0] if host_floor else profile
         self.tokens = profile["tokens"]
         self.decode = profile.get("decode") or {}
         self.prefill = profile.get("prefill") or {}
