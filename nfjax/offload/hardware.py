@@ -1,10 +1,16 @@
 """The machine's rates, measured (short, bounded runs) and cached per machine: what the cost model
 (nfjax/offload/cost_model.py) turns bytes and flops into seconds with.
 
-  gemm_flops      the device's matmul rate (FLOP/s, the model's dtype, a square matmul of 2048 on a GPU, 512 on a
-                  CPU device)
-  hbm_bytes       the device's memory bandwidth (bytes/s read + written by a large elementwise op)
-  h2d_bytes       host numpy -> device (device_put of a 64 MB buffer, bytes/s; the KV cache and activations)
+  gemm_flops      the device's matmul rate (FLOP/s) on a 30B-sized layer's GEMMs: bfloat16 (or the model's dtype)
+                  tokens x 7168 @ 7168 x 28672 and back (fc1 and fc2 of OPT-30B), a few thousand tokens, several
+                  in one program so that its dispatch is a small part of the time (CPU device: 256 x 1024, quick)
+  gemm_curve      [[tokens, FLOP/s], ...]: the same program at fewer tokens (a prefill of a small GPU batch runs
+                  below the large-GEMM rate); the cost model interpolates on it (`gemm_rate`)
+  hbm_bytes       the device's memory bandwidth (bytes/s read + written): a 1 GiB float32 array scaled (one pass;
+                  at ~3 TB/s 0.7 ms, against tens of us of dispatch; CPU device: 32 MB)
+  h2d_bytes       host numpy -> device as `KVStore.load` moves a KV block: its K and V arrays (64 MB each) put
+                  together and waited for (bytes/s; pageable memory: the copy through a staging buffer)
+  h2d_one_bytes   one 64 MB numpy array put and waited for (the rate before: the record of what a lone copy gets)
   h2d_pinned_bytes pinned_host JAX array -> device (the host tier's weights; None where the memory kind is absent)
   d2h_bytes       device -> host numpy
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -37,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,33 @@ class HardwareProfile:
     cpu_attn_fixed_s: float = 0.0
     pass_s: float = 0.0
     measured_at: str = ""
+    gemm_curve: tuple = ()                 # ((tokens, FLOP/s), ...) ascending; () in profiles from before it
+    h2d_one_bytes: float | None = None
+    version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
+    #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
+    #                                        h2d of one array)
+
+    def __post_init__(self):
+        object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
+
+    def gemm_rate(self, tokens: float) -> float:
+        """The matmul rate at `tokens` rows: the measured curve, linear in log(tokens) between its points and flat
+        beyond them (`gemm_flops` where none was measured)."""
+        pts = [(t, r) for t, r in self.gemm_curve if t > 0 and r > 0]
+        if not pts:
+            return self.gemm_flops
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                a = math.log(tokens / t0) / math.log(t1 / t0)
+                return r0 + a * (r1 - r0)
+        return pts[-1][1]
+
+    def link_h2d(self) -> float:
+        """The host->device link's rate: a pinned buffer's DMA (every byte crosses the link, pageable or not); the
+        pageable rate where pinned memory was not measured."""
+        return self.h2d_pinned_bytes or self.h2d_bytes
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,12 +106,15 @@ class HardwareProfile:
 
     def line(self) -> str:
         g = 1e9
-        return (f"hardware ({self.device_kind}, {self.host}): matmul {self.gemm_flops / 1e12:.2f} TFLOP/s, memory "
-                f"{self.hbm_bytes / g:.1f} GB/s, host->device {self.h2d_bytes / g:.2f} (pinned "
+        curve = ", ".join(f"{t} tokens {r / 1e12:.1f}" for t, r in self.gemm_curve)
+        return (f"hardware ({self.device_kind}, {self.host}): matmul {self.gemm_flops / 1e12:.2f} TFLOP/s"
+                f"{f' ({curve})' if curve else ''}, memory {self.hbm_bytes / g:.1f} GB/s, host->device "
+                f"{self.h2d_bytes / g:.2f} (one array {(self.h2d_one_bytes or 0) / g:.2f}, pinned "
                 f"{(self.h2d_pinned_bytes or 0) / g:.2f}) GB/s, device->host {self.d2h_bytes / g:.2f} GB/s, disk "
                 f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
                 f"{self.cpu_attn_bytes / g:.2f} GB/s of KV (+{self.cpu_attn_fixed_s * 1e6:.0f} us a call), layer "
-                f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us, pass {self.pass_s * 1e6:.0f} us")
+                f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us, pass "
+                f"{self.pass_s * 1e6:.0f} us")
 
 
 def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> float:
@@ -91,30 +129,56 @@ def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> floa
     return work / float(np.median(times))
 
 
-def _gemm(device, dtype) -> float:
+GEMM_SHAPES = {"gpu": (7168, 28672, (256, 1024, 4096), 4), "cpu": (256, 1024, (16, 256), 2)}   # K, N, tokens, reps
+HBM_BYTES = {"gpu": 2 ** 30, "cpu": 32 * 2 ** 20}
+
+
+def matmul_rate(device, dtype, tokens: int, k: int, n: int, reps: int = 2, budget: float = BUDGET_S) -> float:
+    """FLOP/s of `reps` pairs of dependent GEMMs [tokens, k] @ [k, n] -> [tokens, n] @ [n, k] in one program (a
+    fori_loop: the pairs run one after another and XLA cannot merge them), the operands in `dtype`."""
     import jax
     import jax.numpy as jnp
-    n = 2048 if device.platform != "cpu" else 512
-    a = jax.device_put(jnp.ones((n, n), dtype) * 0.01, device)
-    f = jax.jit(lambda x: x @ x)
-    return _rate(2 * n ** 3, lambda: f(a).block_until_ready())
+    dtype = jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.device_put(jax.random.normal(ks[0], (tokens, k), jnp.float32).astype(dtype), device)
+    w1 = jax.device_put((jax.random.normal(ks[1], (k, n), jnp.float32) * k ** -0.5).astype(dtype), device)
+    w2 = jax.device_put((jax.random.normal(ks[2], (n, k), jnp.float32) * n ** -0.5).astype(dtype), device)
+
+    @jax.jit
+    def f(x, w1, w2):
+        return jax.lax.fori_loop(0, reps, lambda i, h: ((h @ w1) @ w2).astype(dtype), x)
+    return _rate(4 * reps * tokens * k * n, lambda: f(x, w1, w2).block_until_ready(), budget=budget, max_reps=20)
+
+
+def _gemm(device, dtype) -> tuple[float, tuple]:
+    """(the rate at the most tokens, the curve over the token counts)."""
+    k, n, tokens, reps = GEMM_SHAPES["cpu" if device.platform == "cpu" else "gpu"]
+    curve = tuple((t, matmul_rate(device, dtype, t, k, n, reps, budget=BUDGET_S / 2)) for t in tokens)
+    return max(r for _, r in curve), curve
 
 
 def _hbm(device) -> float:
+    """Bytes/s read and written by one scaling of a large array (one elementwise pass: a loop of several could be
+    unrolled and fused into one, and a small array measures the dispatch)."""
     import jax
     import jax.numpy as jnp
-    n = (256 if device.platform != "cpu" else 32) * 2 ** 20 // 4
-    a = jax.device_put(jnp.ones((n,), jnp.float32), device)
-    f = jax.jit(lambda x: x * 1.0001)
+    n = HBM_BYTES["cpu" if device.platform == "cpu" else "gpu"] // 4
+    a = jax.device_put(jnp.ones((n,), jnp.float32), device)          # (a CPU computes bfloat16 slower than it copies)
+    f = jax.jit(lambda x: x * 0.5)
     return _rate(2 * 4 * n, lambda: f(a).block_until_ready())
 
 
-def _transfers(device, nbytes: int) -> tuple[float, float | None, float]:
+def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
+    """(numpy -> device as a KV block's K and V pair, numpy -> device of one array, pinned -> device, device ->
+    numpy), bytes/s."""
     import jax
     from jax.sharding import SingleDeviceSharding
     host = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+    host2 = host[::-1].copy()
     on = SingleDeviceSharding(device)
-    h2d = _rate(nbytes, lambda: jax.device_put(host, on).block_until_ready(), max_reps=20)
+    one = _rate(nbytes, lambda: jax.device_put(host, on).block_until_ready(), max_reps=20)
+    pair = _rate(2 * nbytes, lambda: jax.block_until_ready((jax.device_put(host, on), jax.device_put(host2, on))),
+                 max_reps=20)
     pinned = None
     try:
         p = jax.device_put(host, SingleDeviceSharding(device, memory_kind="pinned_host"))
@@ -124,7 +188,7 @@ def _transfers(device, nbytes: int) -> tuple[float, float | None, float]:
     d = jax.device_put(host, on)
     # np.array copies: on a CPU device np.asarray may alias the buffer and time nothing
     d2h = _rate(nbytes, lambda: np.array(d), max_reps=20)
-    return h2d, pinned, d2h
+    return pair, one, pinned, d2h
 
 
 def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
@@ -231,16 +295,18 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     device = device or jax.devices()[0]
     small = device.platform == "cpu"
     nbytes = (16 if small else 64) * 2 ** 20
-    h2d, pinned, d2h = _transfers(device, nbytes)
+    h2d, h2d_one, pinned, d2h = _transfers(device, nbytes)
     from nfjax.offload.engine import default_offload_dir
     rd, wr = _disk(Path(disk_dir) if disk_dir else default_offload_dir(), nbytes)
     dispatch = _dispatch(device)
+    gemm, curve = _gemm(device, jnp.dtype(dtype))
     return HardwareProfile(
-        device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=_gemm(device, jnp.dtype(dtype)),
-        hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_pinned_bytes=pinned, d2h_bytes=d2h, disk_read_bytes=rd,
+        device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=gemm, gemm_curve=curve,
+        hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_one_bytes=h2d_one, h2d_pinned_bytes=pinned, d2h_bytes=d2h,
+        disk_read_bytes=rd,
         disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch,
         transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version=PROFILE_VERSION)
 
 
 def measure(device=None, dtype: str = "bfloat16", disk_dir: Path | None = None, remeasure: bool = False,
@@ -252,11 +318,12 @@ def measure(device=None, dtype: str = "bfloat16", disk_dir: Path | None = None, 
     if not remeasure and path.is_file():
         try:
             prof = HardwareProfile.from_json(json.loads(path.read_text()))
-            if log:
-                log(f"{prof.line()} [cached: {path}]")
-            return prof
+            if prof.version >= PROFILE_VERSION:
+                if log:
+                    log(f"{prof.line()} [cached: {path}]")
+                return prof
         except (json.JSONDecodeError, TypeError):
-            pass                                    # a damaged cache: measure again
+            pass                                    # a damaged cache (or an older version's): measure again
     prof = measure_now(device, dtype, disk_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

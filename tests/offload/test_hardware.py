@@ -21,6 +21,9 @@ def test_measure_caches_per_machine_and_remeasures_on_request(tmp_path, monkeypa
         v = getattr(prof, f)
         assert math.isfinite(v) and v > 0, f
     assert 1e6 < prof.gemm_flops < 1e16 and prof.dispatch_s < 1.0
+    tokens = [t for t, _ in prof.gemm_curve]
+    assert len(tokens) >= 2 and tokens == sorted(tokens) and prof.gemm_flops == max(r for _, r in prof.gemm_curve)
+    assert prof.h2d_one_bytes > 0 and prof.version == hardware.PROFILE_VERSION
     assert list((tmp_path / "disk").iterdir()) == []            # the disk probe's file is gone
     path = hardware.cache_path(dev.device_kind)
     assert path.is_file() and "measured" in lines[0]
@@ -31,3 +34,33 @@ def test_measure_caches_per_machine_and_remeasures_on_request(tmp_path, monkeypa
     assert hardware.measure(dtype="float32", disk_dir=tmp_path / "disk").gemm_flops == 123.0
     again = hardware.measure(dtype="float32", disk_dir=tmp_path / "disk", remeasure=True)
     assert again.gemm_flops > 1e6 and json.loads(path.read_text())["gemm_flops"] == again.gemm_flops
+    # a profile of an older version (one small GEMM read as the matmul rate) is measured again, not used
+    doc = json.loads(path.read_text())
+    doc.pop("version")
+    doc["gemm_flops"] = 123.0
+    path.write_text(json.dumps(doc))
+    assert hardware.measure(dtype="float32", disk_dir=tmp_path / "disk").gemm_flops != 123.0
+
+
+def test_matmul_rate_grows_with_the_gemm():
+    """The profiler's matmul probe (dependent GEMM pairs in one program, as a layer's fc1 / fc2) reads a rate that
+    grows with the work of a call: a small GEMM is dominated by the call's fixed cost, as on a GPU a 2048-square
+    one was (180 TFLOP/s measured on an H200 that runs 30B-sized GEMMs at ~720)."""
+    dev = jax.devices()[0]
+    small = hardware.matmul_rate(dev, "float32", 1, 64, 128, reps=1)
+    large = hardware.matmul_rate(dev, "float32", 256, 256, 1024, reps=2)
+    assert 0 < small < large, (small, large)
+
+
+def test_profile_curve_and_rates():
+    """A measured profile: the GEMM curve over token counts (ascending) with `gemm_flops` its best point, the rate
+    interpolated between points and flat beyond them; the link rate is the pinned one where measured."""
+    p = hardware.HardwareProfile("t", "t", gemm_flops=4.0, hbm_bytes=1.0, h2d_bytes=1.0, h2d_pinned_bytes=8.0,
+                                 d2h_bytes=1.0, disk_read_bytes=1.0, disk_write_bytes=1.0, cpu_attn_bytes=1.0,
+                                 dispatch_s=0.0, gemm_curve=[[10, 1.0], [1000, 4.0]])
+    assert p.gemm_rate(1) == 1.0 and p.gemm_rate(5000) == 4.0 and math.isclose(p.gemm_rate(100), 2.5)
+    assert p.link_h2d() == 8.0
+    import dataclasses
+    assert dataclasses.replace(p, h2d_pinned_bytes=None).link_h2d() == 1.0
+    assert hardware.HardwareProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
+    assert hardware.HardwareProfile("t", "t", 4.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0, 0.0).gemm_rate(7) == 4.0
