@@ -3,15 +3,20 @@
 A pass runs every layer over the block's `nb` GPU batches of `bs` sequences. Within a layer, computations and
 the transfers of the layer's data overlap (the next layer's weights, the next batch's KV block and activations,
 the previous batch's stores all run on the I/O threads while the device computes), so a layer takes the longest
-of six lanes, each summed over the block's batches:
+of seven lanes, each summed over the block's batches:
 
-  compute    the device's matmuls (a roofline: max(flops / gemm rate, weight bytes / memory bandwidth), per batch),
-             attention (the runtime's dense masked attention over the whole block of S positions), one program
-             dispatch a batch, 4-bit weights decompressed once a layer
+  compute    the device's matmuls (a roofline: max(flops / the GEMM rate at the batch's tokens, weight bytes /
+             memory bandwidth), per batch), attention (the runtime's dense masked attention over the whole block
+             of S positions), one program dispatch a batch, 4-bit weights decompressed once a layer
   cpu        under `cpu_attention`, the decode attention of CPU-held KV on the CPU thread (with one batch a block
              it is in series with the device, so it is counted in `compute` instead)
-  h2d        host -> device: weights in host memory (pinned or numpy rate) and those read from disk, KV blocks
-             held off the device (the whole block, as `KVStore.load` moves it), activations held off the device
+  h2d        the host -> device link: every byte that crosses it (weights in host memory or read from disk, KV
+             blocks held off the device, as `KVStore.load` moves them whole, activations held off the device) at
+             the link's rate (a pinned buffer's DMA), and the pinned weights' per-transfer cost
+  h2d_stage  the pageable copies' host side: a numpy (or disk-read) array crosses through a staging buffer, at
+             the measured numpy -> device rate (its K and V pair, as a KV block moves), with each transfer's
+             fixed cost. The I/O threads run it beside the pinned weights' DMA (a pinned weight does not wait for
+             a KV block's staging), so the link and the staging are two lanes, not one sum
   d2h        device -> host: the KV rows a computation wrote, activations
   disk read  weights, KV blocks and activations read from the disk tier
   disk write the KV rows and activations written to it
@@ -41,7 +46,7 @@ from pallas_kernels import kv_quant
 
 FRACS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 KINDS = {"weights": ("wg", "wc", "wd"), "cache": ("cg", "cc", "cd"), "activations": ("hg", "hc", "hd")}
-LANES = ("compute", "cpu", "h2d", "d2h", "disk_read", "disk_write")
+LANES = ("compute", "cpu", "h2d", "h2d_stage", "d2h", "disk_read", "disk_write")
 ALIGN = 16                         # the engine pads prefill and the block's positions to multiples of this
 
 
@@ -149,14 +154,15 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     rows = {"prefill": bs * t_pre * kh * tok_head, "decode": bs * kh * tok_head}
     act = {"prefill": bs * t_pre * d * item, "decode": bs * d * item}
     qo = 2 * bs * h * hd * item                                  # q down and the attention output up (cpu attn)
-    h2d, d2h = hw.h2d_bytes, hw.d2h_bytes
-    h2d_w = hw.weight_h2d(host_memory)
+    h2d, d2h = hw.h2d_bytes, hw.d2h_bytes                       # pageable: numpy arrays (staged), device -> numpy
+    link = hw.link_h2d()                                         # every host -> device byte crosses the link
+    pinned_w = host_memory == "pinned" and bool(hw.h2d_pinned_bytes)
     rd, wr = hw.disk_read_bytes, hw.disk_write_bytes
     params = w_dense / item                                      # a layer's parameters (matmuls dominate)
     dec_unpack = (w_store + w_dense) / hw.hbm_bytes if compress_weights else 0.0
 
     def gemm(tokens: int) -> float:
-        return max(2 * tokens * params / hw.gemm_flops, w_dense / hw.hbm_bytes)
+        return max(2 * tokens * params / hw.gemm_rate(tokens), w_dense / hw.hbm_bytes)
 
     def attn_gpu(tq: int) -> float:
         flops = 4 * bs * tq * s * h * hd
@@ -180,16 +186,21 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
                 cpu_lane = lin(0, cc=nb * cpu, cd=nb * cpu)
             else:
                 att = lin(attn_gpu(tq), cc=cpu + hw.dispatch_s - attn_gpu(tq), cd=cpu + hw.dispatch_s - attn_gpu(tq))
-            kv_in, kv_out = lin(0), lin(0)
+            kv_in, kv_stage, kv_out = lin(0), lin(0), lin(0)
         else:
             att = lin(nb * attn_gpu(tq))
-            kv_in = lin(0, cc=nb * (kv_blk / h2d + io), cd=nb * (kv_blk / h2d + io))
+            kv_in = lin(0, cc=nb * kv_blk / link, cd=nb * kv_blk / link)
+            kv_stage = lin(0, cc=nb * (kv_blk / h2d + io), cd=nb * (kv_blk / h2d + io))
             kv_out = lin(0, cc=nb * (rows[phase] / d2h + io), cd=nb * (rows[phase] / d2h + io))
-        act_io = nb * (act[phase] / h2d + io)
+        act_link, act_stage = nb * act[phase] / link, nb * (act[phase] / h2d + io)
+        w_link = w_store / link
         lanes[phase] = {
             "compute": add(comp, att, unpack),
             "cpu": cpu_lane,
-            "h2d": add(lin(0, wc=w_store / h2d_w + io, wd=w_store / h2d + io), kv_in, lin(0, hc=act_io, hd=act_io)),
+            "h2d": add(lin(0, wc=w_link + (io if pinned_w else 0.0), wd=w_link), kv_in,
+                       lin(0, hc=act_link, hd=act_link)),
+            "h2d_stage": add(lin(0, wc=0.0 if pinned_w else w_store / h2d + io, wd=w_store / h2d + io), kv_stage,
+                             lin(0, hc=act_stage, hd=act_stage)),
             "d2h": add(kv_out, lin(0, hc=nb * (act[phase] / d2h + io), hd=nb * (act[phase] / d2h + io))),
             "disk_read": lin(0, wd=w_store / rd, cd=nb * kv_blk / rd, hd=nb * act[phase] / rd),
             "disk_write": lin(0, cd=nb * rows[phase] / wr, hd=nb * act[phase] / wr),
@@ -199,7 +210,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     def fixed(tokens: int) -> float:
         """A pass outside the layers: each batch's head, the host's pass work (measured on one batch), and each
         further batch's embedding and head calls."""
-        head = max(2 * bs * tokens * v * d / hw.gemm_flops, head_w / hw.hbm_bytes)
+        head = max(2 * bs * v * d / hw.gemm_rate(bs), head_w / hw.hbm_bytes)     # the last position's logits
         return nb * head + hw.pass_s + (nb - 1) * 2 * hw.dispatch_s
 
     memory = {
