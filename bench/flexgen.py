@@ -13,11 +13,23 @@ take a few minutes a policy, so run the grid a few `--policies` at a time (`--no
 BENCH_RESULTS_DIR=$OUT and `--name` per call.
 
 Throughput is FlexGen's: a block's generated tokens (block size x gen-len) over the time from its prefill to its
-last token, after a warm-up block of the same shapes (so nothing compiles in the timed one); placing the weights
-is not counted. The baseline runs one GPU batch of the best policy's size row by row with the same placement: its
-tokens/s does not depend on how many batches run one after another. Policies that do not fit the caps
-(`nfjax.offload.budget`) are skipped and listed with the reason. `--offload FILE` adds a policy file to the grid.
+last token, after a warm-up block of the same shapes (its first two passes, with the KV arrays of the full
+gen-len, so nothing compiles in the timed one); placing the weights is not counted. Every run records each pass's
+seconds (`pass_s`: the layers plus the head, sampling and embedding up to the next pass). Policies that do not fit
+the caps (`nfjax.offload.budget`) are skipped and listed with the reason. `--offload FILE` adds a policy file.
 Summary keys: flexgen_out_tok_s_<shape>_<N>gb, flexgen_vs_rowbyrow, flexgen_out_tok_s_<shape>_<N>gb_int4.
+
+The row-by-row baseline runs one GPU batch (`--baseline-batch`, default the best policy's size) with the same
+placement: its tokens/s does not depend on how many batches run one after another. It is timed over its prefill
+and `--baseline-gen-len` - 1 decode passes (default 4 tokens) and its block time extrapolated to --gen-len as the
+prefill pass + (gen-len - 1) x the mean decode pass (`extrapolated`, `extrapolation` and the measured `pass_s` in
+its record; a row-by-row pass of OPT-30B takes seconds). Its weights come from pinned host memory (DeepSpeed
+ZeRO-Inference's pinned buffers; the zig-zag runs' host memory too) and/or pageable numpy arrays (Accelerate's cpu
+offload: synchronous copies of pageable tensors), `--baseline-memory`: `flexgen_vs_rowbyrow` is over the pinned one
+(the two runs then differ only in the schedule), `flexgen_vs_rowbyrow_numpy` over the pageable one.
+
+    python -m bench.flexgen --baseline-only --baseline-batch 8          # numpy then pinned, placed as w0-kvcpu-8x8
+    python -m bench.flexgen --merge-only --merge base.json,policies.json  # one summary of both, no device work
 
 The cost model and the LP (issue #25, bench/flexgen_model.py): this machine's hardware profile is measured (or read
 from its cache) first, and every run records the cost model's predicted tokens/s beside the measured one
@@ -102,14 +114,52 @@ def grid(args) -> dict:
 
 
 _PLACED: dict = {}      # the last run's engine and graphdefs: its placed weights serve the next policy placing alike
+_PROGRAMS: dict = {}    # Top-K -> compiled Programs, shared by every engine of the run (each shape compiles once)
 
 
-def run_policy(cfg, policy, args, trace: bool = False, hw=None) -> dict:
+class _Enough(Exception):
+    """Raised at the start of a pass past the ones asked for (`_timed_generate`)."""
+
+
+def _timed_generate(eng, prompts, gen_len: int, passes: int | None = None, log=None) -> tuple[list, list[float]]:
+    """Generate up to `gen_len` tokens a sequence with the engine's KV arrays sized for all of them (the shapes
+    of the full run: nothing compiles again when a shorter run came first), stopping at the start of pass
+    `passes` + 1 when `passes` is set. Returns (outputs or None when stopped, each pass's seconds: from its start
+    to the next pass's start, or to the end of the block: the layers plus the head, sampling and embedding)."""
+    from nfjax.engine import SamplingParams
+    starts: list[float] = []
+    run = eng.executor.run
+
+    def timed(*a, **kw):
+        now = time.perf_counter()
+        if starts and log is not None:
+            log(len(starts) - 1, now - starts[-1])
+        starts.append(now)
+        if passes is not None and len(starts) > passes:
+            raise _Enough
+        return run(*a, **kw)
+    eng.executor.run = timed
+    outs = None
+    try:
+        outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=gen_len, ignore_eos=True))
+        starts.append(time.perf_counter())
+        if log is not None:
+            log(len(starts) - 2, starts[-1] - starts[-2])
+    except _Enough:
+        pass
+    finally:
+        eng.executor.run = run
+    return outs, [b - a for a, b in zip(starts, starts[1:])]
+
+
+def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | None = None, label: str = "") -> dict:
     """Place random weights by `policy` (or take the previous run's, placed alike: `same_placement`), run a
-    warm-up block, then the timed block; returns its numbers."""
+    warm-up block (its first two passes: the prefill and a decode pass, at the timed block's shapes), then the
+    timed block; returns its numbers. `passes`: time only the prefill and `passes - 1` decode passes and
+    extrapolate the block's time to `--gen-len` tokens from the prefill pass and the decode passes' mean."""
     import numpy as np
 
-    from nfjax.engine import SamplingParams
+    from nfjax.offload.compute import Programs
     from nfjax.offload.engine import OffloadEngine, same_placement
     from nfjax.offload.random_layers import random_parts
     from nfjax.tokenizer.silent import SilentTokenizer
@@ -125,26 +175,47 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None) -> dict:
         gc.collect()                                 # the engine's reference cycles hold its host arrays
         rest_gd, rest_state, layer_gd, source = random_parts(cfg)
         _PLACED["gds"] = (rest_gd, layer_gd)
+    topk = policy.attention_topk / 100
+    programs = _PROGRAMS.get(topk) or _PROGRAMS.setdefault(topk, Programs(cfg, rest_gd, layer_gd, topk=topk))
+    name = label or policy.schedule
+    print(f"[{name}: placing ({'weights reused' if source is None else 'new weights'})]", flush=True)
     t0 = time.perf_counter()
     eng = OffloadEngine(cfg, rest_state, layer_gd, source, SilentTokenizer(cfg.vocab_size), policy,
                         max_model_len=args.prompt_len + args.gen_len, rest_gd=rest_gd, trace=trace,
-                        weights_from=last)
+                        weights_from=last, programs=programs)
     del last, rest_state
     _PLACED["engine"] = eng
     try:
         place_s = time.perf_counter() - t0
-        eng.generate(prompts, SamplingParams.greedy(max_tokens=2, ignore_eos=True))        # compiles the shapes
-        gen = 3 if trace else args.gen_len
-        if trace:
+        print(f"[{name}: placed in {place_s:.1f} s; warm-up block (2 passes)]", flush=True)
+
+        def progress(i, dt):
+            print(f"[{name}: pass {i} ({'prefill' if i == 0 else 'decode'}) {dt:.3f} s]", flush=True)
+        t0 = time.perf_counter()
+        _timed_generate(eng, prompts, args.gen_len, passes=2)                       # compiles the shapes
+        warm_s = time.perf_counter() - t0
+        gen = args.gen_len
+        if trace:                                      # the prefill and two decode passes, traced
             eng.trace.flush()
             eng.trace.events.clear()
+            passes = 3
+        if passes is not None and passes >= gen:
+            passes = None                              # the whole block is timed anyway
         t0 = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=gen, ignore_eos=True))
+        outs, pass_s = _timed_generate(eng, prompts, gen, passes=passes, log=progress if passes else None)
         dt = time.perf_counter() - t0
-        res = {"block": n, "gen_len": gen, "seconds": dt, "out_tok_s": sum(len(o.token_ids) for o in outs) / dt,
-               "place_s": place_s, "weights_reused": source is None, "tier_bytes": eng.tier_bytes,
-               "weight_bytes": eng.weights.bytes_by_tier(),
-               "policy": policy.to_json()}
+        res = {"block": n, "gen_len": gen, "warmup_s": warm_s, "place_s": place_s, "weights_reused": source is None,
+               "tier_bytes": eng.tier_bytes, "weight_bytes": eng.weights.bytes_by_tier(),
+               "host_memory": policy.host_memory, "policy": policy.to_json(), "pass_s": pass_s,
+               "prefill_pass_s": pass_s[0] if pass_s else None,
+               "decode_pass_mean_s": float(np.mean(pass_s[1:])) if len(pass_s) > 1 else None}
+        if outs is not None:
+            res.update(seconds=dt, out_tok_s=sum(len(o.token_ids) for o in outs) / dt, extrapolated=False)
+        else:           # the prefill pass and passes - 1 decode passes measured; the block's time extrapolated
+            est = pass_s[0] + (gen - 1) * res["decode_pass_mean_s"]
+            res.update(seconds=est, out_tok_s=n * gen / est, extrapolated=True, measured_passes=len(pass_s),
+                       measured_s=dt, extrapolation=f"prefill pass + ({gen} - 1) x the mean of {len(pass_s) - 1} "
+                                                    f"measured decode passes")
         if hw is not None and policy.schedule == "zigzag" and not trace:
             from bench.flexgen_model import error_pct, predicted
             res.update(predicted(cfg, res["policy"], args, hw))
@@ -171,6 +242,10 @@ def overlap_stats(events: list[dict]) -> dict:
     return out
 
 
+BASELINE_FROM = {"opt-30b": "w0-kvcpu-8x8"}     # --baseline-only's policy (placement, GPU batch size) by default
+HOST_MEMORIES = ("pinned", "numpy")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_args(p, shape="opt-30b")
@@ -187,12 +262,45 @@ def main(argv=None) -> int:
                    help="the best policy with KV off the GPU, again with cpu_attention flipped")
     g.add_argument("--grid-part", default=None, metavar="K/N", help="run every N-th policy from the K-th (0-based)")
     g.add_argument("--merge", default=None, help="result JSONs of earlier parts, comma-separated")
+    g.add_argument("--merge-only", action="store_true",
+                   help="run nothing: the summary of the --merge parts (policy runs, baselines) alone")
     g.add_argument("--no-trace", action="store_true", help="skip the traced decode pass and its timeline")
     g.add_argument("--policies", default=None, help="names from the shape's grid, comma-separated (default all)")
     g.add_argument("--no-baseline", action="store_true", help="skip the row-by-row baseline")
+    g.add_argument("--baseline-only", action="store_true",
+                   help="run only the row-by-row baseline, placed as the first --policies policy (opt-30b: "
+                        "w0-kvcpu-8x8), one GPU batch of --baseline-batch")
+    g.add_argument("--baseline-batch", type=int, default=None,
+                   help="the baseline's GPU batch size (default: the best / selected policy's)")
+    g.add_argument("--baseline-gen-len", type=int, default=4,
+                   help="tokens a sequence the baseline's timed block generates (its prefill and N - 1 decode "
+                        "passes), extrapolated to --gen-len; >= --gen-len times the whole block")
+    g.add_argument("--baseline-memory", default=None,
+                   help="host memory kinds of the baseline's weights, in order, comma-separated: pinned (JAX "
+                        "pinned_host, DeepSpeed ZeRO-Inference's pinned buffers) and/or numpy (pageable, Accelerate's "
+                        "cpu offload); default numpy,pinned with --baseline-only, else pinned")
+    g.add_argument("--policy-gen-len", type=int, default=None,
+                   help="time the policies' blocks over their prefill and N - 1 decode passes and extrapolate to "
+                        "--gen-len as the baseline is (default: the whole block)")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="skip a policy whose run (warm-up and timed passes, as the cost model predicts them) would "
+                        "end past this many seconds from the start; the results file is rewritten after each run")
+    g.add_argument("--hardware", default=None, metavar="FILE",
+                   help="the hardware profile to rank and predict with (a profile JSON, or a result file holding "
+                        "one) instead of this machine's measured one")
     g.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     g.add_argument("--name", default="flexgen")
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.merge_only:
+        return _merge_only(args)
+    mems = [m.strip() for m in (args.baseline_memory or ("numpy,pinned" if args.baseline_only else "pinned"))
+            .split(",") if m.strip()]
+    if not mems or any(m not in HOST_MEMORIES for m in mems):
+        raise SystemExit(f"--baseline-memory: a comma-separated list of {', '.join(HOST_MEMORIES)}, "
+                         f"got {args.baseline_memory!r}")
+    if args.baseline_gen_len < 1 or (args.baseline_batch is not None and args.baseline_batch < 1):
+        raise SystemExit("--baseline-gen-len and --baseline-batch: integers >= 1")
     from bench.setup import model_config
     from nfjax.offload import PolicyError
     from bench import flexgen_model as fm
@@ -205,6 +313,8 @@ def main(argv=None) -> int:
         # of ~125 GB after the 60 GB placement was freed)
         args.cpu_memory_gb = limits["cpu"] / 1e9
     pols = grid(args)
+    if args.baseline_only:
+        return _baseline_only(cfg, args, hw, limits, pols, mems)
     if args.grid == "auto":
         pols = {**fm.auto_grid(cfg, args, hw, limits, args.grid_size, make_policy),
                 **({k: v for k, v in pols.items() if k == os.path.basename(args.offload)}
@@ -228,25 +338,29 @@ def main(argv=None) -> int:
     order.sort(key=lambda k: (w[k].gpu, w[k].cpu, w[k].disk, pols[k].compress_weights, pols[k].host_memory))
     for name in order:
         pol = pols[name]
+        if args.budget_s is not None:
+            est, left = fm.run_seconds(cfg, pol, args, hw), args.budget_s - (time.perf_counter() - t_start)
+            if est > left:
+                skipped[name] = f"--budget-s: its run predicted {est:.0f} s, {left:.0f} s left"
+                print(f"[skip {name}: {skipped[name]}]", flush=True)
+                continue
         try:
-            runs[name] = run_policy(cfg, pol, args, hw=hw)   # the budget is checked before anything is placed
+            runs[name] = run_policy(cfg, pol, args, hw=hw, label=name,       # the budget is checked before placing
+                                    passes=args.policy_gen_len)
         except PolicyError as e:
             skipped[name] = str(e)
             print(f"[skip {name}: {e}]", flush=True)
             continue
-        print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s, predicted {runs[name].get('predicted_tok_s', 0):.2f}]",
-              flush=True)
+        print(f"[{name}: {runs[name]['out_tok_s']:.2f} tok/s{' (extrapolated)' if runs[name]['extrapolated'] else ''}"
+              f", predicted {runs[name].get('predicted_tok_s', 0):.2f}]", flush=True)
+        # what has run so far, in case the command is killed before the end (a --merge part as it is)
+        write_results(args.name, {"partial": True}, {"shape": args.shape, "layers": cfg.num_layers,
+                                                      "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                                                      "runs": runs, "skipped": skipped, "hardware": hw.to_json()},
+                      args.out_dir)
     merged = _merge(args.merge, runs) if args.merge else {}
     if not runs:
         raise SystemExit("no policy of the grid fits the caps: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    plain = {k: v for k, v in runs.items() if not (v["policy"]["compress_weights"] or v["policy"]["compress_cache"])}
-    packed = {k: v for k, v in runs.items() if v["policy"]["compress_weights"]}
-    best = max(plain or runs, key=lambda k: runs[k]["out_tok_s"])
-    tag = f"{args.shape.replace('-', '')}_{args.gpu_memory_gb:g}gb"
-    summary = {f"flexgen_out_tok_s_{tag}": runs[best]["out_tok_s"], "flexgen_best_policy": best}
-    if packed:
-        best4 = max(packed, key=lambda k: runs[k]["out_tok_s"])
-        summary.update({f"flexgen_out_tok_s_{tag}_int4": runs[best4]["out_tok_s"], "flexgen_best_policy_int4": best4})
     data = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "runs": runs, "skipped": skipped, "hardware": hw.to_json(),
             "caps": {k: v for k, v in limits.items()}}
@@ -256,29 +370,148 @@ def main(argv=None) -> int:
                    "solver": lp.solver, "solve_s": lp.solve_seconds, "feasible_lps": len(lp.solutions)}
     if isinstance(merged.get("cpu_attention_ab"), dict):
         data["cpu_attention_ab"] = merged["cpu_attention_ab"]
+    summary = _summary(args, runs)
     _model_summary(cfg, args, hw, runs, lp_info, summary, data)
+    base = dict(merged.get("rowbyrow", {}))
     if not args.no_baseline:
-        base_pol = make_policy({**_fields(runs[best]["policy"]), "num_gpu_batches": 1, "schedule": "row_by_row"}, args)
-        data["rowbyrow"] = run_policy(cfg, base_pol, args)
-        summary["flexgen_rowbyrow_out_tok_s"] = data["rowbyrow"]["out_tok_s"]
-        summary["flexgen_vs_rowbyrow"] = runs[best]["out_tok_s"] / data["rowbyrow"]["out_tok_s"]
+        best = summary["flexgen_best_policy"]
+        base.update(_baselines(cfg, args, runs[best]["policy"], mems))
+    _baseline_summary(runs, base, summary, data)
     if not args.no_trace:
-        _trace(cfg, args, runs, best, summary, data)
-    import jax
-    stats = jax.devices()[0].memory_stats() or {}
+        _trace(cfg, args, runs, summary["flexgen_best_policy"], summary, data)
+    _finish(args, summary, data)
+    return 0
+
+
+def _summary(args, runs: dict) -> dict:
+    """The headline keys: the best run without compression, the best with 4-bit weights."""
+    plain = {k: v for k, v in runs.items() if not (v["policy"]["compress_weights"] or v["policy"]["compress_cache"])}
+    packed = {k: v for k, v in runs.items() if v["policy"]["compress_weights"]}
+    best = max(plain or runs, key=lambda k: runs[k]["out_tok_s"])
+    tag = f"{args.shape.replace('-', '')}_{args.gpu_memory_gb:g}gb"
+    summary = {f"flexgen_out_tok_s_{tag}": runs[best]["out_tok_s"], "flexgen_best_policy": best,
+               "flexgen_best_extrapolated": bool(runs[best].get("extrapolated", False))}
+    if packed:
+        best4 = max(packed, key=lambda k: runs[k]["out_tok_s"])
+        summary.update({f"flexgen_out_tok_s_{tag}_int4": runs[best4]["out_tok_s"], "flexgen_best_policy_int4": best4})
+    return summary
+
+
+def _baselines(cfg, args, template: dict, mems: list[str], done=None) -> dict:
+    """The row-by-row baseline: one GPU batch (`--baseline-batch`, default the template's size) placed as the
+    template policy, its weights in each host memory kind of `mems` (in that order), each timed over the prefill and
+    `--baseline-gen-len` - 1 decode passes and extrapolated to --gen-len (`run_policy`). host memory kind -> run;
+    `done(runs so far)` after each."""
+    out = {}
+    bs = args.baseline_batch or template["gpu_batch_size"]
+    for mem in mems:
+        pol = make_policy({**_fields(template), "gpu_batch_size": bs, "num_gpu_batches": 1,
+                           "schedule": "row_by_row", "host_memory": mem}, args)
+        run = run_policy(cfg, pol, args, passes=args.baseline_gen_len, label=f"row-by-row {mem}")
+        print(f"[row-by-row {mem}: {run['out_tok_s']:.3f} tok/s"
+              + (f" (extrapolated: {run['extrapolation']}; prefill pass {run['prefill_pass_s']:.3g} s, decode pass "
+                 f"{run['decode_pass_mean_s']:.3g} s)" if run["extrapolated"] else "") + "]", flush=True)
+        out[mem] = run
+        if done is not None:
+            done(out)
+    return out
+
+
+def _baseline_summary(runs: dict, base: dict, summary: dict, data: dict) -> None:
+    """The baselines' keys, and FlexGen's best over each. `flexgen_vs_rowbyrow` is over the pinned baseline: the
+    zig-zag runs load their host weights from pinned memory too, so the two differ only in the schedule
+    (docs/design.md 11); `_numpy` is over the pageable one (Accelerate's offload)."""
+    if not base:
+        return
+    data["rowbyrow"] = base
+    head = "pinned" if "pinned" in base else next(iter(base))
+    summary["flexgen_rowbyrow_basis"] = head
+    summary["flexgen_rowbyrow_batch"] = base[head]["policy"]["gpu_batch_size"]
+    summary["flexgen_rowbyrow_extrapolated"] = bool(base[head].get("extrapolated", False))
+    summary["flexgen_rowbyrow_out_tok_s"] = base[head]["out_tok_s"]
+    for mem, r in base.items():
+        summary[f"flexgen_rowbyrow_out_tok_s_{mem}"] = r["out_tok_s"]
+    if runs and "flexgen_best_policy" in summary:
+        best = runs[summary["flexgen_best_policy"]]
+        summary["flexgen_vs_rowbyrow"] = best["out_tok_s"] / base[head]["out_tok_s"]
+        for mem, r in base.items():
+            summary[f"flexgen_vs_rowbyrow_{mem}"] = best["out_tok_s"] / r["out_tok_s"]
+
+
+def _baseline_only(cfg, args, hw, limits, pols: dict, mems: list[str]) -> int:
+    """`--baseline-only`: the baselines alone (with --merge: joined to earlier parts' runs into one summary)."""
+    name = next(iter(pols)) if args.policies else BASELINE_FROM.get(args.shape, next(iter(pols)))
+    template = pols[name].to_json()
+    info = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "runs": {}, "hardware": hw.to_json(), "baseline_template": name}
+    # each baseline written as it finishes, in case the command is killed before the end (a --merge part as it is)
+    base = _baselines(cfg, args, template, mems,
+                      done=lambda b: write_results(args.name, {"partial": True}, {**info, "rowbyrow": b}, args.out_dir))
+    runs: dict = {}
+    merged = _merge(args.merge, runs) if args.merge else {}
+    base = {**merged.get("rowbyrow", {}), **base}
+    data = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "runs": runs, "skipped": {}, "hardware": hw.to_json(), "caps": dict(limits),
+            "baseline_template": name}
+    summary = _summary(args, runs) if runs else {}
+    if runs:
+        _model_summary(cfg, args, hw, runs, merged.get("lp"), summary, data)
+    _baseline_summary(runs, base, summary, data)
+    _finish(args, summary, data)
+    return 0
+
+
+def _merge_only(args) -> int:
+    """`--merge-only`: the summary of earlier parts (policy runs, baselines, LP and CPU-attention records), no
+    device work; the hardware profile is the first part's."""
+    if not args.merge:
+        raise SystemExit("--merge-only: name the parts with --merge A.json,B.json")
+    runs: dict = {}
+    merged = _merge(args.merge, runs)
+    parts = merged_parts(args.merge, "bench.flexgen")
+    first = parts[0][1]
+    data = {k: first[k] for k in ("shape", "layers", "prompt_len", "gen_len", "hardware", "caps") if k in first}
+    data.update(runs=runs, skipped={k: v for _, d in parts for k, v in d.get("skipped", {}).items()},
+                parts=[p for p, _ in parts])
+    if isinstance(merged.get("cpu_attention_ab"), dict):
+        data["cpu_attention_ab"] = merged["cpu_attention_ab"]
+    args.shape = data.get("shape", args.shape)
+    caps = [r["policy"].get("gpu_memory_gb") for r in runs.values() if r["policy"].get("gpu_memory_gb")]
+    args.gpu_memory_gb = caps[0] if caps else args.gpu_memory_gb        # the runs' cap names the summary keys
+    summary = _summary(args, runs) if runs else {}
+    if runs:
+        _model_summary(None, args, None, runs, merged.get("lp"), summary, data)
+    _baseline_summary(runs, merged.get("rowbyrow", {}), summary, data)
+    if not summary:
+        raise SystemExit("--merge-only: the parts hold no policy run and no baseline")
+    _finish(args, summary, data)
+    return 0
+
+
+def _finish(args, summary: dict, data: dict) -> None:
+    """The GPU's peak memory, the table, the result file."""
+    stats = {}
+    if not args.merge_only:
+        import jax
+        stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:                      # what the engine really took of the GPU, all runs
         summary["flexgen_gpu_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
-    print_table(["policy", "block", "out tok/s", "predicted", "s", "weights gpu/cpu/disk MB"],
-                [[k, v["block"], v["out_tok_s"], v.get("predicted_tok_s", ""), v["seconds"],
+    rows = {**data.get("runs", {}), **{f"row-by-row {m}": r for m, r in data.get("rowbyrow", {}).items()}}
+    print_table(["policy", "block", "out tok/s", "predicted", "s", "prefill pass s", "decode pass s",
+                 "weights gpu/cpu/disk MB"],
+                [[k + (" *" if v.get("extrapolated") else ""), v["block"], v["out_tok_s"], v.get("predicted_tok_s", ""),
+                  v["seconds"], v.get("prefill_pass_s") or "", v.get("decode_pass_mean_s") or "",
                   "/".join(f"{x / 1e6:.1f}" for x in v["weight_bytes"].values())]
-                 for k, v in {**runs, **({"row-by-row": data["rowbyrow"]} if "rowbyrow" in data else {})}.items()])
+                 for k, v in rows.items()])
+    if any(v.get("extrapolated") for v in rows.values()):
+        print(f"* extrapolated to {data.get('gen_len')} tokens a sequence: the measured prefill pass + (gen-len - 1) x "
+              "the mean measured decode pass (each pass's times in the JSON, `pass_s`)", flush=True)
     write_results(args.name, summary, data, args.out_dir)
-    return 0
 
 
 def _merge(paths: str, runs: dict) -> dict:
     """Runs of earlier parts' result files added to `runs` (this invocation's win on a name clash); returns their
-    LP and CPU-attention records."""
+    LP and CPU-attention records and their baselines (`rowbyrow`: host memory kind -> run)."""
     out: dict = {}
     for _, data in merged_parts(paths, "bench.flexgen"):
         for k, v in data.get("runs", {}).items():
@@ -286,6 +519,11 @@ def _merge(paths: str, runs: dict) -> dict:
         for k in ("lp", "cpu_attention_ab"):
             if isinstance(data.get(k), dict):
                 out.setdefault(k, data[k])
+        base = data.get("rowbyrow")
+        if isinstance(base, dict) and "policy" in base:            # an older file: one baseline run
+            base = {base["policy"].get("host_memory", "pinned"): base}
+        for mem, r in (base or {}).items():
+            out.setdefault("rowbyrow", {}).setdefault(mem, r)
     return out
 
 
@@ -296,7 +534,8 @@ def _trace(cfg, args, runs: dict, best: str, summary: dict, data: dict) -> None:
     moving = {k: v for k, v in runs.items() if not v["policy"]["cpu_attention"]
               and (v["policy"]["weights"]["gpu"] < 100 or v["policy"]["cache"]["gpu"] < 100)}
     shown = max(moving, key=lambda k: runs[k]["out_tok_s"]) if moving else best
-    traced = run_policy(cfg, make_policy(_fields(runs[shown]["policy"]), args), args, trace=True)
+    traced = run_policy(cfg, make_policy(_fields(runs[shown]["policy"]), args), args, trace=True,
+                        label=f"{shown} traced")
     events = traced.pop("events")
     passes = [e for e in events if e["lane"] == "compute" and "unpack" not in e["label"]]
     per = cfg.num_layers * runs[shown]["policy"]["num_gpu_batches"]
@@ -333,7 +572,8 @@ def _model_summary(cfg, args, hw, runs: dict, lp: dict | None, summary: dict, da
         if off_gpu:
             name = max(off_gpu, key=lambda k: off_gpu[k]["out_tok_s"])
             pol = Policy.from_json(runs[name]["policy"])
-            flipped = run_policy(cfg, pol.replace(cpu_attention=not pol.cpu_attention), args, hw=hw)
+            flipped = run_policy(cfg, pol.replace(cpu_attention=not pol.cpu_attention), args, hw=hw,
+                                 passes=args.policy_gen_len, label=f"{name} cpu_attention flipped")
             on, off = (runs[name], flipped) if pol.cpu_attention else (flipped, runs[name])
             summary["cpu_attention_speedup"] = on["out_tok_s"] / off["out_tok_s"]
             data["cpu_attention_ab"] = {"policy": name, "on": on, "off": off}

@@ -17,10 +17,22 @@ GRID_KV_GPU = (0, 10, 25, 50, 100)
 
 
 def profile(cfg, args, log=print):
+    """This machine's hardware profile (measured, or its cache), or the one `--hardware FILE` names: a profile
+    JSON or a bench.flexgen result holding one (the parts of a split grid then rank the same policies)."""
     import jax
 
-    from nfjax.offload.hardware import measure
+    from nfjax.offload.hardware import HardwareProfile, measure
     from nfjax.offload.engine import default_offload_dir
+    if getattr(args, "hardware", None):
+        import json
+        try:
+            doc = json.load(open(args.hardware))
+            doc = doc.get("data", {}).get("hardware", doc)
+            prof = HardwareProfile.from_json(doc)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise SystemExit(f"--hardware {args.hardware}: not a hardware profile ({e!r})") from None
+        log(f"{prof.line()} [from {args.hardware}]")
+        return prof
     return measure(jax.devices()[0], cfg.dtype, args.offload_dir or default_offload_dir(),
                    remeasure=bool(getattr(args, "remeasure_hardware", False)), log=log)
 
@@ -82,3 +94,14 @@ def predicted(cfg, policy_json: dict, args, hw) -> dict:
 
 def error_pct(run: dict) -> float:
     return 100 * (run["predicted_tok_s"] - run["out_tok_s"]) / run["out_tok_s"]
+
+
+def run_seconds(cfg, policy, args, hw) -> float:
+    """The cost model's seconds for bench.flexgen's run of a policy: the warm-up's prefill and decode pass, then the
+    timed prefill and its decode passes (`--policy-gen-len`, else all of `--gen-len`'s); placing not counted."""
+    from nfjax.offload.cost_model import predict
+    p = predict(cfg, policy, workload(args), hw)
+    passes = min(args.policy_gen_len or args.gen_len, args.gen_len)
+    prefill = cfg.num_layers * p.prefill_layer_s
+    decode = (p.seconds - prefill) / max(1, args.gen_len - 1)
+    return 2 * prefill + passes * decode

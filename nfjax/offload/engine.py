@@ -49,12 +49,14 @@ def same_placement(a: Policy, b: Policy) -> bool:
 class OffloadEngine:
     def __init__(self, cfg, rest_state, layer_gd, layer_source, tokenizer, policy: Policy, max_model_len: int | None
                  = None, rest_gd=None, trace: bool = False, progress: bool = False,
-                 weights_from: "OffloadEngine | None" = None):
+                 weights_from: "OffloadEngine | None" = None, programs: Programs | None = None):
         """`layer_source(j)` gives decoder layer j's weights (a pytree of arrays anywhere, as
         `nnx.split(layer)` has them); `rest_gd/rest_state` the model without its layers (kept on the device).
         The policy's budget is checked first: nothing is placed if it does not fit. `weights_from`: an engine
         (closed or not) of the same model whose weights were placed the same way (`same_placement`): its placed
-        weights are taken as they are instead of placing them again (the benches' policy grids)."""
+        weights are taken as they are instead of placing them again (the benches' policy grids). `programs`: the
+        compiled programs of an engine of the same model and Top-K (`Programs` depends on nothing else), so a
+        bench's engines compile each shape once."""
         self.cfg, self.policy, self.tokenizer = cfg, policy, tokenizer
         self.disk = None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -78,7 +80,8 @@ class OffloadEngine:
                     check_interrupt()
                     self.weights.put(j, jax.tree_util.tree_leaves(first if j == 0 else layer_source(j)))
                     first = None
-            self.programs = Programs(cfg, rest_gd, layer_gd, topk=policy.attention_topk / 100)
+            self.programs = programs if programs is not None else \
+                Programs(cfg, rest_gd, layer_gd, topk=policy.attention_topk / 100)
             self.trace = Trace() if trace else None
             self.executor = Executor(policy, self.programs, self.weights, self.trace)
         except BaseException:

@@ -33,7 +33,8 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     ab = doc["data"]["cpu_attention_ab"]
     assert ab["on"]["policy"]["cpu_attention"] and not ab["off"]["policy"]["cpu_attention"]
     assert doc["data"]["hardware"]["gemm_flops"] > 0
-    assert doc["data"]["rowbyrow"]["policy"]["schedule"] == "row_by_row"
+    assert doc["data"]["rowbyrow"]["pinned"]["policy"]["schedule"] == "row_by_row"
+    assert s["flexgen_vs_rowbyrow"] == s["flexgen_vs_rowbyrow_pinned"]
     lanes = {e["lane"] for e in doc["data"]["trace"]["events"]}
     assert {"compute", "load weights", "load cache", "store cache"} <= lanes
     assert (tmp_path / res.name.replace(".json", "-timeline.png")).stat().st_size > 10_000
@@ -55,3 +56,48 @@ def test_merge_adds_earlier_parts(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="bad.json"):
         _merge(f"{tmp_path / 'p0.json'},{tmp_path / 'bad.json'}", {})
+
+
+def _bench(tmp_path, *extra):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NFJAX_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "bench.flexgen", "--shape", "opt-smoke", "--layers", "2",
+                        "--prompt-len", "16", "--gen-len", "6", "--gpu-memory-gb", "1", "--out-dir", str(tmp_path),
+                        "--offload-dir", str(tmp_path / "off"), *extra],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_baseline_only_then_merge(tmp_path):
+    """`--baseline-only`: the row-by-row baseline alone, from pageable (numpy) and pinned host memory, timed over
+    the prefill and a short decode and extrapolated to --gen-len (pass times recorded); `--merge-only` joins it
+    with a policy run into one summary, the headline ratio over the pinned baseline."""
+    out = _bench(tmp_path, "--baseline-only", "--baseline-gen-len", "3", "--baseline-batch", "3", "--name", "base")
+    assert "pass 2 (decode)" in out and "extrapolated" in out
+    (base,) = tmp_path.glob("base-*.json")
+    doc = json.loads(base.read_text())
+    rb = doc["data"]["rowbyrow"]
+    assert list(rb) == ["numpy", "pinned"] and doc["data"]["runs"] == {}
+    for mem, r in rb.items():
+        assert r["policy"]["schedule"] == "row_by_row" and r["policy"]["host_memory"] == mem
+        assert r["policy"]["gpu_batch_size"] == 3 and r["policy"]["num_gpu_batches"] == 1
+        assert r["extrapolated"] and r["measured_passes"] == 3 and len(r["pass_s"]) == 3
+        # the block's time is the measured prefill pass + 5 x the measured decode passes' mean
+        assert r["seconds"] == r["pass_s"][0] + 5 * (r["pass_s"][1] + r["pass_s"][2]) / 2
+        assert r["out_tok_s"] == 3 * 6 / r["seconds"]
+    s = doc["summary"]
+    assert s["flexgen_rowbyrow_basis"] == "pinned" and s["flexgen_rowbyrow_extrapolated"] is True
+    assert s["flexgen_rowbyrow_out_tok_s"] == rb["pinned"]["out_tok_s"] and "flexgen_vs_rowbyrow" not in s
+
+    _bench(tmp_path, "--policies", "w50-kvcpu-2x4", "--no-baseline", "--no-trace", "--name", "pol")
+    (pol,) = tmp_path.glob("pol-*.json")
+    run = json.loads(pol.read_text())["data"]["runs"]["w50-kvcpu-2x4"]
+    assert not run["extrapolated"] and len(run["pass_s"]) == 6 and run["predicted_tok_s"] > 0
+    _bench(tmp_path, "--merge-only", "--merge", f"{base},{pol}", "--name", "merged")
+    (merged,) = tmp_path.glob("merged-*.json")
+    s = json.loads(merged.read_text())["summary"]
+    tok = run["out_tok_s"]
+    assert s["flexgen_out_tok_s_optsmoke_1gb"] == tok and s["flexgen_best_policy"] == "w50-kvcpu-2x4"
+    assert s["flexgen_vs_rowbyrow"] == s["flexgen_vs_rowbyrow_pinned"] == tok / rb["pinned"]["out_tok_s"]
+    assert s["flexgen_vs_rowbyrow_numpy"] == tok / rb["numpy"]["out_tok_s"]
+    assert s["cost_model_runs"] == 1
