@@ -47,7 +47,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
         self._inflight: StepHandle | None = None
-        self._evicting: list = []                # (PendingRows, [(hash, LazyRow)]) on their way to the host
+        self._evicting: list = []                # (steps launched before, [(hash, row)]) on their way to the host
         self._launches = self._reads = 0         # steps launched / read back so far
         self._ids = itertools.count()
         self._rng = random.Random()
@@ -74,7 +74,8 @@ class Engine:
         return build_engine(path, overrides, dtype=dtype, progress=progress)
 
     def _make_tiers(self):
-        """The prefix cache's host tier (and disk tier below it) when configured."""
+        """The prefix cache's host tier (and disk tier below it) when configured, with the rates that decide
+        which of them a hit is taken from (nfjax/kv/tiers.py, `TierRates`)."""
         from nfjax.kv.tiers import HostTier, PrefixTiers
         c, copies = self.config.cache, self.runner.tier_copies
         if copies is None:
@@ -85,7 +86,71 @@ class Engine:
             from nfjax.kv.disk_tier import DiskTier
             disk = DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 2 ** 30) // row, row, stats,
                             self._tier_fingerprint(), background=True)
-        return PrefixTiers(HostTier(int(c.host_cache_gb * 2 ** 30) // row, row, stats, spill=disk), disk)
+        return PrefixTiers(HostTier(int(c.host_cache_gb * 2 ** 30) // row, row, stats, spill=disk), disk,
+                           rates=self._tier_rates())
+
+    def _tier_rates(self, **overrides):
+        """Recompute against load rates: the backend's defaults (nfjax/kv/tiers.py DEFAULT_RATES), on a GPU the
+        host tier's host->device rate measured once here (a few ms), then `overrides` (gemm_flops,
+        host_bytes_s, disk_bytes_s; CacheConfig fields tier_gemm_tflops / tier_host_gbps / tier_disk_gbps
+        where a config has them)."""
+        from nfjax.compat import on_gpu
+        from nfjax.kv.tiers import DEFAULT_RATES, TierRates, flops_per_token
+        copies, m, c = self.runner.tier_copies, self.model_config, self.config.cache
+        d = DEFAULT_RATES["gpu" if on_gpu() else "cpu"]
+        source = {"gemm_flops": "default", "host_bytes_s": "default", "disk_bytes_s": "default"}
+        host = d["pinned_bytes_s"] if copies.pinned else d["host_bytes_s"]
+        if on_gpu():
+            measured = self._measure_tier_h2d()
+            if measured:
+                host, source["host_bytes_s"] = measured, "measured"
+        vals = {"gemm_flops": d["gemm_flops"] * self.runner.mesh.size, "host_bytes_s": host,
+                "disk_bytes_s": d["disk_bytes_s"]}
+        for key, field, scale in (("gemm_flops", "tier_gemm_tflops", 1e12), ("host_bytes_s", "tier_host_gbps", 1e9),
+                                  ("disk_bytes_s", "tier_disk_gbps", 1e9)):
+            if getattr(c, field, None):
+                vals[key], source[key] = getattr(c, field) * scale, "configured"
+        for key, v in overrides.items():
+            if v is not None:
+                vals[key], source[key] = float(v), "configured"
+        return TierRates(c.page_size, copies.row_bytes, flops_per_token(m), source=source, **vals)
+
+    def _measure_tier_h2d(self) -> float | None:
+        """Bytes/s of loading host rows as the tier does (16 rows, one device_put), best of 3; None on error."""
+        import jax
+        import numpy as np
+        copies = self.runner.tier_copies
+        n = max(1, min(16, (64 << 20) // copies.row_bytes))
+        try:
+            rows = [np.zeros(copies.row_bytes, np.uint8) for _ in range(n)]
+            if copies.pinned:
+                rows = jax.device_put(rows, copies.host_sharding)
+                jax.block_until_ready(rows)
+            best = None
+            for _ in range(4):
+                t0 = time.perf_counter()
+                jax.block_until_ready(jax.device_put(rows, copies.replicated))
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            return n * copies.row_bytes / best
+        except Exception:  # noqa: BLE001 - not measured: the defaults stand
+            return None
+
+    def set_tier_rates(self, gemm_flops: float | None = None, host_bytes_s: float | None = None,
+                       disk_bytes_s: float | None = None) -> None:
+        """Replace the rates that decide whether a tier hit beats recomputing (None: as at start)."""
+        tiers = self.batcher.tiers
+        if tiers is not None:
+            tiers.set_rates(self._tier_rates(gemm_flops=gemm_flops, host_bytes_s=host_bytes_s,
+                                             disk_bytes_s=disk_bytes_s))
+
+    def tier_line(self) -> str | None:
+        """The tiers' rule in one line (rates, what is used), None without tiers."""
+        t = self.batcher.tiers
+        if t is None or t.rates is None:
+            return None
+        mem = "pinned_host arrays" if self.runner.tier_copies.pinned else "numpy"
+        return f"{t.rates.line()} [host rows: {mem}]"
 
     def _tier_fingerprint(self) -> bytes:
         """What a disk-tier file's pages depend on besides their tokens: the model, the KV format and layout."""
@@ -95,7 +160,8 @@ class Engine:
         return hashlib.blake2b(desc.encode(), digest_size=16).digest()
 
     def prefix_stats(self) -> dict:
-        """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved."""
+        """Prefix cache counters since start: prompt tokens, reused tokens per tier, hit rate, bytes moved, the
+        engine's seconds in tier loads and evictions, and the tiers' rule (nfjax/kv/tiers.py)."""
         disk = self.batcher.tiers.disk if self.batcher.tiers is not None else None
         if disk is not None and not self.has_unfinished():
             disk.flush()              # idle: the background writer's pages counted (a server reads this each step)
@@ -103,9 +169,12 @@ class Engine:
         a, t = self.batcher.allocator, self.batcher.tiers
         d.update(enabled=a.prefix, gpu_cached_pages=a.num_cached,
                  host_pages=len(t.host) if t else 0, disk_pages=len(t.disk) if t and t.disk else 0)
+        if t is not None:
+            d.update(t.stats_dict())
         c = self.runner.tier_copies
         if c is not None:             # rows moved each way, and reads of evicted rows that waited for a step (0)
-            d.update(rows_to_host=c.rows_to_host, rows_from_host=c.rows_from_host, tier_step_waits=c.step_waits)
+            d.update(rows_to_host=c.rows_to_host, rows_from_host=c.rows_from_host, tier_step_waits=c.step_waits,
+                     host_rows_pinned=c.pinned)
         return d
 
     def close(self) -> None:
@@ -117,34 +186,45 @@ class Engine:
     def _evict_to_host(self, evict: list) -> None:
         """Start copying evicted cached pages to the host tier, before this step's writes may reuse them: the
         gathers are launched ahead of the step (one device stream: they read the pages first) and their
-        device->host copies run beside it. The host tier holds them as lazy rows at once; nothing is waited for
-        here (the rows used to be read back at once, which waited for the step in flight: a sync point that
-        broke the one-step-ahead loop at every eviction)."""
-        from nfjax.kv.prefix_cache import LazyRow
-        copies = self.runner.tier_copies
-        pending = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)
-        lazy = [(h, LazyRow(pending, i, copies.row_bytes)) for i, (_, h) in enumerate(evict)]
+        device->host copies run beside it. The host tier holds the rows at once (pinned arrays or lazy numpy
+        rows, still coming); nothing is waited for here (the rows used to be read back at once, which waited for
+        the step in flight: a sync point that broke the one-step-ahead loop at every eviction). Where the host
+        tier cannot beat recomputing (`PrefixTiers.use_host`), the pages are dropped, not copied."""
+        t0 = time.perf_counter()
+        tiers, stats = self.batcher.tiers, self.batcher.stats
+        if not tiers.use_host:
+            stats.evictions_dropped += len(evict)
+            return
+        rows = self.runner.tier_copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches,
+                                                      lambda: self._reads)
+        lazy = [(h, row) for (_, h), row in zip(evict, rows)]
         for h, row in lazy:
-            self.batcher.tiers.put(h, row)
-        self._evicting.append((pending, lazy))
+            tiers.put(h, row)
+        self._evicting.append((self._launches, lazy))
+        stats.evict_s += time.perf_counter() - t0
 
     def _settle_evictions(self, all_: bool = True) -> None:
-        """Lazy rows replaced by their bytes (the device arrays freed). From `step`, after its read: only copies
-        launched before the step just read (they had that whole step to finish)."""
+        """Rows still coming replaced by their bytes (lazy numpy rows; pinned rows are left as they are) and
+        the host tier spilled to disk as far as it can. From `step`, after its read: only copies launched
+        before the step just read (they had that whole step to finish)."""
+        t0 = time.perf_counter()
         keep = []
-        for pending, lazy in self._evicting:
-            if not all_ and pending.launched >= self._reads:
-                keep.append((pending, lazy))
+        for launched, lazy in self._evicting:
+            if not all_ and launched >= self._reads:
+                keep.append((launched, lazy))
                 continue
             for h, row in lazy:
                 self.batcher.tiers.host.settle(h, row)
         self._evicting = keep
+        self.batcher.stats.evict_s += time.perf_counter() - t0
 
     def _load_from_tiers(self, loads: list) -> None:
-        """Tier hits into their fresh pages: one host->device copy and an on-device scatter per run."""
+        """Tier hits into their fresh pages: a host->device copy and an on-device scatter per run."""
+        t0 = time.perf_counter()
         rows = [r for _, r in loads]
         self.runner.pages_from_host([p for p, _ in loads], rows)
         self.batcher.stats.bytes_from_host += sum(r.nbytes for r in rows)
+        self.batcher.stats.tier_load_s += time.perf_counter() - t0
 
     # ---- request API (server-facing; not thread-safe: call from one thread) -----------------------
     @property

@@ -225,11 +225,23 @@ class Runner:
         self._seed = jax.jit(seed_slot, donate_argnums=0, out_shardings=rep).lower(
             self.penalty_state, self._layer_ids[0], toks).compile()
         if c.host_cache_gb or c.disk_cache_dir:
-            self.tier_copies = TierCopies(self.kv, self.kv_sharding, rep, c.num_pages, c.max_pages_per_seq)
+            self.tier_copies = TierCopies(self.kv, self.kv_sharding, rep, c.num_pages, c.max_pages_per_seq,
+                                          host_sharding=self._tier_host_sharding())
+
+    def _tier_host_sharding(self):
+        """Where the host tier keeps its rows: pinned_host JAX arrays on a GPU with one device (a replicated
+        pinned row would be one copy per device under TP), else numpy (None). NFJAX_TIER_HOST_MEMORY=pinned |
+        numpy overrides (tests run the pinned path on the CPU backend, which has the memory kind)."""
+        from nfjax.compat import pinned_host_sharding
+        want = os.environ.get("NFJAX_TIER_HOST_MEMORY", "auto")
+        if want == "numpy" or (want == "auto" and (not on_gpu() or self.mesh.size != 1)):
+            return None
+        return pinned_host_sharding(self.replicated)
 
     # ---- prefix cache -----------------------------------------------------------------------------
-    def pages_from_host(self, pages: list[int], rows: list[np.ndarray]) -> None:
-        """Rows written into `pages`: one contiguous host->device copy and an on-device scatter."""
+    def pages_from_host(self, pages: list[int], rows: list) -> None:
+        """Rows (numpy or pinned arrays) written into `pages`: a host->device copy and an on-device scatter a
+        run."""
         self.kv = self.tier_copies.from_host(self.kv, pages, rows)
 
     def seed_penalty_slot(self, slot: int, prompt: list[int]) -> None:

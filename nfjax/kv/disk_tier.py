@@ -22,6 +22,7 @@ import queue
 import shutil
 import struct
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -83,6 +84,11 @@ class DiskTier:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def backlog(self) -> int:
+        """Pages queued for the background writer and not written yet."""
+        with self._mu:
+            return len(self._pending)
 
     def __contains__(self, h: bytes) -> bool:
         return h in self._lru
@@ -161,8 +167,10 @@ class DiskTier:
                     row = self._pending.get(h)
                 if row is None:
                     continue                          # taken back or dropped before its turn
+                t0 = time.perf_counter()
                 why = self._write(h, row)
                 with self._mu:
+                    self.stats.disk_write_s += time.perf_counter() - t0
                     current = self._pending.get(h) is row
                     if current:
                         del self._pending[h]

@@ -62,6 +62,13 @@ def pack_pages(kv, pages: Int[Array, "P"]) -> UInt8[Array, "P B"]:
     return jnp.concatenate(parts, axis=1)
 
 
+def pack_rows(kv, pages: Int[Array, "P"]) -> tuple:
+    """`pack_pages` as one array a page: each row leaves (and is dropped) on its own, so the host never
+    slices, copies or concatenates rows."""
+    rows = pack_pages(kv, pages)
+    return tuple(rows[i] for i in range(rows.shape[0]))
+
+
 def unpack_pages(kv, pages: Int[Array, "P"], rows: UInt8[Array, "P B"]):
     """`pack_pages`'s rows written back at `pages` (ids past the cache are dropped)."""
     blocks, off = [], 0
@@ -76,35 +83,45 @@ def unpack_pages(kv, pages: Int[Array, "P"], rows: UInt8[Array, "P B"]):
     return kv.put_pages(pages, blocks)
 
 
+def unpack_rows(kv, pages: Int[Array, "P"], *rows):
+    """`unpack_pages` of rows given one array a page (stacked on the device)."""
+    return unpack_pages(kv, pages, jnp.stack(rows))
+
+
+MAX_RUN = 64       # rows a copy program moves at most (128 MiB at 8B). Its rows are one array each, which
+                   # compiles slower: sizes 1..128 took 10.7 s (CPU, smoke shape) against 3.2 s as one array;
+                   # 1..64 take 4.0 s
+
+
 def transfer_sizes(max_pages: int) -> list[int]:
-    """Row counts the copy programs are compiled for: powers of 2 up to `max_pages` (then `max_pages`). A copy
-    of n pages runs as n's binary digits (65 = 64 + 1), so no padding row is ever moved: at 8B a row is 2 MiB,
-    and padding to powers of 4 moved twice the evicted bytes on average."""
+    """Row counts the copy programs are compiled for: powers of 2 up to `max_pages` (then `max_pages`), at most
+    `MAX_RUN`. A copy of n pages runs as n's binary digits (65 = 64 + 1), so no padding row is ever moved: at 8B
+    a row is 2 MiB, and padding to powers of 4 moved twice the evicted bytes on average."""
+    top = min(max_pages, MAX_RUN)
     out, n = [], 1
-    while n < max_pages:
+    while n < top:
         out.append(n)
         n *= 2
-    return out + [max_pages]
+    return out + [top]
 
 
 class PendingRows:
-    """Rows on their way to the host: the gather programs are launched and their device->host copies started
-    (`copy_to_host_async`); `rows()` waits for those copies only (once; the device arrays are dropped then).
-    Launched before a step that may overwrite the pages, they read the pages first (one device stream).
-    `launched`: steps launched before them; `reads()`: steps read back so far. Reading the rows before every
-    step launched ahead of them was read would wait for that step: counted in `waits[0]` (the engine never
-    does)."""
+    """Rows on their way to the host as numpy (no pinned memory): the gather programs are launched and each
+    row's device->host copy started (`copy_to_host_async`); `rows()` waits for those copies only (once; the
+    device arrays are dropped then). Launched before a step that may overwrite the pages, they read the pages
+    first (one device stream). `launched`: steps launched before them; `reads()`: steps read back so far.
+    Reading the rows before every step launched ahead of them was read would wait for that step: counted in
+    `waits[0]` (the engine never does)."""
 
-    def __init__(self, parts: list[tuple[int, object]], launched: int = 0, reads=None, waits=None):
-        self.parts, self.launched, self.reads, self.waits = parts, launched, reads, waits
-        self._host: np.ndarray | None = None
+    def __init__(self, rows: list, launched: int = 0, reads=None, waits=None):
+        self.parts, self.launched, self.reads, self.waits = rows, launched, reads, waits
+        self._host: list[np.ndarray] | None = None
 
-    def rows(self) -> np.ndarray:
+    def rows(self) -> list[np.ndarray]:
         if self._host is None:
             if self.reads is not None and self.launched > self.reads() and self.waits is not None:
                 self.waits[0] += 1
-            out = [np.asarray(a) for _, a in self.parts]
-            self._host = np.concatenate(out) if len(out) > 1 else out[0]
+            self._host = [np.asarray(a) for a in self.parts]
             self.parts = []
         return self._host
 
@@ -122,26 +139,33 @@ class LazyRow:
         return self.pending._host is not None
 
     def get(self) -> np.ndarray:
-        return self.pending.rows()[self.index].copy()
+        return self.pending.rows()[self.index]
 
 
 class TierCopies:
-    """Compiled `pack_pages` / `unpack_pages` for each of `transfer_sizes` (compiled at start: no step compiles
-    later), and the host side of the copies. `rows_to_host` / `rows_from_host` count the rows moved."""
+    """Compiled `pack_rows` / `unpack_rows` for each of `transfer_sizes` (compiled at start: no step compiles
+    later), and the host side of the copies. `host_sharding`: rows go to JAX arrays of that (pinned_host)
+    sharding, by one asynchronous device_put, and come back by one device_put (a DMA at the pinned rate, 8x
+    pageable numpy's on the H100); None: numpy rows (copy_to_host_async, read back lazily). `rows_to_host` /
+    `rows_from_host` count the rows moved."""
 
-    def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int):
-        self.replicated, self.num_pages = replicated, num_pages
+    def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int, host_sharding=None):
+        self.replicated, self.num_pages, self.host_sharding = replicated, num_pages, host_sharding
         self.row_bytes = row_bytes(kv.arrays())
         self._pack, self._unpack = {}, {}
         for n in transfer_sizes(max_pages):
             pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=replicated)
-            rows = jax.ShapeDtypeStruct((n, self.row_bytes), jnp.uint8, sharding=replicated)
-            self._pack[n] = jax.jit(pack_pages, out_shardings=replicated).lower(kv, pg).compile()
-            self._unpack[n] = jax.jit(unpack_pages, donate_argnums=0, out_shardings=kv_sharding).lower(
-                kv, pg, rows).compile()
+            row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=replicated)
+            self._pack[n] = jax.jit(pack_rows, out_shardings=replicated).lower(kv, pg).compile()
+            self._unpack[n] = jax.jit(unpack_rows, donate_argnums=0, out_shardings=kv_sharding).lower(
+                kv, pg, *([row] * n)).compile()
         self.sizes = sorted(self._pack)
         self.rows_to_host = self.rows_from_host = 0
         self._waits = [0]
+
+    @property
+    def pinned(self) -> bool:
+        return self.host_sharding is not None
 
     def _runs(self, pages: list[int]):
         """`pages` in runs of compiled sizes, largest first, covering them exactly: (start, size, ids)."""
@@ -151,26 +175,38 @@ class TierCopies:
             yield i, n, jax.device_put(np.asarray(pages[i:i + n], np.int32), self.replicated)
             i += n
 
-    def to_host_async(self, kv, pages: list[int], launched: int = 0, reads=None) -> PendingRows:
-        """Start copying `pages` out as rows: one gather and one device->host copy per run, nothing waited for.
-        `launched`, `reads`: the caller's step counts (PendingRows); early reads counted in `step_waits`."""
-        parts = []
+    def to_host_async(self, kv, pages: list[int], launched: int = 0, reads=None) -> list:
+        """Start copying `pages` out, one row each: one gather per run and the rows' device->host copies,
+        nothing waited for. Returns the host tier's rows: pinned JAX arrays (ready when their copy is done),
+        or `LazyRow`s of one `PendingRows`. `launched`, `reads`: the caller's step counts (PendingRows); early
+        reads counted in `step_waits`."""
+        rows = []
         for _, n, ids in self._runs(pages):
-            rows = self._pack[n](kv, ids)
-            rows.copy_to_host_async()
-            parts.append((n, rows))
+            rows.extend(self._pack[n](kv, ids))
         self.rows_to_host += len(pages)
-        return PendingRows(parts, launched, reads, self._waits)
+        if self.host_sharding is not None:
+            try:
+                return list(jax.device_put(rows, self.host_sharding))
+            except Exception as e:  # noqa: BLE001 - pinned memory exhausted or refused: numpy from now on
+                import warnings
+                warnings.warn(f"prefix cache host tier: pinned host rows failed ({e}); numpy rows from now on",
+                              RuntimeWarning, stacklevel=2)
+                self.host_sharding = None
+        for r in rows:
+            r.copy_to_host_async()
+        pending = PendingRows(rows, launched, reads, self._waits)
+        return [LazyRow(pending, i, self.row_bytes) for i in range(len(rows))]
 
     @property
     def step_waits(self) -> int:
         """Evicted rows read back before the steps launched ahead of them were read (each a device sync)."""
         return self._waits[0]
 
-    def from_host(self, kv, pages: list[int], rows: list[np.ndarray]):
-        """`kv` with `rows` written at `pages`: one contiguous host->device copy and one scatter per run."""
+    def from_host(self, kv, pages: list[int], rows: list):
+        """`kv` with `rows` (numpy or pinned arrays) written at `pages`: per run one device_put of its rows
+        (no host-side stacking) and one scatter."""
         for i, n, ids in self._runs(pages):
-            buf = np.stack(rows[i:i + n])
-            kv = self._unpack[n](kv, ids, jax.device_put(buf, self.replicated))
+            dev = jax.device_put(list(rows[i:i + n]), self.replicated)
+            kv = self._unpack[n](kv, ids, *dev)
         self.rows_from_host += len(pages)
         return kv

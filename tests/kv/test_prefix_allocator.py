@@ -21,6 +21,9 @@ class DictTier:
     def pop(self, key):
         return self.rows.pop(key, None)
 
+    def __contains__(self, key):
+        return key in self.rows
+
 
 def h(i: int) -> bytes:
     return chain_hash(ROOT, [i])
@@ -170,24 +173,27 @@ def test_host_tier_keeps_rows_still_coming_from_the_device_until_they_settle():
     the bytes in place, then spills; a hit before that reads it back at once."""
     from nfjax.kv.prefix_cache import LazyRow, PendingRows
 
-    class Dev:                                              # stands for a device array: counts reads
+    class Dev:                                              # stands for a device row: counts reads
         reads = 0
+
+        def __init__(self, i):
+            self.i = i
 
         def __array__(self, dtype=None, copy=None):
             Dev.reads += 1
-            return np.arange(8, dtype=np.uint8).reshape(2, 4)
+            return np.arange(4 * self.i, 4 * self.i + 4, dtype=np.uint8)
     stats, spill = PrefixStats(), DictTier()
     spilled = spill.rows
     tiers = PrefixTiers(HostTier(1, 4, stats, spill=spill), spill)
-    pending = PendingRows([(2, Dev())])
+    pending = PendingRows([Dev(0), Dev(1)])
     lazy = [LazyRow(pending, i, 4) for i in range(2)]
     tiers.put(h(0), lazy[0])
     tiers.put(h(1), lazy[1])
     assert len(tiers.host) == 2 and not spilled and Dev.reads == 0 and stats.bytes_to_host == 8
     tiers.host.settle(h(0), lazy[0])                        # read back once; h(0) spilled, as the oldest
-    assert Dev.reads == 1 and list(spilled) == [h(0)] and spilled[h(0)].tolist() == [0, 1, 2, 3]
+    assert Dev.reads == 2 and list(spilled) == [h(0)] and spilled[h(0)].tolist() == [0, 1, 2, 3]
     assert len(tiers.host) == 1 and isinstance(tiers.host._rows[h(1)], LazyRow)
     got = tiers.fetch([h(0), h(1)], limit=2)                # disk, then the lazy host row (already read)
-    assert [t for _, t in got] == ["disk", "host"] and got[1][0].tolist() == [4, 5, 6, 7] and Dev.reads == 1
+    assert [t for _, t in got] == ["disk", "host"] and got[1][0].tolist() == [4, 5, 6, 7] and Dev.reads == 2
     tiers.host.settle(h(1), lazy[1])                        # gone already: nothing to do
     assert len(tiers.host) == 0
