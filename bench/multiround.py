@@ -55,14 +55,33 @@ def make_conversations(n: int, turns: tuple[int, int], msg_len: float, out_len: 
     return convs
 
 
-def run_conversations(engine, convs, concurrency: int, context: int) -> dict:
-    """Closed loop: `concurrency` conversations at once, each submitting its next turn when the last finishes."""
+def progress_line(name: str, turns: int, elapsed: float, tokens: int, st: dict) -> str:
+    """One line of a run in progress: turns, tok/s and hit rate so far, and where the tiers' time went (rows
+    moved each way, disk bytes, the engine's seconds blocked in tier loads and in evictions)."""
+    line = (f"[{name}] {turns} turns, {elapsed:.0f} s, {tokens / max(elapsed, 1e-9):,.0f} tok/s, hit rate "
+            f"{st.get('hit_rate', 0.0):.3f} (gpu {st.get('hit_tokens_gpu', 0):,} host {st.get('hit_tokens_host', 0):,}"
+            f" disk {st.get('hit_tokens_disk', 0):,} tokens)")
+    if "rows_to_host" in st:
+        line += (f"; rows to/from host {st['rows_to_host']:,}/{st['rows_from_host']:,}, dropped "
+                 f"{st.get('evictions_dropped', 0):,}, skipped host/disk {st.get('skipped_pages_host', 0):,}/"
+                 f"{st.get('skipped_pages_disk', 0):,}, disk MiB w/r {st.get('bytes_to_disk', 0) / 2 ** 20:,.0f}/"
+                 f"{st.get('bytes_from_disk', 0) / 2 ** 20:,.0f} (backlog {st.get('disk_write_backlog', 0)}), "
+                 f"blocked in loads {st.get('tier_load_s', 0.0):.2f} s, evictions {st.get('evict_s', 0.0):.2f} s, "
+                 f"step waits {st.get('tier_step_waits', 0)}")
+    return line
+
+
+def run_conversations(engine, convs, concurrency: int, context: int, name: str = "", progress_s: float = 20.0,
+                      log=print) -> dict:
+    """Closed loop: `concurrency` conversations at once, each submitting its next turn when the last finishes.
+    Every `progress_s` seconds (0: never) a `progress_line` goes to `log`, so a run killed by a timeout still
+    shows how far it got and where its time went."""
     from nfjax.engine import SamplingParams
     hist = {i: [] for i in range(len(convs))}
     turn = {i: 0 for i in range(len(convs))}
     todo = list(range(len(convs)))[::-1]
-    live: dict[str, int] = {}
-    ttft, prompt_tok, gen_tok, turns_done = [], 0, 0, 0
+    live: dict[str, tuple[int, int]] = {}                  # request id -> (conversation, prompt length)
+    ttft, prompt_tok, gen_tok, turns_done, done_tok = [], 0, 0, 0, 0
 
     def submit(c):
         nonlocal prompt_tok
@@ -71,7 +90,7 @@ def run_conversations(engine, convs, concurrency: int, context: int) -> dict:
         if len(prompt) + out >= context:
             return False                                   # the conversation outgrew the context: it ends
         hist[c] = prompt
-        live[engine.add_request(prompt, SamplingParams.greedy(max_tokens=out, ignore_eos=True))] = c
+        live[engine.add_request(prompt, SamplingParams.greedy(max_tokens=out, ignore_eos=True))] = (c, len(prompt))
         prompt_tok += len(prompt)
         return True
 
@@ -79,20 +98,26 @@ def run_conversations(engine, convs, concurrency: int, context: int) -> dict:
         while todo and len(live) < concurrency:
             submit(todo.pop())
     t0 = time.perf_counter()
+    next_report = t0 + progress_s
     start_next()
     while engine.has_unfinished():
         for o in engine.step():
             if not o.finished:
                 continue
-            c = live.pop(o.request_id)
+            c, plen = live.pop(o.request_id)
             ttft.append(o.metrics["ttft_s"])
             gen_tok += len(o.token_ids)
+            done_tok += plen + len(o.token_ids)
             turns_done += 1
             hist[c] = hist[c] + o.token_ids
             turn[c] += 1
             if turn[c] < len(convs[c]) and submit(c):
                 continue
             start_next()
+        if progress_s and time.perf_counter() >= next_report:
+            now = time.perf_counter()
+            log(progress_line(name, turns_done, now - t0, done_tok, engine.prefix_stats()), flush=True)
+            next_report = now + progress_s
     dt = time.perf_counter() - t0
     return {"turns": turns_done, "seconds": dt, "prompt_tokens": prompt_tok, "generated_tokens": gen_tok,
             "total_tok_s": (prompt_tok + gen_tok) / dt, "ttft_p50_s": statistics.median(ttft),
@@ -129,6 +154,12 @@ def main(argv=None):
     g.add_argument("--name", default="multiround")
     g.add_argument("--configs", default=",".join(CONFIGS), help=f"engines to run, a subset of {','.join(CONFIGS)}")
     g.add_argument("--merge", default=None, help="result JSONs of earlier runs whose engines this one skipped")
+    g.add_argument("--progress-s", type=float, default=20.0, help="seconds between progress lines (0: none)")
+    g.add_argument("--tier-host-gbps", type=float, default=None,
+                   help="host tier -> device GB/s for the tier rule (default: measured on a GPU, else a default)")
+    g.add_argument("--tier-disk-gbps", type=float, default=None, help="disk tier read GB/s for the tier rule")
+    g.add_argument("--tier-gemm-tflops", type=float, default=None,
+                   help="recompute rate for the tier rule (TFLOP/s of the whole mesh)")
     args = p.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not names or set(names) - set(CONFIGS):
@@ -147,12 +178,19 @@ def main(argv=None):
         engine = bench_engine(a, max_pages=args.max_pages)
         print(f"[{name}] engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
         try:
+            if name == "tiers":
+                engine.set_tier_rates(
+                    gemm_flops=args.tier_gemm_tflops and args.tier_gemm_tflops * 1e12,
+                    host_bytes_s=args.tier_host_gbps and args.tier_host_gbps * 1e9,
+                    disk_bytes_s=args.tier_disk_gbps and args.tier_disk_gbps * 1e9)
+                print(f"[{name}] {engine.tier_line()}", flush=True)
             cfg = engine.config
             context = cfg.cache.max_model_len
             vocab = min(cfg.model.vocab_size, 32000)
             convs = make_conversations(args.conversations, (lo, hi), args.msg_len, args.out_len, vocab, args.seed)
             engine.generate([[1, 2, 3]] * 2, None)                  # warm-up (programs are compiled at start)
-            results[name] = {"multiround": run_conversations(engine, convs, args.concurrency, context)}
+            results[name] = {"multiround": run_conversations(engine, convs, args.concurrency, context, name,
+                                                             args.progress_s)}
             stats[name] = engine.prefix_stats()
             if name != "off":
                 results[name]["single"] = run_single_round(engine, args.single_requests or args.conversations,

@@ -29,8 +29,12 @@ def test_multiround_bench_runs_on_a_cpu_in_two_parts(tmp_path):
     first = json.loads(part.read_text())
     assert first["summary"] == {} and set(first["data"]["results"]) == {"off", "gpu"}
     assert "[gpu] " in p.stdout and "turns in" in p.stdout
-    p = _run(tmp_path, "--configs", "tiers", "--merge", str(part))
+    p = _run(tmp_path, "--configs", "tiers", "--merge", str(part), "--progress-s", "0.01")
     assert p.returncode == 0, p.stderr[-3000:]
+    # the tier rule at start, and progress lines with the tiers' counters (a run killed by a timeout shows them)
+    assert "[tiers] prefix tiers: a page" in p.stdout and "recomputes in" in p.stdout
+    progress = [ln for ln in p.stdout.splitlines() if ln.startswith("[tiers] ") and "blocked in loads" in ln]
+    assert progress and "rows to/from host" in progress[-1] and "tok/s, hit rate" in progress[-1]
     (res,) = tmp_path.glob("multiround-*.json")
     doc = json.loads(res.read_text())
     s = doc["summary"]
@@ -41,6 +45,19 @@ def test_multiround_bench_runs_on_a_cpu_in_two_parts(tmp_path):
     assert st["off"]["hit_tokens"] == 0 and st["gpu"]["hit_rate"] > 0
     assert st["tiers"]["hit_tokens_host"] + st["tiers"]["hit_tokens_disk"] > 0
     assert not list((tmp_path / "disk").glob("*.kvpage"))          # the tier's files are gone at close
+
+
+def test_progress_line_reports_the_tier_counters():
+    from bench.multiround import progress_line
+    st = {"hit_rate": 0.5, "hit_tokens_gpu": 10, "hit_tokens_host": 20, "hit_tokens_disk": 30, "rows_to_host": 7,
+          "rows_from_host": 3, "evictions_dropped": 1, "skipped_pages_host": 2, "skipped_pages_disk": 4,
+          "bytes_to_disk": 2 ** 21, "bytes_from_disk": 2 ** 20, "disk_write_backlog": 5, "tier_load_s": 1.25,
+          "evict_s": 0.5, "tier_step_waits": 0}
+    line = progress_line("tiers", 12, 10.0, 5000, st)
+    assert line.startswith("[tiers] 12 turns, 10 s, 500 tok/s, hit rate 0.500 (gpu 10 host 20 disk 30 tokens)")
+    assert ("rows to/from host 7/3, dropped 1, skipped host/disk 2/4, disk MiB w/r 2/1 (backlog 5), blocked in "
+            "loads 1.25 s, evictions 0.50 s, step waits 0") in line
+    assert "rows to/from" not in progress_line("gpu", 1, 1.0, 1, {"hit_rate": 0.0})
 
 
 def test_multiround_bench_bad_flags_are_one_line_errors(tmp_path):
