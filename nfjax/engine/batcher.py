@@ -1,8 +1,10 @@
 """NanoFlow batch formation: a dense token budget per step, decodes first, then prefill chunks to fill it.
 
-Admission uses NanoFlow's memory prediction (the pages every running request will hold at its predicted end,
-using the average output length seen so far); when pages still run out, the newest running request is
-preempted: its KV pages move to host memory and come back later without recomputation.
+Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
+else the average output length seen so far) and a request is let in when the peak of the pages all running
+requests will hold, step by step to their predicted ends, still fits (nfjax/engine/memory_forecast.py); when pages
+still run out, the newest running request is preempted: its KV pages move to host memory and come back later
+without recomputation.
 
 A request with penalties also takes a penalty slot at admission (its token counts on the device,
 nfjax/engine/penalties.py) and keeps it, swapped out or not, until it finishes; with none free, admission waits.
@@ -21,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nfjax.config import EngineConfig
+from nfjax.engine.memory_forecast import MemoryForecast
 from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
@@ -135,22 +138,24 @@ class Batcher:
         out = max(est, req.num_launched_outputs + 1)
         return min(req.prompt_len + out, self.max_model_len)
 
-    def _predicted_pages(self, req: Request) -> int:
-        return self.cache.pages_for(self._expected_len(req))
+    def _forecast(self) -> MemoryForecast:
+        """The running requests' pages step by step to their predicted ends (built once per step)."""
+        f = MemoryForecast(self.cache.page_size)
+        for r in self.running:
+            f.add(max(r.num_computed, r.prompt_len), self._expected_len(r))
+        return f
 
-    def _predicted_peak(self) -> int:
-        return sum(self._predicted_pages(r) for r in self.running)
-
-    def _fits_prediction(self, req: Request, peak: int | None = None) -> bool:
-        """Would `req` fit beside the running requests at their predicted ends? `peak`: the running requests'
-        predicted pages when the caller already has them (admission adds each admitted request's pages to it,
-        instead of summing over every running request again)."""
+    def _fits_prediction(self, req: Request, forecast: MemoryForecast | None = None) -> bool:
+        """Would `req` fit beside the running requests at the peak of their forecast (memory_forecast.py)?
+        `forecast`: the running requests' forecast when the caller already has it (admission adds each admitted
+        request to it instead of building it again)."""
         if not self.running:
             return True        # always admit one request so the engine makes progress
         if not self.cfg.predict_memory:
             return self.cache.pages_for(req.num_computed + 1) <= self.allocator.num_free
-        peak = self._predicted_peak() if peak is None else peak
-        return peak + self._predicted_pages(req) <= self.allocator.capacity
+        forecast = self._forecast() if forecast is None else forecast
+        return forecast.peak_with(max(req.num_computed, req.prompt_len),
+                                  self._expected_len(req)) <= self.allocator.capacity
 
     # ---- pages ------------------------------------------------------------------------------------
     def _register(self, req: Request) -> None:
@@ -262,14 +267,14 @@ class Batcher:
             if left <= 0 or not self._room_for_chunk(batch):
                 break
             left -= self._add_chunk(batch, req, left)
-        peak = None            # running requests' predicted pages, summed once per step
+        forecast = None        # the running requests' pages to their predicted ends, built once per step
         # No admission while a preempted request waits to come back: new requests would take its pages.
         while (self.waiting and left > 0 and self._room_for_chunk(batch) and not batch.swap_out
                and not self.swapped):
             req = self.waiting[0]
-            if peak is None and self.cfg.predict_memory:
-                peak = self._predicted_peak()
-            if not self._fits_prediction(req, peak):
+            if forecast is None and self.cfg.predict_memory and self.running:
+                forecast = self._forecast()
+            if not self._fits_prediction(req, forecast):
                 break
             if req.penalized:
                 if not self.free_penalty_slots:
@@ -296,8 +301,8 @@ class Batcher:
             st.hit_tokens_gpu += req.reused.get("gpu", 0)
             st.hit_tokens_host += req.reused.get("host", 0)
             st.hit_tokens_disk += req.reused.get("disk", 0)
-            if peak is not None:
-                peak += self._predicted_pages(req)
+            if forecast is not None:
+                forecast.add(req.prompt_len, self._expected_len(req))
         evicted = self.allocator.take_evicted()
         if self.tiers is not None:
             batch.evict = evicted

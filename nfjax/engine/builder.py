@@ -27,7 +27,7 @@ GPU_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 1024, 2048)
 # against 82 ms in a 64-token one (the tiny model, 2 cores).
 CPU_BUCKETS = (1, 16, 256)
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
-MAX_AUTO_SEQS = 512
+MAX_AUTO_SEQS = 1024
 
 
 def _ints(s: str) -> tuple[int, ...]:

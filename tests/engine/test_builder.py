@@ -40,10 +40,10 @@ def test_automatic_sizes():
     assert cfg.batcher.token_buckets == (1, 16, 256) and cfg.batcher.max_seqs == 256
     gpu = resolve(engine_config(TINY), free_bytes=1 << 30, on_gpu=True)
     per_page = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4 * 16     # f32 K and V, 16 positions
-    penalties = 512 * TINY.vocab_size * 3       # a penalty slot per sequence: int16 counts + bool prompt flags
+    penalties = 1024 * TINY.vocab_size * 3      # a penalty slot per sequence: int16 counts + bool prompt flags
     assert gpu.cache.num_pages == (int((1 << 30) * 0.9) - penalties) // per_page
-    assert gpu.batcher.token_buckets[0] == 16 and gpu.batcher.max_seqs == 512
-    assert gpu.batcher.seqs_for(16) == 16 and gpu.batcher.seqs_for(2048) == 512
+    assert gpu.batcher.token_buckets[0] == 16 and gpu.batcher.max_seqs == 1024
+    assert gpu.batcher.seqs_for(16) == 16 and gpu.batcher.seqs_for(2048) == 1024
 
 
 @pytest.mark.parametrize("overrides,match", [
