@@ -100,7 +100,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     vp = argparse.ArgumentParser(prog="variant")
     vp.add_argument("--buckets", default="16,32,64,128,256,384,512,1024,2048")
-    vp.add_argument("--max-seqs", type=int, default=512)
+    vp.add_argument("--max-seqs", type=int, default=1024)
     vp.add_argument("--max-prefill-seqs", type=int, default=16)
     vp.add_argument("--no-predict", action="store_true")
     for spec in a.workloads.split(","):
