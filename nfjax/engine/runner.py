@@ -79,7 +79,14 @@ class Runner:
         del stacked
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
-        self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()))
+        try:        # the engine's largest allocations: one that does not fit fails here, by name, not at a later step
+            self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()))
+            jax.block_until_ready(self.kv.arrays())
+        except Exception as e:  # noqa: BLE001 - the runtime's allocation error type differs across jax versions
+            from nfjax.errors import UserError
+            raise UserError(f"the KV cache ({cache.num_pages:,} pages) did not fit on the device: lower "
+                            f"--kv-memory-fraction (now {cache.kv_memory_fraction}) or set --num-pages "
+                            f"({type(e).__name__}: {str(e)[:200]})") from e
         self.kv_sharding = self.kv.like(NamedSharding(mesh, kv_spec()))
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
