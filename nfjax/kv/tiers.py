@@ -37,6 +37,7 @@ class PrefixStats:
     tier_load_s: float = 0.0        # engine thread's seconds in tier hits: fetching rows (disk reads) and loading
     evict_s: float = 0.0            # ... in evictions: launching the copies out, settling them, spilling to disk
     disk_write_s: float = 0.0       # the disk tier's writer thread's seconds (beside the loop, not on it)
+    disk_writes_dropped: int = 0    # pages spilled while the disk writer's queue was full: dropped, not waited for
 
     @property
     def hit_tokens(self) -> int:

@@ -168,3 +168,36 @@ def test_background_write_failure_is_warned_on_the_callers_thread(tmp_path, monk
     d.flush()
     np.testing.assert_array_equal(d.pop(h(1)), row(1))
     d.close()
+
+
+def test_a_full_write_queue_drops_the_page_instead_of_waiting(tmp_path, monkeypatch):
+    """The writer behind (a disk slower than the spills): `put` drops the page and returns at once (it used to
+    wait for the writer, holding the engine's loop to the disk's write rate)."""
+    import threading
+    import time
+
+    import nfjax.kv.disk_tier as dt
+    monkeypatch.setattr(dt, "MAX_QUEUED", 2)
+    st = PrefixStats()
+    d = DiskTier(tmp_path, 16, 64, st, FP, background=True)
+    started, go = threading.Event(), threading.Event()
+    real = d._write
+
+    def slow(hh, r):
+        started.set()
+        go.wait(10)
+        return real(hh, r)
+    monkeypatch.setattr(d, "_write", slow)
+    d.put(h(0), row(0))
+    assert started.wait(10)                                 # the writer holds h(0); two more fill the queue
+    d.put(h(1), row(1))
+    d.put(h(2), row(2))
+    t0 = time.perf_counter()
+    d.put(h(3), row(3))                                     # dropped, not waited for
+    assert time.perf_counter() - t0 < 1 and h(3) not in d and st.disk_writes_dropped == 1
+    assert d.backlog() == 3
+    go.set()
+    d.flush()
+    assert d.backlog() == 0 and len(d) == 3 and st.disk_write_s > 0 and st.bytes_to_disk == 3 * 64
+    np.testing.assert_array_equal(d.pop(h(2)), row(2))
+    d.close()
