@@ -126,7 +126,10 @@ def _by_what(ns: list, tier: str, prefix: str) -> int:
 
 def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: HardwareProfile,
                compress_weights: bool = False, compress_cache: bool = False, cpu_attention: bool = False,
-               host_memory: str = "pinned") -> LayerCost:
+               host_memory: str = "pinned", schedule: str = "zigzag") -> LayerCost:
+    """The lanes of one layer of a pass (see the module's docstring). `schedule="row_by_row"`: the baseline, every
+    batch in turn fetching the layer's weights, loading its KV block, computing and storing its rows, nothing
+    overlapping: one lane, "serial", their sum (not used by the search; the bench's baseline records it)."""
     item = 2 if cfg.dtype == "bfloat16" else 4
     L, d, v = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     h, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -192,6 +195,15 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
             kv_in = lin(0, cc=nb * kv_blk / link, cd=nb * kv_blk / link)
             kv_stage = lin(0, cc=nb * (kv_blk / h2d + io), cd=nb * (kv_blk / h2d + io))
             kv_out = lin(0, cc=nb * (rows[phase] / d2h + io), cd=nb * (rows[phase] / d2h + io))
+        if schedule == "row_by_row":        # (schedule.py `_row_by_row`: x stays on the device, no activations move)
+            w_in = lin(0, wc=(w_store / link if pinned_w else w_store / h2d) + io, wd=w_store / rd + w_store / h2d + io)
+            kv_ser = lin(0) if delegate else lin(0, cc=kv_blk / h2d + rows[phase] / d2h + 2 * io,
+                                                  cd=kv_blk / rd + kv_blk / h2d + rows[phase] / d2h + 2 * io)
+            att_one = lin(attn_gpu(tq), cc=cpu + hw.dispatch_s - attn_gpu(tq),
+                          cd=cpu + hw.dispatch_s - attn_gpu(tq)) if delegate else lin(attn_gpu(tq))
+            one = add(lin(gemm(bs * tq) + hw.dispatch_s), att_one, lin(0, wc=dec_unpack, wd=dec_unpack), w_in, kv_ser)
+            lanes[phase] = {"serial": {k: nb * c for k, c in one.items()}}
+            continue
         act_link, act_stage = nb * act[phase] / link, nb * (act[phase] / h2d + io)
         w_link = w_store / link
         lanes[phase] = {
@@ -261,4 +273,4 @@ def predict(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwarePr
 
 def cost_of(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> LayerCost:
     return layer_cost(cfg, policy.gpu_batch_size, policy.num_gpu_batches, workload, hw, policy.compress_weights,
-                      policy.compress_cache, policy.cpu_attention, policy.host_memory)
+                      policy.compress_cache, policy.cpu_attention, policy.host_memory, policy.schedule)

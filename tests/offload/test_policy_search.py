@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from nfjax.offload import Policy, PolicyError, budget
+from nfjax.offload import Policy, PolicyError, Split, budget
 from nfjax.offload.cost_model import FRACS, KINDS, Workload, fractions, layer_cost, predict, value
 from nfjax.offload.hardware import HardwareProfile
 from nfjax.offload.search import GPU_HEADROOM, search, solve_lp
@@ -144,3 +144,18 @@ def test_search_policy_is_a_valid_policy_json():
     res = search(CFG, WL, HW, caps, pairs=PAIRS, base=Policy(gpu_memory_gb=7.0))
     assert Policy.from_json(res.policy.to_json()) == res.policy and res.policy.gpu_memory_gb == 7.0
     assert (res.policy.gpu_batch_size, res.policy.num_gpu_batches) in PAIRS
+
+
+def test_row_by_row_is_a_serial_sum():
+    """The baseline's schedule (every batch in turn loads the layer's weights and KV block, computes, stores):
+    one lane, the sum of what the zig-zag overlaps, so never faster than it, and twice the batches take twice
+    the layer time (the weights are loaded once a batch)."""
+    zig = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0, 100, 0), cache=Split(0, 100, 0))
+    rbr = zig.replace(schedule="row_by_row")
+    pz, pr = predict(CFG, zig, WL, HW), predict(CFG, rbr, WL, HW)
+    for ph in ("prefill", "decode"):
+        assert set(pr.lanes[ph]) == {"serial"}
+        assert pr.lanes[ph]["serial"] > max(pz.lanes[ph].values())
+    assert pr.out_tok_s < pz.out_tok_s
+    p4 = predict(CFG, rbr.replace(num_gpu_batches=4), WL, HW)
+    assert p4.decode_layer_s == pytest.approx(2 * pr.decode_layer_s)
