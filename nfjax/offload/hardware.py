@@ -11,6 +11,9 @@
   h2d_bytes       host numpy -> device as `KVStore.load` moves a KV block: its K and V arrays (64 MB each) put
                   together and waited for (bytes/s; pageable memory: the copy through a staging buffer)
   h2d_one_bytes   one 64 MB numpy array put and waited for (the rate before: the record of what a lone copy gets)
+  h2d_threads_bytes, d2h_threads_bytes   recorded, not used by the cost model: 4 threads (the I/O pool's size)
+                  each moving one 64 MB numpy array at once, numpy -> device and device -> numpy (do pageable
+                  copies from several threads add up? the KV stores of a prefill run so)
   h2d_pinned_bytes pinned_host JAX array -> device (the host tier's weights; None where the memory kind is absent)
   d2h_bytes       device -> host numpy
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
@@ -66,6 +69,8 @@ class HardwareProfile:
     measured_at: str = ""
     gemm_curve: tuple = ()                 # ((tokens, FLOP/s), ...) ascending; () in profiles from before it
     h2d_one_bytes: float | None = None
+    h2d_threads_bytes: float | None = None
+    d2h_threads_bytes: float | None = None
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
     #                                        h2d of one array)
@@ -110,7 +115,8 @@ class HardwareProfile:
         return (f"hardware ({self.device_kind}, {self.host}): matmul {self.gemm_flops / 1e12:.2f} TFLOP/s"
                 f"{f' ({curve})' if curve else ''}, memory {self.hbm_bytes / g:.1f} GB/s, host->device "
                 f"{self.h2d_bytes / g:.2f} (one array {(self.h2d_one_bytes or 0) / g:.2f}, pinned "
-                f"{(self.h2d_pinned_bytes or 0) / g:.2f}) GB/s, device->host {self.d2h_bytes / g:.2f} GB/s, disk "
+                f"{(self.h2d_pinned_bytes or 0) / g:.2f}, 4 threads {(self.h2d_threads_bytes or 0) / g:.2f}) GB/s, "
+                f"device->host {self.d2h_bytes / g:.2f} (4 threads {(self.d2h_threads_bytes or 0) / g:.2f}) GB/s, disk "
                 f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
                 f"{self.cpu_attn_bytes / g:.2f} GB/s of KV (+{self.cpu_attn_fixed_s * 1e6:.0f} us a call), layer "
                 f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us, pass "
@@ -189,6 +195,23 @@ def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
     # np.array copies: on a CPU device np.asarray may alias the buffer and time nothing
     d2h = _rate(nbytes, lambda: np.array(d), max_reps=20)
     return pair, one, pinned, d2h
+
+
+def _threaded(device, nbytes: int, threads: int = 4) -> tuple[float, float]:
+    """(numpy -> device, device -> numpy) bytes/s with `threads` threads each moving its own array at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    on = SingleDeviceSharding(device)
+    hosts = [np.full(nbytes, i, np.uint8) for i in range(threads)]
+    devs = [jax.device_put(h, on) for h in hosts]
+    with ThreadPoolExecutor(threads) as pool:
+        def each(fn, xs):
+            return lambda: list(pool.map(fn, xs))
+        up = _rate(threads * nbytes, each(lambda h: jax.device_put(h, on).block_until_ready(), hosts), max_reps=10)
+        down = _rate(threads * nbytes, each(np.array, devs), max_reps=10)
+    return up, down
 
 
 def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
@@ -296,6 +319,7 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     small = device.platform == "cpu"
     nbytes = (16 if small else 64) * 2 ** 20
     h2d, h2d_one, pinned, d2h = _transfers(device, nbytes)
+    h2d_par, d2h_par = _threaded(device, nbytes)
     from nfjax.offload.engine import default_offload_dir
     rd, wr = _disk(Path(disk_dir) if disk_dir else default_offload_dir(), nbytes)
     dispatch = _dispatch(device)
@@ -303,6 +327,7 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     return HardwareProfile(
         device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=gemm, gemm_curve=curve,
         hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_one_bytes=h2d_one, h2d_pinned_bytes=pinned, d2h_bytes=d2h,
+        h2d_threads_bytes=h2d_par, d2h_threads_bytes=d2h_par,
         disk_read_bytes=rd,
         disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch,
         transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),
