@@ -22,7 +22,7 @@ Summary keys: flexgen_out_tok_s_<shape>_<N>gb, flexgen_vs_rowbyrow, flexgen_out_
 The row-by-row baseline runs one GPU batch (`--baseline-batch`, default the best policy's size) with the same
 placement: its tokens/s does not depend on how many batches run one after another. It is timed over its prefill
 and `--baseline-gen-len` - 1 decode passes (default 4 tokens) and its block time extrapolated to --gen-len as the
-prefill pass + (gen-len - 1) x the mean decode pass (`extrapolated`, `extrapolation` and the measured `pass_s` in
+setup + prefill pass + (gen-len - 1) x the mean decode pass (`extrapolated`, `extrapolation`, `pass_s` in
 its record; a row-by-row pass of OPT-30B takes seconds). Its weights come from pinned host memory (DeepSpeed
 ZeRO-Inference's pinned buffers; the zig-zag runs' host memory too) and/or pageable numpy arrays (Accelerate's cpu
 offload: synchronous copies of pageable tensors), `--baseline-memory`: `flexgen_vs_rowbyrow` is over the pinned one
@@ -121,11 +121,12 @@ class _Enough(Exception):
     """Raised at the start of a pass past the ones asked for (`_timed_generate`)."""
 
 
-def _timed_generate(eng, prompts, gen_len: int, passes: int | None = None, log=None) -> tuple[list, list[float]]:
+def _timed_generate(eng, prompts, gen_len: int, passes: int | None = None, log=None):
     """Generate up to `gen_len` tokens a sequence with the engine's KV arrays sized for all of them (the shapes
     of the full run: nothing compiles again when a shorter run came first), stopping at the start of pass
     `passes` + 1 when `passes` is set. Returns (outputs or None when stopped, each pass's seconds: from its start
-    to the next pass's start, or to the end of the block: the layers plus the head, sampling and embedding)."""
+    to the next pass's start, or to the end of the block: the layers plus the head, sampling and embedding; the
+    seconds before the first pass: the block's KV buffers, the prompts' embedding)."""
     from nfjax.engine import SamplingParams
     starts: list[float] = []
     run = eng.executor.run
@@ -140,6 +141,7 @@ def _timed_generate(eng, prompts, gen_len: int, passes: int | None = None, log=N
         return run(*a, **kw)
     eng.executor.run = timed
     outs = None
+    t_call = time.perf_counter()
     try:
         outs = eng.generate(prompts, SamplingParams.greedy(max_tokens=gen_len, ignore_eos=True))
         starts.append(time.perf_counter())
@@ -149,7 +151,7 @@ def _timed_generate(eng, prompts, gen_len: int, passes: int | None = None, log=N
         pass
     finally:
         eng.executor.run = run
-    return outs, [b - a for a, b in zip(starts, starts[1:])]
+    return outs, [b - a for a, b in zip(starts, starts[1:])], (starts[0] - t_call) if starts else 0.0
 
 
 def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | None = None, label: str = "") -> dict:
@@ -202,21 +204,21 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | No
         if passes is not None and passes >= gen:
             passes = None                              # the whole block is timed anyway
         t0 = time.perf_counter()
-        outs, pass_s = _timed_generate(eng, prompts, gen, passes=passes, log=progress if passes else None)
+        outs, pass_s, setup_s = _timed_generate(eng, prompts, gen, passes=passes, log=progress if passes else None)
         dt = time.perf_counter() - t0
         res = {"block": n, "gen_len": gen, "warmup_s": warm_s, "place_s": place_s, "weights_reused": source is None,
                "tier_bytes": eng.tier_bytes, "weight_bytes": eng.weights.bytes_by_tier(),
-               "host_memory": policy.host_memory, "policy": policy.to_json(), "pass_s": pass_s,
+               "host_memory": policy.host_memory, "policy": policy.to_json(), "pass_s": pass_s, "setup_s": setup_s,
                "prefill_pass_s": pass_s[0] if pass_s else None,
                "decode_pass_mean_s": float(np.mean(pass_s[1:])) if len(pass_s) > 1 else None}
         if outs is not None:
             res.update(seconds=dt, out_tok_s=sum(len(o.token_ids) for o in outs) / dt, extrapolated=False)
         else:           # the prefill pass and passes - 1 decode passes measured; the block's time extrapolated
-            est = pass_s[0] + (gen - 1) * res["decode_pass_mean_s"]
+            est = setup_s + pass_s[0] + (gen - 1) * res["decode_pass_mean_s"]
             res.update(seconds=est, out_tok_s=n * gen / est, extrapolated=True, measured_passes=len(pass_s),
-                       measured_s=dt, extrapolation=f"prefill pass + ({gen} - 1) x the mean of {len(pass_s) - 1} "
-                                                    f"measured decode passes")
-        if hw is not None and policy.schedule == "zigzag" and not trace:
+                       measured_s=dt, extrapolation=f"setup + prefill pass + ({gen} - 1) x the mean of "
+                                                    f"{len(pass_s) - 1} measured decode passes")
+        if hw is not None and not trace:
             from bench.flexgen_model import error_pct, predicted
             res.update(predicted(cfg, res["policy"], args, hw))
             res["predicted_err_pct"] = error_pct(res)
@@ -299,8 +301,10 @@ def main(argv=None) -> int:
     if not mems or any(m not in HOST_MEMORIES for m in mems):
         raise SystemExit(f"--baseline-memory: a comma-separated list of {', '.join(HOST_MEMORIES)}, "
                          f"got {args.baseline_memory!r}")
-    if args.baseline_gen_len < 1 or (args.baseline_batch is not None and args.baseline_batch < 1):
-        raise SystemExit("--baseline-gen-len and --baseline-batch: integers >= 1")
+    if args.baseline_gen_len < 2 or (args.policy_gen_len is not None and args.policy_gen_len < 2):
+        raise SystemExit("--baseline-gen-len and --policy-gen-len: integers >= 2 (the prefill and a decode pass)")
+    if args.baseline_batch is not None and args.baseline_batch < 1:
+        raise SystemExit("--baseline-batch: an integer >= 1")
     from bench.setup import model_config
     from nfjax.offload import PolicyError
     from bench import flexgen_model as fm
@@ -375,7 +379,7 @@ def main(argv=None) -> int:
     base = dict(merged.get("rowbyrow", {}))
     if not args.no_baseline:
         best = summary["flexgen_best_policy"]
-        base.update(_baselines(cfg, args, runs[best]["policy"], mems))
+        base.update(_baselines(cfg, args, runs[best]["policy"], mems, hw=hw))
     _baseline_summary(runs, base, summary, data)
     if not args.no_trace:
         _trace(cfg, args, runs, summary["flexgen_best_policy"], summary, data)
@@ -397,7 +401,7 @@ def _summary(args, runs: dict) -> dict:
     return summary
 
 
-def _baselines(cfg, args, template: dict, mems: list[str], done=None) -> dict:
+def _baselines(cfg, args, template: dict, mems: list[str], done=None, hw=None) -> dict:
     """The row-by-row baseline: one GPU batch (`--baseline-batch`, default the template's size) placed as the
     template policy, its weights in each host memory kind of `mems` (in that order), each timed over the prefill and
     `--baseline-gen-len` - 1 decode passes and extrapolated to --gen-len (`run_policy`). host memory kind -> run;
@@ -407,8 +411,8 @@ def _baselines(cfg, args, template: dict, mems: list[str], done=None) -> dict:
     for mem in mems:
         pol = make_policy({**_fields(template), "gpu_batch_size": bs, "num_gpu_batches": 1,
                            "schedule": "row_by_row", "host_memory": mem}, args)
-        run = run_policy(cfg, pol, args, passes=args.baseline_gen_len, label=f"row-by-row {mem}")
-        print(f"[row-by-row {mem}: {run['out_tok_s']:.3f} tok/s"
+        run = run_policy(cfg, pol, args, passes=args.baseline_gen_len, label=f"row-by-row {mem}", hw=hw)
+        print(f"[row-by-row {mem}: {run['out_tok_s']:.3f} tok/s, predicted {run.get('predicted_tok_s', 0):.3f}"
               + (f" (extrapolated: {run['extrapolation']}; prefill pass {run['prefill_pass_s']:.3g} s, decode pass "
                  f"{run['decode_pass_mean_s']:.3g} s)" if run["extrapolated"] else "") + "]", flush=True)
         out[mem] = run
@@ -431,6 +435,8 @@ def _baseline_summary(runs: dict, base: dict, summary: dict, data: dict) -> None
     summary["flexgen_rowbyrow_out_tok_s"] = base[head]["out_tok_s"]
     for mem, r in base.items():
         summary[f"flexgen_rowbyrow_out_tok_s_{mem}"] = r["out_tok_s"]
+        if "predicted_err_pct" in r:           # the cost model's serial sum for the baseline (not in the mean error)
+            summary[f"cost_model_rowbyrow_err_pct_{mem}"] = r["predicted_err_pct"]
     if runs and "flexgen_best_policy" in summary:
         best = runs[summary["flexgen_best_policy"]]
         summary["flexgen_vs_rowbyrow"] = best["out_tok_s"] / base[head]["out_tok_s"]
@@ -445,7 +451,7 @@ def _baseline_only(cfg, args, hw, limits, pols: dict, mems: list[str]) -> int:
     info = {"shape": args.shape, "layers": cfg.num_layers, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "runs": {}, "hardware": hw.to_json(), "baseline_template": name}
     # each baseline written as it finishes, in case the command is killed before the end (a --merge part as it is)
-    base = _baselines(cfg, args, template, mems,
+    base = _baselines(cfg, args, template, mems, hw=hw,
                       done=lambda b: write_results(args.name, {"partial": True}, {**info, "rowbyrow": b}, args.out_dir))
     runs: dict = {}
     merged = _merge(args.merge, runs) if args.merge else {}
@@ -504,8 +510,8 @@ def _finish(args, summary: dict, data: dict) -> None:
                   "/".join(f"{x / 1e6:.1f}" for x in v["weight_bytes"].values())]
                  for k, v in rows.items()])
     if any(v.get("extrapolated") for v in rows.values()):
-        print(f"* extrapolated to {data.get('gen_len')} tokens a sequence: the measured prefill pass + (gen-len - 1) x "
-              "the mean measured decode pass (each pass's times in the JSON, `pass_s`)", flush=True)
+        print(f"* extrapolated to {data.get('gen_len')} tokens a sequence: the measured setup + prefill pass + "
+              "(gen-len - 1) x the mean measured decode pass (each pass's times in the JSON, `pass_s`)", flush=True)
     write_results(args.name, summary, data, args.out_dir)
 
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -44,8 +46,6 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
 def test_merge_adds_earlier_parts(tmp_path):
     """`--merge`: an earlier part's runs join this invocation's (which win a name clash), with its LP and CPU
     attention records; a file that is not a result is an error naming it."""
-    import pytest
-
     from bench.flexgen import _merge
     part = {"data": {"runs": {"a": {"out_tok_s": 1.0}, "b": {"out_tok_s": 2.0}}, "lp": {"predicted_tok_s": 3.0},
                      "cpu_attention_ab": "no run holds KV off the GPU"}}
@@ -82,9 +82,10 @@ def test_baseline_only_then_merge(tmp_path):
         assert r["policy"]["schedule"] == "row_by_row" and r["policy"]["host_memory"] == mem
         assert r["policy"]["gpu_batch_size"] == 3 and r["policy"]["num_gpu_batches"] == 1
         assert r["extrapolated"] and r["measured_passes"] == 3 and len(r["pass_s"]) == 3
-        # the block's time is the measured prefill pass + 5 x the measured decode passes' mean
-        assert r["seconds"] == r["pass_s"][0] + 5 * (r["pass_s"][1] + r["pass_s"][2]) / 2
-        assert r["out_tok_s"] == 3 * 6 / r["seconds"]
+        # the block's time is its setup, the measured prefill pass and 5 x the measured decode passes' mean
+        assert r["seconds"] == pytest.approx(r["setup_s"] + r["pass_s"][0] + 5 * (r["pass_s"][1] + r["pass_s"][2]) / 2)
+        assert r["out_tok_s"] == pytest.approx(3 * 6 / r["seconds"])
+        assert r["predicted_tok_s"] > 0                 # the cost model's serial sum for row-by-row
     s = doc["summary"]
     assert s["flexgen_rowbyrow_basis"] == "pinned" and s["flexgen_rowbyrow_extrapolated"] is True
     assert s["flexgen_rowbyrow_out_tok_s"] == rb["pinned"]["out_tok_s"] and "flexgen_vs_rowbyrow" not in s
@@ -98,6 +99,7 @@ def test_baseline_only_then_merge(tmp_path):
     s = json.loads(merged.read_text())["summary"]
     tok = run["out_tok_s"]
     assert s["flexgen_out_tok_s_optsmoke_1gb"] == tok and s["flexgen_best_policy"] == "w50-kvcpu-2x4"
-    assert s["flexgen_vs_rowbyrow"] == s["flexgen_vs_rowbyrow_pinned"] == tok / rb["pinned"]["out_tok_s"]
-    assert s["flexgen_vs_rowbyrow_numpy"] == tok / rb["numpy"]["out_tok_s"]
+    assert s["flexgen_vs_rowbyrow"] == s["flexgen_vs_rowbyrow_pinned"] == pytest.approx(tok / rb["pinned"]["out_tok_s"])
+    assert s["flexgen_vs_rowbyrow_numpy"] == pytest.approx(tok / rb["numpy"]["out_tok_s"])
+    assert s["cost_model_rowbyrow_err_pct_pinned"] == rb["pinned"]["predicted_err_pct"]
     assert s["cost_model_runs"] == 1
