@@ -113,7 +113,9 @@ class Engine:
         for key, v in overrides.items():
             if v is not None:
                 vals[key], source[key] = float(v), "configured"
-        return TierRates(c.page_size, copies.row_bytes, flops_per_token(m), source=source, **vals)
+        pageable = d["host_bytes_s"] if copies.pinned else None     # disk rows are numpy, pinned or not
+        return TierRates(c.page_size, copies.row_bytes, flops_per_token(m), source=source,
+                         disk_h2d_bytes_s=pageable, **vals)
 
     def _measure_tier_h2d(self) -> float | None:
         """Bytes/s of loading host rows as the tier does (16 rows, one device_put), best of 3; None on error."""

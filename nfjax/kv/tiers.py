@@ -71,13 +71,15 @@ class TierRates:
     host_bytes_s: float             # host tier -> device, bytes/s (pinned rows' rate where rows are pinned)
     disk_bytes_s: float             # disk tier reads, bytes/s
     source: dict = field(default_factory=dict)   # rate name -> "default" | "measured" | "configured"
+    disk_h2d_bytes_s: float | None = None        # a row read from disk (numpy, pageable) -> device; None: host's
 
     def recompute_s(self) -> float:
         return self.page_tokens * self.flops_per_token / self.gemm_flops
 
     def load_s(self, tier: str) -> float:
-        s = self.row_bytes / self.host_bytes_s
-        return s + self.row_bytes / self.disk_bytes_s if tier == "disk" else s
+        if tier == "disk":
+            return self.row_bytes / self.disk_bytes_s + self.row_bytes / (self.disk_h2d_bytes_s or self.host_bytes_s)
+        return self.row_bytes / self.host_bytes_s
 
     def wins(self, tier: str) -> bool:
         return self.load_s(tier) < self.recompute_s()

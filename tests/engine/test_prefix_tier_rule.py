@@ -24,6 +24,10 @@ def test_rates_of_the_h100_decide_host_pinned_yes_pageable_and_disk_no():
     pageable = TierRates(16, 2 << 20, f, 690e12, 5.1e9, 1.45e9)
     assert not pageable.wins("host") and not pageable.wins("disk")
     assert "NOT used" in pageable.line() and pinned.as_dict()["host_load_ms_per_page"] == pytest.approx(0.0514, 0.01)
+    # a disk row is numpy: it crosses at the pageable rate even where host rows are pinned
+    assert pinned.load_s("disk") == pytest.approx((2 << 20) * (1 / 1.45e9 + 1 / 40.8e9))
+    disk_pageable = TierRates(16, 2 << 20, f, 690e12, 40.8e9, 1.45e9, disk_h2d_bytes_s=5.1e9)
+    assert disk_pageable.load_s("disk") == pytest.approx(pageable.load_s("disk")) and disk_pageable.wins("host")
 
 
 def test_fetch_takes_a_tier_only_where_loading_wins():
