@@ -103,3 +103,28 @@ def test_baseline_only_then_merge(tmp_path):
     assert s["flexgen_vs_rowbyrow_numpy"] == pytest.approx(tok / rb["numpy"]["out_tok_s"])
     assert s["cost_model_rowbyrow_err_pct_pinned"] == rb["pinned"]["predicted_err_pct"]
     assert s["cost_model_runs"] == 1
+
+
+def test_warm_up_compiles_every_shape_of_the_timed_block(tmp_path):
+    """The warm-up's two passes run at the timed block's shapes (KV arrays sized for the whole gen-len), so the timed
+    block compiles nothing; a warm-up generating 2 tokens had 16 positions fewer and the timed block compiled the
+    layer program twice more."""
+    from bench.flexgen import _timed_generate
+    from nfjax.models.random_init import SHAPES
+    from nfjax.offload import Policy, Split
+    from nfjax.offload.engine import OffloadEngine
+    from nfjax.offload.random_layers import random_parts
+    from nfjax.tokenizer.silent import SilentTokenizer
+    cfg = SHAPES["opt-smoke"].replace(num_layers=2)
+    rest_gd, rest_state, layer_gd, src = random_parts(cfg)
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0, 100, 0), cache=Split(0, 100, 0),
+                 offload_dir=str(tmp_path))
+    with OffloadEngine(cfg, rest_state, layer_gd, src, SilentTokenizer(cfg.vocab_size), pol, max_model_len=48,
+                       rest_gd=rest_gd) as eng:
+        prompts = [[5] * 16] * 4
+        outs, passes, _ = _timed_generate(eng, prompts, 32, passes=2)
+        assert outs is None and len(passes) == 2
+        warm = eng.programs.layer[True]._cache_size()
+        outs, passes, setup = _timed_generate(eng, prompts, 32)
+        assert eng.programs.layer[True]._cache_size() == warm
+        assert len(passes) == 32 and sum(len(o.token_ids) for o in outs) == 4 * 32 and setup >= 0
