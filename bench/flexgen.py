@@ -26,7 +26,8 @@ setup + prefill pass + (gen-len - 1) x the mean decode pass (`extrapolated`, `ex
 its record; a row-by-row pass of OPT-30B takes seconds). Its weights come from pinned host memory (DeepSpeed
 ZeRO-Inference's pinned buffers; the zig-zag runs' host memory too) and/or pageable numpy arrays (Accelerate's cpu
 offload: synchronous copies of pageable tensors), `--baseline-memory`: `flexgen_vs_rowbyrow` is over the pinned one
-(the two runs then differ only in the schedule), `flexgen_vs_rowbyrow_numpy` over the pageable one.
+(the two runs then differ only in the schedule), `flexgen_vs_rowbyrow_numpy` over the pageable one;
+`flexgen_vs_rowbyrow_int4`: the best 4-bit run over the same (uncompressed, pinned) baseline.
 
     python -m bench.flexgen --baseline-only --baseline-batch 8          # numpy then pinned, placed as w0-kvcpu-8x8
     python -m bench.flexgen --merge-only --merge base.json,policies.json  # one summary of both, no device work
@@ -442,6 +443,9 @@ def _baseline_summary(runs: dict, base: dict, summary: dict, data: dict) -> None
         summary["flexgen_vs_rowbyrow"] = best["out_tok_s"] / base[head]["out_tok_s"]
         for mem, r in base.items():
             summary[f"flexgen_vs_rowbyrow_{mem}"] = best["out_tok_s"] / r["out_tok_s"]
+        if "flexgen_best_policy_int4" in summary:       # 4-bit FlexGen over the same (uncompressed) baseline
+            summary["flexgen_vs_rowbyrow_int4"] = (runs[summary["flexgen_best_policy_int4"]]["out_tok_s"]
+                                                   / base[head]["out_tok_s"])
 
 
 def _baseline_only(cfg, args, hw, limits, pols: dict, mems: list[str]) -> int:

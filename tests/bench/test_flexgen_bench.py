@@ -24,7 +24,8 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     (res,) = tmp_path.glob("flexgen-*.json")
     doc = json.loads(res.read_text())
     s = doc["summary"]
-    for k in ("flexgen_out_tok_s_optsmoke_1gb", "flexgen_vs_rowbyrow", "flexgen_out_tok_s_optsmoke_1gb_int4"):
+    for k in ("flexgen_out_tok_s_optsmoke_1gb", "flexgen_vs_rowbyrow", "flexgen_out_tok_s_optsmoke_1gb_int4",
+              "flexgen_vs_rowbyrow_int4"):
         assert s[k] > 0, k
     assert s["flexgen_best_policy"] in doc["data"]["runs"]
     # issue #25: the LP's policy ran beside the grid, CPU attention on and off, every zig-zag run predicted
