@@ -43,9 +43,19 @@ SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (
 # A quantized cache's dequantizing warpgroups when a call names none, per format: None = 2 over an even number of
 # stages, else 1; 0 = the consumer dequantizes (the first version). H100, decode at 4k context, batch 64 / 256, of
 # the copy rate on the bytes read (attention_kv-v2-20261124.json against attention_kv-v1): int4 0.24 / 0.29 with
-# two dequantizers against 0.16 / 0.17 in the consumer; fp8 0.75 against 0.575 at batch 256 but 0.15 against 0.53
-# at batch 64 (one dequantizer no better; not understood), so fp8 keeps the consumer's path until that is found.
+# two dequantizers against 0.16 / 0.17 in the consumer. fp8 depends on the batch (kv_fp8_wgs-repeat-20261125.json,
+# three repeats in one process): one dequantizer 1.03-1.05 ms against the consumer's 1.33-1.38 at batch 256, but
+# 0.80-1.11 against 0.53-0.58 at batch 64 (not understood); so fp8 takes one from FP8_DEQUANT_MIN_WORK work items
+# (sequences x KV heads; batch 256 at 8 KV heads) and the consumer's path below.
 DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int4": None}
+FP8_DEQUANT_MIN_WORK = 2048
+
+
+def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
+    """The dequantizing warpgroups of a call that names none (see DEQUANT_WGS)."""
+    if fmt == "fp8" and work_items >= FP8_DEQUANT_MIN_WORK:
+        return 1
+    return DEQUANT_WGS.get(fmt)
 
 
 def _cols(x, shape):
@@ -236,11 +246,11 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here by
-    `dequant_wgs` warpgroups (None: the format's `DEQUANT_WGS`), by default over 2 stages (fp8; the f16 tiles take
+    `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8; the f16 tiles take
     the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
-    nd = DEQUANT_WGS.get(fmt) if dequant_wgs is None else dequant_wgs
+    nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if num_stages is None:
         # dequantizers: the f16 tiles take 128 KB of SMEM; int4's stages (18 KB at head_dim 128) fit four deep
