@@ -144,24 +144,39 @@ class LazyRow:
 
 class TierCopies:
     """Compiled `pack_rows` / `unpack_rows` for each of `transfer_sizes` (compiled at start: no step compiles
-    later), and the host side of the copies. `host_sharding`: rows go to JAX arrays of that (pinned_host)
-    sharding, by one asynchronous device_put, and come back by one device_put (a DMA at the pinned rate, 8x
-    pageable numpy's on the H100); None: numpy rows (copy_to_host_async, read back lazily). `rows_to_host` /
-    `rows_from_host` count the rows moved."""
+    later), and the host side of the copies. `host_sharding` (pinned_host): the copies are inside the programs,
+    `pack_rows` writing its rows to pinned host memory and `unpack_rows` reading them from there (a DMA at the
+    pinned rate, 8x pageable numpy's on the H100), so the host only launches them; None: numpy rows
+    (copy_to_host_async, read back lazily). The first pinned version moved the rows by `device_put` after and
+    before the programs: on the H100 that held the engine thread 64 of a 156 s multi-round run
+    (bench/NOTES.md section 15). `rows_to_host` / `rows_from_host` count the rows moved."""
 
     def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int, host_sharding=None):
         self.replicated, self.num_pages, self.host_sharding = replicated, num_pages, host_sharding
         self.row_bytes = row_bytes(kv.arrays())
         self._pack, self._unpack = {}, {}
-        for n in transfer_sizes(max_pages):
-            pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=replicated)
-            row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=replicated)
-            self._pack[n] = jax.jit(pack_rows, out_shardings=replicated).lower(kv, pg).compile()
-            self._unpack[n] = jax.jit(unpack_rows, donate_argnums=0, out_shardings=kv_sharding).lower(
-                kv, pg, *([row] * n)).compile()
+        if host_sharding is not None:
+            try:
+                self._compile(kv, kv_sharding, max_pages, host_sharding)
+            except Exception as e:  # noqa: BLE001 - a backend without in-program host copies: numpy rows
+                import warnings
+                warnings.warn(f"prefix cache host tier: no copy programs into pinned host memory ({e}); numpy "
+                              f"rows", RuntimeWarning, stacklevel=2)
+                self.host_sharding = None
+        if self.host_sharding is None:
+            self._compile(kv, kv_sharding, max_pages, replicated)
         self.sizes = sorted(self._pack)
         self.rows_to_host = self.rows_from_host = 0
         self._waits = [0]
+
+    def _compile(self, kv, kv_sharding, max_pages: int, row_sharding) -> None:
+        """The copy programs with their rows in `row_sharding`'s memory (pinned host or the device)."""
+        for n in transfer_sizes(max_pages):
+            pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
+            row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=row_sharding)
+            self._pack[n] = jax.jit(pack_rows, out_shardings=(row_sharding,) * n).lower(kv, pg).compile()
+            self._unpack[n] = jax.jit(unpack_rows, donate_argnums=0, out_shardings=kv_sharding).lower(
+                kv, pg, *([row] * n)).compile()
 
     @property
     def pinned(self) -> bool:
@@ -187,13 +202,7 @@ class TierCopies:
             rows.extend(self._pack[n](kv, ids))
         self.rows_to_host += len(pages)
         if self.host_sharding is not None:
-            try:
-                return list(jax.device_put(rows, self.host_sharding))
-            except Exception as e:  # noqa: BLE001 - pinned memory exhausted or refused: numpy from now on
-                import warnings
-                warnings.warn(f"prefix cache host tier: pinned host rows failed ({e}); numpy rows from now on",
-                              RuntimeWarning, stacklevel=2)
-                self.host_sharding = None
+            return rows                     # already in pinned host memory, written by the program
         for r in rows:
             r.copy_to_host_async()
         pending = PendingRows(rows, launched, reads, self._waits)
@@ -208,9 +217,7 @@ class TierCopies:
         """`kv` with `rows` (numpy or pinned arrays) written at `pages`: per run its rows go over (no host-side
         stacking) and one scatter writes them."""
         for i, n, ids in self._runs(pages):
-            run = rows[i:i + n]
-            if not all(isinstance(r, np.ndarray) for r in run):
-                run = jax.device_put(list(run), self.replicated)     # pinned rows: one DMA each
-            kv = self._unpack[n](kv, ids, *run)     # numpy rows go over as arguments (4x less host time)
+            run = rows[i:i + n]           # pinned rows are read by the program; numpy rows go over as arguments
+            kv = self._unpack[n](kv, ids, *run)
         self.rows_from_host += len(pages)
         return kv
