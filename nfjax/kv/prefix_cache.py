@@ -149,7 +149,7 @@ class TierCopies:
     pinned rate, 8x pageable numpy's on the H100), so the host only launches them; None: numpy rows
     (copy_to_host_async, read back lazily). The first pinned version moved the rows by `device_put` after and
     before the programs: on the H100 that held the engine thread 64 of a 156 s multi-round run
-    (bench/NOTES.md section 15). `rows_to_host` / `rows_from_host` count the rows moved."""
+    (docs/design.md section 13). `rows_to_host` / `rows_from_host` count the rows moved."""
 
     def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int, host_sharding=None):
         self.replicated, self.num_pages, self.host_sharding = replicated, num_pages, host_sharding

@@ -50,7 +50,7 @@ class PrefixStats:
         return d
 
 
-# Defaults where nothing is measured or configured. GPU: an H100 (bench/NOTES.md section 14, issue #23): host
+# Defaults where nothing is measured or configured. GPU: an H100 (docs/design.md section 13, issue #23): host
 # -> device 5.1 GB/s from pageable numpy, 40.8 from pinned_host arrays, disk reads 1.45 GB/s, bf16 GEMMs at
 # ~690 TFLOP/s. CPU: a small machine's memcpy and disk, and a GEMM rate of a few cores.
 DEFAULT_RATES = {
