@@ -10,6 +10,7 @@ decode batch sizes and modelled seconds, before spending device time on one.
 
     python -m bench.probes.batcher_replay --workloads 1024x512,sharegpt --num-requests 512
     python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --variants "base=;fine=--buckets 16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792,2048"
+    python -m bench.probes.batcher_replay --workloads 1024x512 --num-pages 50034 --kv-bytes 69632 --attn-of-copy 0.75   # fp8
 """
 from __future__ import annotations
 
@@ -39,16 +40,18 @@ def gemm_ms(tokens: int, table: dict[int, float]) -> float:
     return float(np.interp(tokens, xs, [table[x] for x in xs]))
 
 
-def step_ms(batch, table) -> tuple[float, float]:
-    """(modelled ms, of which decode attention)."""
+def step_ms(batch, table, kv_bytes: float = KV_BYTES_PER_TOKEN, attn_of_copy: float = 1.0) -> tuple[float, float]:
+    """(modelled ms, of which decode attention); `kv_bytes` a token as stored, read at `attn_of_copy` of the
+    copy rate (a compressed format's kernel)."""
     kv = sum(s.start + 1 for s in batch.seqs[:batch.num_decode])
-    attn = 0.47 + kv * KV_BYTES_PER_TOKEN / (COPY_TB_S * 1e12) * 1e3
+    attn = 0.47 + kv * kv_bytes / (COPY_TB_S * attn_of_copy * 1e12) * 1e3
     pre = sum(s.num_tokens * (s.start + s.num_tokens / 2) for s in batch.seqs[batch.num_decode:])
     pre_ms = pre * 4 * 4096 * 32 / 400e12 * 1e3          # QK and PV flops at ~400 TFLOP/s
     return gemm_ms(batch.bucket, table) + attn + pre_ms, attn
 
 
-def replay(work, num_pages: int, batcher: BatcherConfig, table) -> dict:
+def replay(work, num_pages: int, batcher: BatcherConfig, table, kv_bytes: float = KV_BYTES_PER_TOKEN,
+           attn_of_copy: float = 1.0) -> dict:
     cfg = EngineConfig(model=LLAMA3_8B, cache=CacheConfig(page_size=16, num_pages=num_pages,
                                                           max_pages_per_seq=256, max_model_len=4096),
                        batcher=batcher)
@@ -68,7 +71,7 @@ def replay(work, num_pages: int, batcher: BatcherConfig, table) -> dict:
         swaps += len(batch.swap_out)
         steps += 1
         pad += batch.bucket - batch.num_tokens
-        t, a = step_ms(batch, table)
+        t, a = step_ms(batch, table, kv_bytes, attn_of_copy)
         ms += t
         attn_ms += a
         kind = ("decode+prefill" if batch.num_decode < len(batch.seqs) and batch.num_decode else
@@ -97,6 +100,9 @@ def main(argv=None):
     p.add_argument("--variants", default="base=", help="NAME=FLAGS;... with --buckets, --max-seqs, "
                                                        "--max-prefill-seqs, --no-predict")
     p.add_argument("--optimal-tok-s", type=float, default=42847.0)
+    p.add_argument("--kv-bytes", type=float, default=KV_BYTES_PER_TOKEN, help="KV bytes a token as stored "
+                   "(fp8 with its scales: ~0.53x bf16's; set --num-pages to the format's pool too)")
+    p.add_argument("--attn-of-copy", type=float, default=1.0, help="decode attention's rate, of the copy rate")
     a = p.parse_args(argv)
     vp = argparse.ArgumentParser(prog="variant")
     vp.add_argument("--buckets", default="16,32,64,128,256,384,512,1024,2048")
@@ -110,7 +116,7 @@ def main(argv=None):
             f = vp.parse_args(shlex.split(flags))
             cfg = BatcherConfig(token_buckets=tuple(int(x) for x in f.buckets.split(",")), max_seqs=f.max_seqs,
                                 max_prefill_seqs=f.max_prefill_seqs, predict_memory=not f.no_predict)
-            r = replay(work, a.num_pages, cfg, GEMM_MS)
+            r = replay(work, a.num_pages, cfg, GEMM_MS, a.kv_bytes, a.attn_of_copy)
             print(f"{spec:9s} {name:10s} steps {r['steps']:5d} padding {r['padding']:7d} mean decode "
                   f"{r['mean_decode']:6.1f} preempt {r['preemptions']:4d} model {r['model_s']:6.1f} s (attn "
                   f"{r['attn_s']:5.1f}) {r['tok_s']:8,.0f} tok/s = {100 * r['tok_s'] / a.optimal_tok_s:5.1f}% "
