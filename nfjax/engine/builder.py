@@ -258,4 +258,7 @@ def from_flags(args: argparse.Namespace, *, progress: bool = False, **kw):
         engine = build_engine(getattr(args, "model", None), overrides_from_args(args), dtype=args.dtype,
                               progress=progress, **kw)
     print(f"[{engine.capacity_line()}]", file=sys.stderr, flush=True)
+    tiers = getattr(engine, "tier_line", lambda: None)()
+    if tiers:                        # which prefix-cache tiers beat recomputing here, and by what rates
+        print(f"[prefix tiers: {tiers}]", file=sys.stderr, flush=True)
     return engine

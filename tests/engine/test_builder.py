@@ -94,3 +94,17 @@ def test_compile_cache_a_second_start_compiles_nothing(tmp_path):
 
 def test_compile_cache_flag_is_an_execution_setting():
     assert overrides_from_args(_parse("--compile-cache", "/tmp/x")) == {"execution": {"compile_cache_dir": "/tmp/x"}}
+
+
+def test_generate_prints_the_tier_rule_at_start(tmp_path):
+    """With a host tier, the CLI says at start which tiers beat recomputing here and at what rates."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "nfjax.cli", "generate", "--host-cache-gb", "0.01", "--max-tokens", "2",
+                        "--temperature", "0", "Hello"], cwd=root, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(x for x in p.stderr.splitlines() if x.startswith("[prefix tiers:"))
+    assert "recomputes in" in line and "from host" in line and "host rows: numpy" in line
