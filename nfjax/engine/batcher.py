@@ -138,11 +138,15 @@ class Batcher:
         out = max(est, req.num_launched_outputs + 1)
         return min(req.prompt_len + out, self.max_model_len)
 
+    def _span(self, req: Request) -> tuple[int, int]:
+        """(positions `req` holds once its prompt is in, positions at its predicted end): its forecast entry."""
+        return max(req.num_computed, req.prompt_len), self._expected_len(req)
+
     def _forecast(self) -> MemoryForecast:
         """The running requests' pages step by step to their predicted ends (built once per step)."""
         f = MemoryForecast(self.cache.page_size)
         for r in self.running:
-            f.add(max(r.num_computed, r.prompt_len), self._expected_len(r))
+            f.add(*self._span(r))
         return f
 
     def _fits_prediction(self, req: Request, forecast: MemoryForecast | None = None) -> bool:
@@ -154,8 +158,7 @@ class Batcher:
         if not self.cfg.predict_memory:
             return self.cache.pages_for(req.num_computed + 1) <= self.allocator.num_free
         forecast = self._forecast() if forecast is None else forecast
-        return forecast.peak_with(max(req.num_computed, req.prompt_len),
-                                  self._expected_len(req)) <= self.allocator.capacity
+        return forecast.peak_with(*self._span(req)) <= self.allocator.capacity
 
     # ---- pages ------------------------------------------------------------------------------------
     def _register(self, req: Request) -> None:
@@ -302,7 +305,7 @@ class Batcher:
             st.hit_tokens_host += req.reused.get("host", 0)
             st.hit_tokens_disk += req.reused.get("disk", 0)
             if forecast is not None:
-                forecast.add(req.prompt_len, self._expected_len(req))
+                forecast.add(*self._span(req))
         evicted = self.allocator.take_evicted()
         if self.tiers is not None:
             batch.evict = evicted

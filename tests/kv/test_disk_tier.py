@@ -128,10 +128,9 @@ def test_background_writer_round_trip_lru_and_cleanup(tmp_path):
     assert not writer.is_alive() and not list(tmp_path.glob("*" + SUFFIX)) and not list(tmp_path.glob("*.tmp"))
 
 
-def test_background_writer_pages_taken_back_before_or_while_written(tmp_path, monkeypatch):
+def _hold_writes(d, monkeypatch):
+    """Make `d`'s writer thread stop inside each write until `go` is set; `started`: it reached one."""
     import threading
-    st = PrefixStats()
-    d = DiskTier(tmp_path, 8, 64, st, FP, background=True)
     started, go = threading.Event(), threading.Event()
     real = d._write
 
@@ -140,6 +139,13 @@ def test_background_writer_pages_taken_back_before_or_while_written(tmp_path, mo
         go.wait(10)
         return real(hh, r)
     monkeypatch.setattr(d, "_write", slow)
+    return started, go
+
+
+def test_background_writer_pages_taken_back_before_or_while_written(tmp_path, monkeypatch):
+    st = PrefixStats()
+    d = DiskTier(tmp_path, 8, 64, st, FP, background=True)
+    started, go = _hold_writes(d, monkeypatch)
     d.put(h(0), row(0))
     assert started.wait(10)                                 # the writer is inside h(0)'s write
     d.put(h(1), row(1))                                     # queued behind it
@@ -173,21 +179,13 @@ def test_background_write_failure_is_warned_on_the_callers_thread(tmp_path, monk
 def test_a_full_write_queue_drops_the_page_instead_of_waiting(tmp_path, monkeypatch):
     """The writer behind (a disk slower than the spills): `put` drops the page and returns at once (it used to
     wait for the writer, holding the engine's loop to the disk's write rate)."""
-    import threading
     import time
 
     import nfjax.kv.disk_tier as dt
     monkeypatch.setattr(dt, "MAX_QUEUED", 2)
     st = PrefixStats()
     d = DiskTier(tmp_path, 16, 64, st, FP, background=True)
-    started, go = threading.Event(), threading.Event()
-    real = d._write
-
-    def slow(hh, r):
-        started.set()
-        go.wait(10)
-        return real(hh, r)
-    monkeypatch.setattr(d, "_write", slow)
+    started, go = _hold_writes(d, monkeypatch)
     d.put(h(0), row(0))
     assert started.wait(10)                                 # the writer holds h(0); two more fill the queue
     d.put(h(1), row(1))
