@@ -171,11 +171,19 @@ class TierCopies:
 
     def _compile(self, kv, kv_sharding, max_pages: int, row_sharding) -> None:
         """The copy programs with their rows in `row_sharding`'s memory (pinned host or the device)."""
+        unpack = unpack_rows
+        if row_sharding is not self.replicated:
+            # Rows in host memory are moved to the device first, inside the program: XLA:GPU refuses a scatter
+            # whose operand is in host memory ("DynamicUpdateSlice ... shouldn't change layout memory space").
+            dev = self.replicated.with_memory_kind("device")
+
+            def unpack(kv, pages, *rows):
+                return unpack_rows(kv, pages, *(jax.device_put(r, dev) for r in rows))
         for n in transfer_sizes(max_pages):
             pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
             row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=row_sharding)
             self._pack[n] = jax.jit(pack_rows, out_shardings=(row_sharding,) * n).lower(kv, pg).compile()
-            self._unpack[n] = jax.jit(unpack_rows, donate_argnums=0, out_shardings=kv_sharding).lower(
+            self._unpack[n] = jax.jit(unpack, donate_argnums=0, out_shardings=kv_sharding).lower(
                 kv, pg, *([row] * n)).compile()
 
     @property
