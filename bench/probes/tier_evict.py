@@ -11,7 +11,7 @@ step, by each way of moving a page row to the host:
 For each: ms a step, the overhead against `none`, the host ms a step spent launching the eviction, and a check
 that a row read back holds its page's bytes.
 
-    python -m bench.probes.tier_evict [--rows 16] [--steps 60] [--gemms 24] [--pages 2048]
+    python -m bench.probes.tier_evict [--rows 16] [--steps 60] [--gemms 24] [--pages 2048] [--prewarm-gb 8]
 """
 from __future__ import annotations
 
@@ -112,10 +112,14 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=8192)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--prewarm-gb", type=float, default=0.0,
+                   help="grow the pinned host pool this far first (TierCopies.reserve_pinned)")
     p.add_argument("--name", default="tier_evict")
     args = p.parse_args(argv)
     from bench.common import device_info, print_table, write_results
     kv, x, w, step_c, copies, pinned = build(args)
+    if args.prewarm_gb:
+        print(f"pinned pool of {args.prewarm_gb:g} GB in {copies['inprog'].reserve_pinned(int(args.prewarm_gb * 2 ** 30)):.2f} s")
     results = {}
     with ThreadPoolExecutor(1) as pool:
         kv, x, _ = run_method("none", kv, x, w, step_c, copies, pinned, args, pool)     # warm-up

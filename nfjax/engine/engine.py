@@ -86,8 +86,11 @@ class Engine:
             from nfjax.kv.disk_tier import DiskTier
             disk = DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 2 ** 30) // row, row, stats,
                             self._tier_fingerprint(), background=True)
-        return PrefixTiers(HostTier(int(c.host_cache_gb * 2 ** 30) // row, row, stats, spill=disk), disk,
-                           rates=self._tier_rates())
+        capacity = int(c.host_cache_gb * 2 ** 30) // row
+        tiers = PrefixTiers(HostTier(capacity, row, stats, spill=disk), disk, rates=self._tier_rates())
+        if tiers.use_host:
+            stats.pinned_reserve_s = copies.reserve_pinned(capacity * row)
+        return tiers
 
     def _tier_rates(self, **overrides):
         """Recompute against load rates: the backend's defaults (nfjax/kv/tiers.py DEFAULT_RATES), on a GPU the
@@ -152,6 +155,8 @@ class Engine:
         if t is None or t.rates is None:
             return None
         mem = "pinned_host arrays" if self.runner.tier_copies.pinned else "numpy"
+        if self.batcher.stats.pinned_reserve_s:
+            mem += f", pool of {self.config.cache.host_cache_gb:g} GB pinned in {self.batcher.stats.pinned_reserve_s:.1f} s"
         return f"{t.rates.line()} [host rows: {mem}]"
 
     def _tier_fingerprint(self) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -185,6 +186,25 @@ class TierCopies:
             self._pack[n] = jax.jit(pack_rows, out_shardings=(row_sharding,) * n).lower(kv, pg).compile()
             self._unpack[n] = jax.jit(unpack, donate_argnums=0, out_shardings=kv_sharding).lower(
                 kv, pg, *([row] * n)).compile()
+
+    def reserve_pinned(self, nbytes: int, chunk: int = 1 << 30) -> float:
+        """Grow the runtime's pinned host pool to `nbytes` now (allocated in `chunk`s, then freed to the pool):
+        the host tier's rows are carved from it later. Growing it on the engine thread while the tier fills
+        (page-locking GBs at a time) held evictions for seconds on the H100 (docs/design.md section 13).
+        Returns the seconds spent; 0 without pinned rows or where the pool cannot grow that far."""
+        if self.host_sharding is None or nbytes <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        make = jax.jit(lambda: jnp.zeros((chunk,), jnp.uint8), out_shardings=self.host_sharding)
+        held = []
+        try:
+            for _ in range(-(-nbytes // chunk)):
+                held.append(make())
+            jax.block_until_ready(held)
+        except Exception:  # noqa: BLE001 - the pool's limit: what was reserved stays in the pool
+            pass
+        del held
+        return time.perf_counter() - t0
 
     @property
     def pinned(self) -> bool:

@@ -38,6 +38,7 @@ class PrefixStats:
     evict_s: float = 0.0            # ... in evictions: launching the copies out, settling them, spilling to disk
     disk_write_s: float = 0.0       # the disk tier's writer thread's seconds (beside the loop, not on it)
     disk_writes_dropped: int = 0    # pages spilled while the disk writer's queue was full: dropped, not waited for
+    pinned_reserve_s: float = 0.0   # at start: growing the pinned host pool to the host tier's size
 
     @property
     def hit_tokens(self) -> int:

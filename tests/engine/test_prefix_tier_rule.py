@@ -104,6 +104,8 @@ def test_host_rows_in_pinned_host_memory(off, tmp_path, monkeypatch):
     eng = _tiered(tmp_path)
     try:
         assert eng.runner.tier_copies.pinned and "pinned_host" in eng.tier_line()
+        # the pinned pool was grown to the host tier's size at start (not while the tier fills)
+        assert eng.prefix_stats()["pinned_reserve_s"] > 0 and "pinned in" in eng.tier_line()
         converse([off, eng], n=6, turns=4, seed=5)
         st = eng.prefix_stats()
         assert st["host_rows_pinned"] and st["hit_tokens_host"] > 0 and st["hit_tokens_disk"] > 0
