@@ -67,7 +67,8 @@ def progress_line(name: str, turns: int, elapsed: float, tokens: int, st: dict) 
                  f"{st.get('skipped_pages_disk', 0):,}, disk MiB w/r {st.get('bytes_to_disk', 0) / 2 ** 20:,.0f}/"
                  f"{st.get('bytes_from_disk', 0) / 2 ** 20:,.0f} (backlog {st.get('disk_write_backlog', 0)}, dropped "
                  f"{st.get('disk_writes_dropped', 0)}), "
-                 f"blocked in loads {st.get('tier_load_s', 0.0):.2f} s, evictions {st.get('evict_s', 0.0):.2f} s, "
+                 f"blocked in loads {st.get('tier_load_s', 0.0):.2f} s, evictions {st.get('evict_s', 0.0):.2f} s "
+                 f"(launches {st.get('evict_launch_s', 0.0):.2f} s), "
                  f"step waits {st.get('tier_step_waits', 0)}")
     return line
 

@@ -204,6 +204,7 @@ class Engine:
             return
         rows = self.runner.tier_copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches,
                                                       lambda: self._reads)
+        stats.evict_launch_s += time.perf_counter() - t0
         lazy = [(h, row) for (_, h), row in zip(evict, rows)]
         for h, row in lazy:
             tiers.put(h, row)

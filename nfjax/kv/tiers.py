@@ -36,6 +36,7 @@ class PrefixStats:
     evictions_dropped: int = 0      # evicted GPU pages not copied out (the host tier cannot beat recompute)
     tier_load_s: float = 0.0        # engine thread's seconds in tier hits: fetching rows (disk reads) and loading
     evict_s: float = 0.0            # ... in evictions: launching the copies out, settling them, spilling to disk
+    evict_launch_s: float = 0.0     # ... of which launching the copy programs (their host rows allocated)
     disk_write_s: float = 0.0       # the disk tier's writer thread's seconds (beside the loop, not on it)
     disk_writes_dropped: int = 0    # pages spilled while the disk writer's queue was full: dropped, not waited for
     pinned_reserve_s: float = 0.0   # at start: growing the pinned host pool to the host tier's size

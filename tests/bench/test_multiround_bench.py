@@ -53,11 +53,11 @@ def test_progress_line_reports_the_tier_counters():
           "rows_from_host": 3, "evictions_dropped": 1, "skipped_pages_host": 2, "skipped_pages_disk": 4,
           "bytes_to_disk": 2 ** 21, "bytes_from_disk": 2 ** 20, "disk_write_backlog": 5, "disk_writes_dropped": 6,
           "tier_load_s": 1.25,
-          "evict_s": 0.5, "tier_step_waits": 0}
+          "evict_s": 0.5, "evict_launch_s": 0.25, "tier_step_waits": 0}
     line = progress_line("tiers", 12, 10.0, 5000, st)
     assert line.startswith("[tiers] 12 turns, 10 s, 500 tok/s, hit rate 0.500 (gpu 10 host 20 disk 30 tokens)")
     assert ("rows to/from host 7/3, dropped 1, skipped host/disk 2/4, disk MiB w/r 2/1 (backlog 5, dropped 6), blocked in "
-            "loads 1.25 s, evictions 0.50 s, step waits 0") in line
+            "loads 1.25 s, evictions 0.50 s (launches 0.25 s), step waits 0") in line
     assert "rows to/from" not in progress_line("gpu", 1, 1.0, 1, {"hit_rate": 0.0})
 
 
