@@ -9,6 +9,10 @@ timeline of one layer of the searched plan at the largest bucket from a real tra
 usage: python -m bench.autosearch --shape llama3-8b --page-size 64 --out $OUT
 CPU smoke: python -m bench.autosearch --shape smoke --token-buckets 128,256 --decode 32 --ctx 64 --grid quick \\
                --no-trace --out /tmp/as
+Offline (no device): the search from a saved profile, and the model against what a run measured:
+  python -m bench.autosearch --shape llama3-8b --profile bench/results/autosearch-run5-profile-20261125.json \\
+      --search-only --measured bench/results/autosearch-run5-20261125.json \\
+      --measured-plans bench/results/autosearch-plans-run5-20261125 --out /tmp/as
 """
 from __future__ import annotations
 
@@ -95,9 +99,51 @@ def search_step(args, prof: dict, out: dict) -> dict:
             "sequential_layer_ms": model.measured_sequential_ms(),
             "searched_ms": best["modelled_layer_ms"] if best else None, "handtuned_ms": hand_ms}
     out["classes"] = classes
+    for b, m in out["modelled"].items():
+        print(f"modelled layer ms, {b} tokens / {decode_of(args, int(b))} decodes: searched {_f(m['searched_ms'])}, "
+              f"hand-tuned {_f(m['handtuned_ms'])}, Sequential {_f(m['sequential_ms'])} (its ops "
+              f"{_f(m['sequential_ops_ms'])}, its measured layer {_f(m['sequential_layer_ms'])})", flush=True)
     print(f"search: {len(res)} classes in {out['autosearch_solve_s']:.1f} s; plans for the bench's batches: "
           f"{ {b: (os.path.basename(p) if p else 'Sequential') for b, p in chosen.items()} }", flush=True)
     return chosen
+
+
+def _f(x) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def evaluate_measured(args, prof: dict, out: dict) -> None:
+    """The model's layer time of every strategy a previous run timed (`--measured`: its result JSON), against its
+    measured step / layers: Sequential (its measured layer where the profile has it, else its ops), the shipped
+    plans, and that run's searched plans (looked up by name in `--measured-plans`)."""
+    from nfjax.autosearch.costs import BatchClass, CostModel
+    from nfjax.autosearch.emit import record, schedule_ms
+    from nfjax.schedule.graph import layer_graph
+    from nfjax.schedule.plan import load_plan
+    with open(args.measured) as f:
+        run = json.load(f)
+    data = run.get("data", run)
+    layers = data["config"]["num_layers"]
+    g = layer_graph()
+    rows = []
+    for b, r in sorted(data["buckets"].items(), key=lambda kv: int(kv[0])):
+        model = CostModel(prof, BatchClass(int(b), int(r["decode"]), int(r["ctx"])))
+        for label, t in r["strategies"].items():
+            measured = t["step_ms"] / layers
+            if label == "sequential":
+                lay = model.measured_sequential_ms()
+                ms = lay if lay is not None else sum(model.full_ms(op, 0, int(b)) for op in g.names)
+            else:
+                name = label.split(":", 1)[1]
+                path = os.path.join(args.measured_plans or "", f"{name}.json")
+                plan = load_plan(path if args.measured_plans and os.path.isfile(path) else name)
+                ms = schedule_ms(record(plan, g) if plan.bucket == int(b) else _recorded(name, int(b), g), model)
+            rows.append({"bucket": int(b), "strategy": label, "measured_ms": measured, "modelled_ms": ms,
+                         "error": ms / measured - 1.0})
+            print(f"[{b}] {label:44s} measured {measured:.4f} ms a layer, modelled {ms:.4f} "
+                  f"({ms / measured - 1.0:+.1%})", flush=True)
+    out["evaluation"] = {"measured": args.measured, "rows": rows,
+                         "max_abs_error": max((abs(r["error"]) for r in rows), default=None)}
 
 
 def _recorded(name: str, bucket: int, g):
@@ -169,6 +215,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1280, help="decode context length")
     ap.add_argument("--grid", choices=("full", "quick"), default="full", help="profile grid")
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    ap.add_argument("--search-only", action="store_true",
+                    help="search (and evaluate) only: no step is compiled or timed (with --profile, no device)")
+    ap.add_argument("--measured", default=None,
+                    help="a previous run's result JSON: model each strategy it timed against its measured time")
+    ap.add_argument("--measured-plans", default=None, help="folder of that run's searched plans (by name)")
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole search")
     ap.add_argument("--no-hand", dest="hand", action="store_false", help="leave the hand-tuned plan out")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
@@ -190,7 +241,13 @@ def main() -> None:
     prof = profile_step(args, cfg, out, log)
     out["profile_errors"] = prof.get("errors", [])
     chosen = search_step(args, prof, out)
+    if args.measured:
+        evaluate_measured(args, prof, out)
     save(args, out)
+    if args.search_only:
+        pdir = os.path.join(args.out, "plans")
+        print(f"search only: plans in {pdir}; no step timed", flush=True)
+        return
     try:
         time_step(args, cfg, chosen, out)
     finally:
@@ -206,6 +263,12 @@ def save(args, out: dict) -> None:
     from bench.common import write_results
     from bench.nanoflow import plot_timeline
     summary = {"autosearch_solve_s": out.get("autosearch_solve_s"), "profile_s": out.get("profile_s")}
+    for b, m in out.get("modelled", {}).items():
+        for k in ("searched_ms", "handtuned_ms", "sequential_ms"):
+            if isinstance(m.get(k), float):
+                summary[f"modelled_{k}_{b}"] = m[k]
+    if out.get("evaluation"):
+        summary["model_max_abs_error"] = out["evaluation"]["max_abs_error"]
     big = out["buckets"].get(str(max(args.token_buckets)), {})
     if big:
         summary["overlap_ratio_1gpu"] = big["overlap_ratio"]

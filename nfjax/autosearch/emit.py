@@ -114,6 +114,8 @@ def schedule_ms(layer_schedule, model, carry: str = "x") -> float:
                 have = pieces.get(v, list(layer_schedule.carry_ranges) if v == x0 else [(0, T)])
                 if not any(a <= p.start and p.stop <= b for a, b in have):
                     total += model.merge_ms(v, p.stop - p.start, p.ops[0])
+                elif (p.start, p.stop) not in have:          # rows of a larger piece
+                    total += model.slice_ms(v, p.stop - p.start, p.ops[0])
         if st.parts:
             a, b = st.parts
             sa = a.share if a.share is not None else 1.0

@@ -1,4 +1,8 @@
-"""Host-bound measurements in a profile, and the times the cost model reads in their place.
+"""Host-bound and noisy measurements in a profile, and the times the cost model reads in their place.
+
+Token series are first read as non-decreasing (`monotone`: an op on fewer tokens takes at most what it took on
+more) and subadditive (`subadditive`: at most the op on two smaller profiled sizes that add up), then for their
+host-bound points as below.
 
 The profiler times an op as `copies` of it in one program, called back to back; a call whose GPU work is shorter
 than the host's dispatch of it measures the dispatch (floor / copies), whatever the op does. In run 4 on the H100
@@ -67,6 +71,33 @@ def _fix(xs, ys, work, floor: float, launch: float, fallback=None) -> tuple[list
     return out, changed
 
 
+def monotone(ys) -> list[float]:
+    """Each time at most the time of every larger size (the least from the right): an op on fewer tokens does a
+    part of the work of more tokens, so a smaller size measured slower than a larger one measured noise. Run 5
+    (H100): attn_norm 0.0378 ms at 1024 tokens against 0.0218 at 1536 and 0.022 at 2048; rope_append 0.0579 at
+    384 against 0.0217 at 1536."""
+    out, least = [], float("inf")
+    for y in reversed(ys):
+        least = min(least, float(y))
+        out.append(least)
+    return out[::-1]
+
+
+def subadditive(xs, ys) -> list[float]:
+    """Each time at most the sum of two profiled smaller sizes that add up to it (the op on n tokens can run as
+    the op on a and on n - a tokens). Run 5 (H100): the down projection measured 0.3459 ms at 2048 tokens against
+    0.2388 + 0.0839 at 1536 and 512; in a step the merged 2048-token GEMM took 0.293-0.300 ms and the two
+    halves 0.228 + 0.079, so the 2048 point was what made splitting the down projection model cheaper than it runs."""
+    out = [float(y) for y in ys]
+    at = {x: i for i, x in enumerate(xs)}
+    for i, n in enumerate(xs):
+        for j in range(i):
+            k = at.get(n - xs[j])
+            if k is not None and k < i:
+                out[i] = min(out[i], out[j] + out[k])
+    return out
+
+
 def op_bytes(prof: dict, op: str) -> float:
     """Bytes per token `op` reads and writes (the profile's graph and value sizes; 0 where it has neither)."""
     node = next((n for n in (prof.get("graph") or {}).get("ops", []) if n["name"] == op), None)
@@ -86,7 +117,9 @@ def corrected(prof: dict) -> tuple[dict, dict]:
     for op, t in p["tokens"].items():
         b = op_bytes(prof, op)
         fb = (lambda n, b=b: b * n / rate) if b and rate else None
-        t["ms"], ch = _fix(t["tokens"], t["ms"], float, tok_f, launch, fb)
+        raw = [float(y) for y in t["ms"]]
+        t["ms"], _ = _fix(t["tokens"], subadditive(t["tokens"], monotone(raw)), float, tok_f, launch, fb)
+        ch = [(x, y, round(v, 6)) for x, y, v in zip(t["tokens"], raw, t["ms"]) if v < y]
         if ch:
             report[op] = ch
     dec = p.get("decode")

@@ -15,7 +15,8 @@ The MILP for K nano-batches (K = 1 is Sequential and needs no solve):
   * e[op][k] >= cost(op, arc of k) - U (1 - m[op]) - U paired(op, k)   (a split nano-op outside any pair);
     P[o,i,j] >= cost(a, arc i) - U (1 - p), P >= cost(b, arc j) - U (1 - p)   (the pair: max of its parts);
     u[edge] >= m[producer] - m[consumer]  (a merged reader joins the producer's pieces);
-  * minimize  sum (1 - m) merged cost + sum e + sum P + sum u join cost.
+    w[edge] >= m[consumer] - m[producer]  (a split GEMM copies its rows of a merged producer's value);
+  * minimize  sum (1 - m) merged cost + sum e + sum P + sum u join cost + sum w slice cost.
 `solve_stage1` returns the best structures for K, each new one excluded from the next solve by a cut on its
 (m, p) pattern, so every candidate differs in which ops split or pair (the search ranks them after stage II).
 """
@@ -54,6 +55,9 @@ class Problem:
     # and kappa 0 (stage I's view: each part on the whole GPU, no interference). The search also solves with the
     # parts at a profiled share and its measured kappa, which moves the sizes to where the pair really balances.
     pair_costs: dict = field(default_factory=dict)
+    # (producer, consumer, cost): what a consumer run per nano-batch pays to read its rows of a merged producer's
+    # value (a GEMM's operand rows are copied; 0 for readers that take them in place)
+    slices: tuple[tuple[str, str, float], ...] = ()
 
     def part_cost(self, o: "Overlap", which: int) -> Callable[[int, int], float]:
         f = self.pair_costs.get(o.name)
@@ -107,6 +111,7 @@ def stage1_time(pr: Problem, s: Structure, pair_ms: Callable | None = None) -> f
             a, b = pr.part_cost(o, 0)(*rg[i]), pr.part_cost(o, 1)(*rg[j])
             t += max(a, b) + pr.kappa(o) * min(a, b)
     t += sum(c for p, q, c in pr.edges if p in s.split and q not in s.split)
+    t += sum(c for p, q, c in pr.slices if q in s.split and p not in s.split)
     return t
 
 
@@ -145,12 +150,13 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
     big = {op: max(cost[op, a, b] for kk in range(k) for a, b in arcs[kk]) + 1e-6 for op in pr.ops}
 
     part = {}                        # (op, a, b) -> the least a nano-op of op costs inside any pair
-    for o in pr.overlaps:
+    for o in pr.overlaps:            # (a pair takes max(x, y) + kappa min(x, y) >= (1 + min(kappa, 0)) x)
+        low = 1.0 + min(pr.kappa(o), 0.0)
         for w, op in ((0, o.a), (1, o.b)):
             f = pr.part_cost(o, w)
             for kk in range(k):
                 for a, b in arcs[kk]:
-                    part[op, a, b] = min(part.get((op, a, b), float("inf")), f(a, b))
+                    part[op, a, b] = min(part.get((op, a, b), float("inf")), low * f(a, b))
 
     def lower(op, a, b):
         c = cost[op, a, b] if (op, a, b) in cost else pr.cost(op, a, b)
@@ -194,9 +200,10 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
             f = pr.part_cost(o, w)
             ub += max(f(a, b) for a, b in arcs[kk])
             parts.append(pulp.lpSum(f(a, b) * z[kk, a, b] for a, b in arcs[kk]))
-        kap = pr.kappa(o)               # max(x, y) + kappa min(x, y) = max(x + kappa y, y + kappa x)
-        prob += pv >= parts[0] + kap * parts[1] - ub * (1 + kap) * (1 - v)
-        prob += pv >= parts[1] + kap * parts[0] - ub * (1 + kap) * (1 - v)
+        kap = pr.kappa(o)     # max(x, y) + kappa min(x, y) = max(x + kappa y, y + kappa x) for kappa <= 1
+        big_p = ub * (1 + max(kap, 0.0))                    # each side's most (kappa < 0: at most ub)
+        prob += pv >= parts[0] + kap * parts[1] - big_p * (1 - v)
+        prob += pv >= parts[1] + kap * parts[0] - big_p * (1 - v)
         pair_of.setdefault(o.a, []).append(pv)
         pair_of.setdefault(o.b, []).append(pv)
         obj.append(pv)
@@ -216,6 +223,11 @@ def solve_stage1(pr: Problem, k: int, top: int = 1, time_limit: float = 30.0) ->
             u = milp.var(prob, f"u_{ei}", 0)
             prob += u >= m[a] - m[b]
             obj.append(c * u)
+    for si, (a, b, c) in enumerate(pr.slices):
+        if c > 0:
+            w = milp.var(prob, f"w_{si}", 0)
+            prob += w >= m[b] - m[a]
+            obj.append(c * w)
     prob += pulp.lpSum(obj)
     out, notes = [], []
     deadline = time.perf_counter() + time_limit

@@ -33,6 +33,9 @@ def time_of(pr: Problem, bounds, split, pairs) -> float:
     for p, c, cost in pr.edges:
         if p in split and c not in split:
             t += cost
+    for p, c, cost in pr.slices:
+        if c in split and p not in split:
+            t += cost
     return t
 
 

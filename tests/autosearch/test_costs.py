@@ -68,32 +68,45 @@ def test_host_bound_measurements_read_as_launches_plus_scaled_work():
     red, raw_red = p["tokens"]["attn_reduce"]["ms"], RUN4["tokens"]["attn_reduce"]["ms"]
     assert all(a <= b for a, b in zip(red, raw_red)) and red[0] < 0.4 * raw_red[0]
     assert set(report) >= {"attn_norm", "attn_reduce", "attn_decode@ctx1280", "attn_prefill@empty"}
-    assert "up_gate" not in report or all(x == 64 for x, *_ in report["up_gate"])
+    # up_gate is GPU-bound from 128 tokens: a point moves only to the sum of two smaller ones (run 4 merged the
+    # copies' GEMMs: 512 tokens measured 0.1915 ms against 2 x 0.0928 at 256)
+    ug = p["tokens"]["up_gate"]
+    at = dict(zip(ug["tokens"], ug["ms"]))
+    for x, was, now in report.get("up_gate", []):
+        assert x == 64 or any(now == pytest.approx(at[a] + at[x - a]) for a in at if x - a in at)
     # a profile that states its floors is read with them (0: nothing is host-bound)
     same, none = corrected({**RUN4, "floor_ms": {"tokens": 0.0, "kernels": 0.0}})
-    assert none == {} and same["decode"] == RUN4["decode"]
+    assert not [k for k in none if "@" in k] and same["decode"] == RUN4["decode"]
 
 
 def test_a_pair_at_its_profiled_sizes_and_share_models_at_its_measured_time():
     """Run 4's fused kernel took 0.8389 ms at 256 decodes beside 1792 gate/up tokens on a quarter of the SMs;
-    the parts read from the share-taking kernel's own time at share 1 modelled it at 0.88."""
+    the parts read from the share-taking kernel's own time at share 1 modelled it at 0.88. At 0.2 of the SMs the
+    fused kernel (0.9168) beat its decode part alone (0.9365): kappa < 0, and the pair models at the fused time."""
     m = CostModel(RUN4, BatchClass(2048, 256, 1280))
     for r in RUN4["pairs"]:
         s = r["share"]
         assert m.op_ms("attn_decode", 0, 256, s) == pytest.approx(r["a_ms"], rel=1e-3)
         assert m.op_ms("up_gate", 256, 2048, 1 - s) == pytest.approx(r["b_ms"], rel=1e-3)
         assert m.pair_ms("attn_decode", (0, 256), "up_gate", (256, 2048), (s, 1 - s)) == pytest.approx(
-            max(r["fused_ms"], r["a_ms"]), rel=1e-3)
+            r["fused_ms"], rel=1e-3)
 
 
 def test_interference_follows_the_parts_balance():
     m = CostModel(RUN4, BatchClass(2048, 256, 1280))
     rows = sorted(RUN4["pairs"], key=lambda r: r["a_ms"] / r["b_ms"])
-    ks = [m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.5, r["a_ms"] / r["b_ms"]) for r in rows]
-    assert ks == sorted(ks, reverse=True) and ks[0] > 0.4 and ks[-1] == 0.0   # the longer the decodes, the less
-    # a 0.2 share balanced by sizes (decode part ~ gate/up part) is not read as the unbalanced 0.2 row's 0
+    ks = [m.kappa(("attn_decode", "up_gate"), (256, 1792), r["share"], r["a_ms"] / r["b_ms"]) for r in rows]
+    assert ks == sorted(ks, reverse=True) and ks[0] > 0.4 and ks[-1] < 0    # the longer the decodes, the less
+    # a 0.2 share balanced by sizes (decode part ~ gate/up part) is not read as the unbalanced 0.2 row's -0.03
     assert m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.2, 1.0) > 0.15
-    assert m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.2, 9.0) == 0.0          # clamped to the rows
+    assert m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.2, 9.0) == pytest.approx(ks[-1])   # clamped
+    # nor a 0.25 share unbalanced by sizes as a 0.2 row (the larger of the two readings)
+    assert m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.25, 1.5) == pytest.approx(
+        m.kappa(("attn_decode", "up_gate"), (256, 1792), 0.25))
+    # a pair of a shape no row measured (256 decodes beside 896 tokens; the rows: 7 tokens a decode) is not
+    # credited with an overlap
+    assert m.kappa(("attn_decode", "up_gate"), (256, 896), 0.25, 1.0) == 1.0
+    assert m.kappa(("attn_decode", "up_gate"), (128, 896), 0.25, 1.0) < 1.0
 
 
 @pytest.mark.parametrize("bucket", [2048, 1024])
@@ -126,21 +139,23 @@ def test_the_search_on_run_4_finds_the_hand_tuned_plan_at_2048():
 
 def test_a_measured_sequential_layer_is_the_baseline():
     """With the profile's whole-layer table (here run 4's measured step / 32 where it has one: 1.9706 ms at
-    2048 tokens / 256 decodes, 1.0611 at 1024 / 128; 1.85 and 1.20 made up for the other two corners), a plan is
-    written only where it beats the measured layer: the hand-tuned structures at 2048/256 and 1024/128 do (1.887,
-    1.026 modelled); at 2048/128 the best plan models 1.878 ms, under its ops' sum (1.899) but over the layer's
-    1.85, and the class stays Sequential."""
+    2048 tokens / 256 decodes, 1.0611 at 1024 / 128; 1.82 and 1.20 made up for the other two corners), a plan is
+    written only where it models `min_gain` (2%) under the measured layer: the hand-tuned structures at 2048/256 and
+    1024/128 do (1.882, 1.008 modelled); at 2048/128 the best plan models 1.805 ms, under its ops' sum (1.899) and
+    the layer's 1.82 but by less than 2%, and the class stays Sequential. (Two nano-batches at most: the time.)"""
     prof = {**RUN4, "layer": {"tokens": [1024, 2048], "decodes": [128, 256], "ctx": 1280, "chunks": 2,
-                              "ms": [[1.0611, 1.20], [1.85, 1.9706]]}}
+                              "ms": [[1.0611, 1.20], [1.82, 1.9706]]}}
     assert CostModel(prof, BatchClass(2048, 256, 1280)).measured_sequential_ms() == pytest.approx(1.9706)
     assert CostModel(prof, BatchClass(2048, 256, 640)).measured_sequential_ms() is None       # other context
     assert CostModel(prof, BatchClass(2048, 64, 1280)).measured_sequential_ms() is None       # outside the table
-    res = search(layer_graph(), prof, [2048, 1024], [128, 256], 1280, 2, SearchOptions(time_limit=50))
+    res = search(layer_graph(), prof, [2048, 1024], [128, 256], 1280, 2,
+                 SearchOptions(nano_batches=(1, 2), time_limit=50))
     by = {(r.batch.tokens, r.batch.decodes): r for r in res}
     assert by[2048, 256].plan is not None and by[2048, 256].sequential_ms == pytest.approx(1.9706)
-    assert by[1024, 128].plan is not None and by[1024, 128].best_ms < 1.0611
+    assert by[1024, 128].plan is not None and by[1024, 128].best_ms < 1.0611 * 0.98
     r = by[2048, 128]
-    assert r.plan is None and r.sequential_ms == pytest.approx(1.85) and r.best_ms == pytest.approx(1.85)
-    assert min(c[2] for c in r.candidates if c[0].k > 1) < sum(
+    assert r.plan is None and r.sequential_ms == pytest.approx(1.82) and r.best_ms == pytest.approx(1.82)
+    best = min(c[2] for c in r.candidates if c[0].k > 1)
+    assert 1.82 * 0.98 < best < 1.82 < sum(
         CostModel(RUN4, BatchClass(2048, 128, 1280)).full_ms(op, 0, 2048) for op in layer_graph().names)
-    assert any("measured as a whole layer" in n for n in r.notes) and any("Sequential" in n for n in r.notes)
+    assert any("measured as a whole layer" in n for n in r.notes) and any("min_gain" in n for n in r.notes)

@@ -11,10 +11,12 @@ from nfjax.autosearch.stage2 import Group, combos, solve_stage2
 
 
 def random_problem(seed: int, n_ops: int = 5, tokens: int = 64, grid: int = 16, dependent: bool = True,
-                   ties: bool = False, min_overlaps: int = 0, shared: bool = False) -> Problem:
+                   ties: bool = False, min_overlaps: int = 0, shared: bool = False, slices: bool = False,
+                   hides: bool = False) -> Problem:
     """A chain of ops (each reads its predecessor), random costs with a fixed launch cost, a size term and
     a position term (like decode attention, whose cost follows the decode rows at the front), random join costs,
-    and one overlap pair."""
+    one overlap pair; `slices`: random costs of a split op reading its merged predecessor's rows; `hides`: the
+    pair's kappa < 0 (the fused kernel faster than its longer part alone)."""
     rng = random.Random(seed)
     ops = tuple(f"op{i}" for i in range(n_ops))
     coef = {op: (rng.uniform(0.5, 2.0), rng.uniform(0.0, 0.1), rng.uniform(0.0, 0.001), rng.uniform(0, 0.05),
@@ -32,16 +34,19 @@ def random_problem(seed: int, n_ops: int = 5, tokens: int = 64, grid: int = 16, 
     tie = ((ops[0], ops[1]),) if ties else ()
     pc = {}
     if shared:       # the parts inside the pair slower (on a share of the GPU) and a partial overlap (kappa)
-        sa, sb, kap = rng.uniform(1.0, 2.0), rng.uniform(1.0, 1.5), rng.uniform(0.0, 1.0)
+        sa, sb, kap = rng.uniform(1.0, 2.0), rng.uniform(1.0, 1.5), rng.uniform(-0.4 if hides else 0.0, 1.0)
         pc = {"k": (lambda lo, hi: sa * cost(ov.a, lo, hi), lambda lo, hi: sb * cost(ov.b, lo, hi), kap)}
-    return Problem(ops, tokens, grid, cost, edges, (ov,), tie, min_overlaps, pc)
+    sl = tuple((a, b, rng.uniform(0.0, 1.0)) for a, b in zip(ops, ops[1:])) if slices else ()
+    return Problem(ops, tokens, grid, cost, edges, (ov,), tie, min_overlaps, pc, sl)
 
 
 CASES = [dict(seed=s, k=k) for s in range(4) for k in (2, 3)] + [
     dict(seed=11, k=2, dependent=False), dict(seed=12, k=3, dependent=False),
     dict(seed=13, k=2, ties=True), dict(seed=14, k=3, min_overlaps=1), dict(seed=15, k=3, min_overlaps=2),
     dict(seed=22, k=2, shared=True), dict(seed=22, k=3, shared=True), dict(seed=32, k=3, shared=True),
-    dict(seed=18, k=3, shared=True, min_overlaps=1)]
+    dict(seed=18, k=3, shared=True, min_overlaps=1), dict(seed=41, k=2, slices=True),
+    dict(seed=42, k=3, slices=True, shared=True), dict(seed=41, k=2, shared=True, hides=True),
+    dict(seed=41, k=3, shared=True, hides=True, slices=True), dict(seed=57, k=2, shared=True, hides=True)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
