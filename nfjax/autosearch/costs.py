@@ -262,8 +262,8 @@ class CostModel:
         """Whether a pair of these sizes has the shape (second size over first) of a profiled pair, within a factor
         SHAPE_TOL. An overlap of another shape is not credited (kappa 1: the parts in turn) until the profile
         measures one. Run 5 measured the pair at 256 decodes beside 1792 tokens and at 128 beside 896 (7 tokens a
-        decode both); read from those rows, the search moved its plans to 256 decodes beside 896 tokens (3.5) at
-        2048 and 128 beside 640 (5) at 1024, where nothing was measured. Along a measured shape the rows carry
+        decode both); with kappa read from those rows over the balance alone, the search moved its plans to 256
+        decodes beside 896 tokens (3.5) at 2048 and 128 beside 640 (5) at 1024, where nothing was measured. Along a measured shape the rows carry
         over between sizes: run 4's 256 x 1792 rows modelled the 1024-token hand-tuned pair (128 x 896) within
         2% of its measured step."""
         a, b = sizes
