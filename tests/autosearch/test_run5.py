@@ -138,3 +138,18 @@ def test_the_bench_models_a_measured_run_offline(tmp_path):
     assert rows["sequential"]["modelled_ms"] == pytest.approx(1.985841)
     assert rows[f"nanoflow:{HAND}"]["measured_ms"] == pytest.approx(1.8994, rel=1e-4)
     assert out["evaluation"]["max_abs_error"] < 0.03
+
+
+def test_a_tie_goes_to_the_structure_nearest_the_measured_pairs():
+    """`extrapolation`: 0 for the pair at the profiled 256 x 1792, > 0 for run 5's 256 decodes (512 tokens) beside
+    1536; the choice among candidates within `tie` of the best takes the smaller."""
+    from nfjax.autosearch.search import extrapolation, overlaps_of
+    from nfjax.autosearch.stage1 import Structure
+    g = layer_graph()
+    m = _model(2048, 256)
+    pr = build_problem(g, m, 64, overlaps_of(g, RUN5.get("pair_min_tokens")))
+    split = frozenset(MID + ["up_gate"])
+    pair = (("decode_beside_up_gate", 0, 1),)
+    hand, run5 = (Structure((0, b, 2048), split, pair, (1, 0)) for b in (256, 512))
+    assert extrapolation(pr, m, hand) == 0.0 < extrapolation(pr, m, run5)
+    assert extrapolation(pr, m, Structure((0, 2048))) == 0.0
