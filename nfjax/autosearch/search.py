@@ -154,21 +154,20 @@ def stage2_groups(pr: Problem, model: CostModel, s) -> list[Group]:
     """One group per pair of the structure, named by its (overlap, i, j) key; the kernel gives the second part
     the rest of the GPU."""
     by = {o.name: o for o in pr.overlaps}
+    shares = pair_share_options(pr, model)
     rg = s.ranges()
     out = []
     for n, i, j in s.pairs:
         o = by[n]
         ra, rb = rg[i], rg[j]
-        ga = model.share_grid(o.a)
-        if ga == (1.0,):             # shares not measured (a CPU): the shares the pair rows were measured at
-            ga = tuple(sorted({float(r["share"]) for r in model.pairs if tuple(r["ops"]) == (o.a, o.b)})) or (0.25,)
-        out.append(Group((n, i, j), (f"{o.a}:{i}", f"{o.b}:{j}"), (ga, ()),
+        out.append(Group((n, i, j), (f"{o.a}:{i}", f"{o.b}:{j}"), (shares[n], ()),
                          lambda c, o=o, ra=ra, rb=rb: model.pair_ms(o.a, ra, o.b, rb, c), fill=True))
     return out
 
 
 def pair_share_options(pr: Problem, model: CostModel) -> dict:
-    """Per overlap, the shares its first part may take (stage II's options: the second part takes the rest)."""
+    """Per overlap, the shares its first part may take (stage II's options: the second part takes the rest); where
+    no share was measured (a CPU), the shares the pair rows were measured at."""
     out = {}
     for o in pr.overlaps:
         ga = model.share_grid(o.a)
