@@ -202,7 +202,7 @@ class CacheConfig:
     max_pages_per_seq: int | None = None   # page-table width (None: the model's context, see max_model_len)
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float = 0.9        # automatic num_pages: this share of device memory left after weights
-    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype, unquantized) | fp8 | int4 (kv_quant.py)
+    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype, unquantized) | fp8 | int4 | kivi64 (kv_quant.py)
     prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
     host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)
     disk_cache_dir: str | None = None      # disk tier below the host tier (nfjax/kv/tiers.py; None: none)
@@ -213,6 +213,9 @@ class CacheConfig:
         if self.kv_dtype not in ALL_KV_DTYPES:
             raise ConfigError(f"cache.kv_dtype (--kv-dtype) {self.kv_dtype!r} is not a KV format; choices: "
                               f"{', '.join(KV_DTYPES)}")
+        if self.kv_dtype == "kivi64" and self.page_size != 64:
+            raise ConfigError(f"--kv-dtype kivi64 needs pages of 64 positions (a page is one of its K groups): "
+                              f"cache.page_size (--page-size) is {self.page_size}; choices: {', '.join(KV_DTYPES)}")
         for f in ("page_size", "num_pages", "max_pages_per_seq", "max_model_len"):
             v = getattr(self, f)
             if v is not None and v < (2 if f == "num_pages" else 1):

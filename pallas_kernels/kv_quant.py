@@ -13,6 +13,9 @@ Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
     middle, where rounding it to bfloat16 costs at most a fraction of a step (a bfloat16 *minimum* far from 0
     is off by up to 0.4% of its magnitude, which can exceed the whole step of a narrow group). The scale is
     (max - center, center - min) / 7.5 rounded up, so the levels always cover the group.
+  * "kivi64": K per channel over groups of 64 positions (the group still filling kept in bfloat16 beside the
+    pages), V as int4; pages of 64 (pallas_kernels/kv_kivi64.py, docs/design.md section 14.1). Served by the
+    references only so far: no kernel reads it, and a GPU refuses it at start.
   * "fp8_page": float8 with one scale per page and kv head, for the accuracy comparison only (docs/design.md
     section 10): a write that raises a page's maximum rescales the page's earlier rows. Its write rewrites the
     whole layer (the reference path on a CPU); no kernel serves it.
@@ -33,7 +36,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-KV_DTYPES = ("bfloat16", "fp8", "int4")        # the formats offered (the flag's choices)
+KV_DTYPES = ("bfloat16", "fp8", "int4", "kivi64")     # the formats offered (the flag's choices)
+INT4_CODES = ("int4", "kivi64")               # formats whose values are packed 4-bit codes
 MEASURE_ONLY = ("fp8_page",)                    # accepted by the config, served by the references only
 ALL_KV_DTYPES = KV_DTYPES + MEASURE_ONLY
 
@@ -56,7 +60,7 @@ def is_quantized(kv_dtype: str) -> bool:
 
 def int4_groups(head_dim: int) -> int:
     if head_dim % INT4_GROUP:
-        raise ValueError(f"int4 KV needs head_dim a multiple of {INT4_GROUP}, got {head_dim}")
+        raise ValueError(f"int4 / kivi64 KV needs head_dim a multiple of {INT4_GROUP}, got {head_dim}")
     return head_dim // INT4_GROUP
 
 
@@ -69,7 +73,7 @@ def aux_width(kv_dtype: str, head_dim: int) -> int:
 
 
 def value_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
-    if kv_dtype == "int4":
+    if kv_dtype in INT4_CODES:
         return jnp.dtype(jnp.uint8)
     if kv_dtype in ("fp8", "fp8_page"):
         return jnp.dtype(FP8)
@@ -79,7 +83,7 @@ def value_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
 
 def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
     """Device bytes one token's K and V of one kv head take, scales included (int4 values: two a byte)."""
-    if kv_dtype == "int4":
+    if kv_dtype in INT4_CODES:
         values = head_dim / 2
     else:
         values = head_dim * value_dtype(kv_dtype, model_dtype).itemsize
@@ -93,11 +97,17 @@ def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
 # 13.2% plain (V 9.0% against 9.6%; fp8 gains nothing: 2.5% against 2.1%), and its held-out perplexity with an
 # int4 cache was +12.9% plain, +5.9% with K rotated, +4.4% with both (docs/design.md section 14).
 ROTATED = ("int4",)
+V_ROTATED = ("int4", "kivi64")      # kivi64 quantizes K per channel, not rotated (its outliers stay in their channels)
 
 
 def rotates(kv_dtype: str) -> bool:
-    """The format stores K and V rotated (`ROTATED`)."""
+    """The format stores K (so attention takes its queries rotated) rotated (`ROTATED`)."""
     return kv_dtype in ROTATED
+
+
+def rotates_v(kv_dtype: str) -> bool:
+    """The format stores V rotated (`V_ROTATED`): attention's outputs come back rotated."""
+    return kv_dtype in V_ROTATED
 
 
 def hadamard(d: int) -> np.ndarray:
@@ -191,7 +201,8 @@ def quantize_kv(kv_dtype: str, k, v):
         cols = [jnp.stack([ks, kc], -1).reshape(*ks.shape[:-1], -1),
                 jnp.stack([vs, vc], -1).reshape(*vs.shape[:-1], -1)]
     else:
-        raise ValueError(f"kv_dtype {kv_dtype!r} is not a quantized format")
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not a per-token quantized format (kivi64's K is quantized "
+                         f"a group at a time: nfjax/kv/kivi64.py)")
     aux = jnp.concatenate(cols, -1)
     aux = jnp.pad(aux, [(0, 0)] * (aux.ndim - 1) + [(0, w - aux.shape[-1])])
     return kq, vq, aux.astype(AUX_DTYPE)
@@ -199,7 +210,8 @@ def quantize_kv(kv_dtype: str, k, v):
 
 def dequantize_kv(k, v, aux, dtype=jnp.float32):
     """(k, v) [..., D] in `dtype` from cache values and aux rows of any matching leading shape (values [..., D],
-    int4 [..., D / 2]; aux [..., W]); aux None: the values as they are. The format follows the values' dtype."""
+    int4 [..., D / 2]; aux [..., W]); aux None: the values as they are. The format follows the values' dtype
+    (uint8: int4; kivi64's pages read through pallas_kernels/kv_kivi64.py `read_pages`)."""
     if aux is None:
         return k.astype(dtype), v.astype(dtype)
     if k.dtype == jnp.uint8:

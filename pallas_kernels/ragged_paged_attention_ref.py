@@ -10,20 +10,26 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import MASK_VALUE
+from pallas_kernels.kv_kivi64 import read_pages
 from pallas_kernels.kv_quant import dequantize_kv
 
 
 def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "N PS KH D"],
                                v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                                token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
-                               seq_lens: Int[Array, "S"], scale: float, aux_pages=None) -> Float[Array, "T H D"]:
-    """`aux_pages` [N, PS, KH, W]: the pages are in a quantized format (kv_quant.py), dequantized here."""
+                               seq_lens: Int[Array, "S"], scale: float, aux_pages=None,
+                               k_tail=None) -> Float[Array, "T H D"]:
+    """`aux_pages` [N, PS, KH, W]: the pages are in a quantized format (kv_quant.py), dequantized here;
+    `k_tail` [S, 64, KH, D]: they are kivi64's, each sequence's filling K group in its row (kv_kivi64.py)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
-    aux = None if aux_pages is None else aux_pages[page_table].reshape(s, p * ps, kh, -1)
-    k_seq, v_seq = dequantize_kv(k_pages[page_table].reshape(s, p * ps, kh, -1),    # [S, L, KH, D] f32
-                                 v_pages[page_table].reshape(s, p * ps, kh, -1), aux)
+    if k_tail is not None:
+        k_seq, v_seq = read_pages(k_pages[page_table], v_pages[page_table], aux_pages[page_table], k_tail, seq_lens)
+    else:
+        aux = None if aux_pages is None else aux_pages[page_table].reshape(s, p * ps, kh, -1)
+        k_seq, v_seq = dequantize_kv(k_pages[page_table].reshape(s, p * ps, kh, -1),    # [S, L, KH, D] f32
+                                     v_pages[page_table].reshape(s, p * ps, kh, -1), aux)
     kt, vt = k_seq[token_seq], v_seq[token_seq]                # [T, L, KH, D]
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, kt.astype(jnp.float32)) * scale

@@ -194,7 +194,9 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     when the device keeps no statistics, as on CPU)."""
     from nfjax.kv.attention import check_kv_format
     from nfjax.engine.penalties import num_penalty_slots, state_bytes
+    from nfjax.kv import kivi64
     from nfjax.kv.cache import bytes_per_token
+    from nfjax.kv.tail_slots import tail_rows
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
     buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
@@ -210,6 +212,8 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
             # the penalty slots' token counts (nfjax/engine/penalties.py, on every device) come out of the KV share
             kv_bytes = int(free_bytes * c.kv_memory_fraction) - state_bytes(num_penalty_slots(seqs_bound),
                                                                              m.vocab_size)
+            if c.kv_dtype == "kivi64":      # its K tail rows (nfjax/kv/kivi64.py) come out of the KV share too
+                kv_bytes -= kivi64.tail_bytes(m.num_layers, tail_rows(seqs_bound), local.num_kv_heads, m.head_dim)
             num_pages = max(2, int(kv_bytes // per_page))
     max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     per_seq = c.max_pages_per_seq or c.pages_for(max_len)

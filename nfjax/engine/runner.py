@@ -34,6 +34,7 @@ from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
 from nfjax.kv.cache import KVCache, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
+from nfjax.kv.tail_slots import TailCopies, TailSlots, tail_rows
 from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
@@ -80,7 +81,8 @@ class Runner:
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
         try:        # the engine's largest allocations: one that does not fit fails here, by name, not at a later step
-            self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()))
+            self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()),
+                                     tail_rows=tail_rows(sched.max_seqs))
             jax.block_until_ready(self.kv.arrays())
         except Exception as e:  # noqa: BLE001 - the runtime's allocation error type differs across jax versions
             from nfjax.errors import UserError
@@ -88,6 +90,9 @@ class Runner:
                             f"--kv-memory-fraction (now {cache.kv_memory_fraction}) or set --num-pages "
                             f"({type(e).__name__}: {str(e)[:200]})") from e
         self.kv_sharding = self.kv.like(NamedSharding(mesh, kv_spec()))
+        # kivi64: which K tail row holds each sequence's filling group (nfjax/kv/tail_slots.py)
+        self.tails = TailSlots(self.kv.k_tail.shape[1]) if self.kv.k_tail is not None else None
+        self.tail_copies: TailCopies | None = None
         self.max_seqs = sched.max_seqs
         self._prev = jax.device_put(jnp.zeros((self.max_seqs,), jnp.int32), self.replicated)
         self.penalty_slots = num_penalty_slots(self.max_seqs)
@@ -220,6 +225,8 @@ class Runner:
                                                                                                  pages).compile()
         self._swap_in = jax.jit(lambda kv, pg, *b: kv.put_pages(pg, b), donate_argnums=0,
                                 out_shardings=self.kv_sharding).lower(self.kv, pages, *blks).compile()
+        if self.tails is not None:          # a sequence's K tail row moves with its pages
+            self.tail_copies = TailCopies(self.tails, self.kv, self.kv_sharding, blk_sh, self.replicated)
         self._compile_prefix_programs()
         self.compile_seconds = time.perf_counter() - t0
 
@@ -294,11 +301,17 @@ class Runner:
         return jax.device_put(out, self.replicated)
 
     def swap_out(self, pages: list[int]) -> tuple:
+        """The pages' arrays as stored, on the host; kivi64 adds the sequence's K tail row (None: no filling
+        group) as a last element."""
         n = len(pages)
-        return tuple(np.asarray(a)[:, :n] for a in self._swap_out(self.kv, self._padded_pages(pages)))
+        out = tuple(np.asarray(a)[:, :n] for a in self._swap_out(self.kv, self._padded_pages(pages)))
+        return out if self.tails is None else out + (self.tail_copies.out(self.kv, pages),)
 
     def swap_in(self, host_kv: tuple, pages: list[int]) -> None:
         n = host_kv[0].shape[1]
+        if self.tails is not None:          # the filling group is the last page swapped out
+            *host_kv, tail = host_kv
+            self.kv = self.tail_copies.into(self.kv, pages[n - 1], tail)
         pad = [(0, 0), (0, self.cache_cfg.max_pages_per_seq - n)]
         blocks = jax.device_put(tuple(np.pad(a, pad + [(0, 0)] * (a.ndim - 2)) for a in host_kv), self.kv_sharding.k)
         self.kv = self._swap_in(self.kv, self._padded_pages(list(pages[:n])), *blocks)
@@ -327,8 +340,13 @@ class Runner:
             seeds[i] = r.seed & 0xFFFFFFFF
             counters[i] = r.num_launched_outputs - 1 if sq.samples else 0
             any_full = any_full or needs_full(sq)
+        tails = None
+        if self.tails is not None:
+            tails = [self.tails.for_step(sq.req, sq.req.pages, sq.start, sq.start + sq.num_tokens)
+                     for sq in batch.seqs]
+            self.tails.end_step()
         meta = build_metadata([(sq.req.pages, sq.start, sq.num_tokens) for sq in batch.seqs], t, s, p, ps,
-                              num_decode=batch.num_decode)
+                              num_decode=batch.num_decode, kv_tails=tails)
         t0 = time.perf_counter()
         inp = self.put_input(t, StepInput(tokens, src, meta, temp, top_k, top_p, seeds, counters))
         full = None

@@ -29,7 +29,7 @@ from nfjax.kv.cache import KVCache, check_format
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-from pallas_kernels.kv_quant import KV_DTYPES, is_quantized, rotate, rotates
+from pallas_kernels.kv_quant import KV_DTYPES, is_quantized, rotate, rotates, rotates_v
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
 
@@ -64,6 +64,8 @@ def check_kv_format(model: ModelConfig, kv_dtype: str, gpu: bool) -> None:
 def _gpu_refusal(model: ModelConfig, kv_dtype: str) -> str | None:
     if not is_quantized(kv_dtype):
         return None                 # unquantized: shapes the kernels do not take run the reference, as before
+    if kv_dtype == "kivi64":
+        return "no attention kernel reads it yet (the CPU's reference path does; docs/design.md section 14.1)"
     if kv_dtype not in KERNEL_KV_DTYPES:
         return "no attention kernel reads it (a format for the accuracy comparison only)"
     if model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
@@ -88,7 +90,7 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
     attend = ragged_paged_attention_ref if on_gpu() else blocked_paged_attention
     k, v, aux = kv.layer_pages(layer)
     return attend(q, k, v, meta.positions[:t], meta.token_seq[:t], meta.page_table, meta.seq_lens, scale,
-                  aux_pages=aux)
+                  aux_pages=aux, k_tail=kv.tail_rows(layer, meta.kv_tail))
 
 
 def rotate_queries(q: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
@@ -100,7 +102,7 @@ def rotate_queries(q: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D
 
 def rotate_outputs(o: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
     """Attention outputs back out of the cache's frame: over V stored rotated, attention gives oH, and H H = I."""
-    return rotate(o) if rotates(kv.kv_dtype) else o
+    return rotate(o) if rotates_v(kv.kv_dtype) else o
 
 
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,

@@ -1,11 +1,13 @@
 """Device KV arrays for all layers, stacked so the layer loop can carry them and update in place.
 
 The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int4
-values with one bfloat16 `aux` row of scales (and int4 centers) per token and kv head. K and V are quantized
-here, where they enter the cache (`write`); attention dequantizes what it reads.
+values with one bfloat16 `aux` row of scales (and int4 centers) per token and kv head; kivi64 also keeps each
+sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
+enter the cache (`write`); attention dequantizes what it reads.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -13,6 +15,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from nfjax.config import CacheConfig, ConfigError, ModelConfig
+from nfjax.kv import kivi64
+from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels import kv_quant
 
 
@@ -23,20 +27,30 @@ class KVCache:
     v: Float[Array, "L N PS KH D"]
     aux: Float[Array, "L N PS KH W"] | None = None      # quantized formats: scales (and centers), bfloat16
     kv_dtype: str = field(default="bfloat16", metadata=dict(static=True))
+    # kivi64: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a page
+    # array, so not in `arrays()` (swapping moves a sequence's row beside its pages: nfjax/kv/tail_slots.py)
+    k_tail: Float[Array, "L R G KH D"] | None = None
 
     @staticmethod
-    def create(model: ModelConfig, cache: CacheConfig, dtype=None, sharding=None) -> "KVCache":
+    def create(model: ModelConfig, cache: CacheConfig, dtype=None, sharding=None, tail_rows: int = 0) -> "KVCache":
+        """`tail_rows`: kivi64's K tail rows (sequences that may hold a filling group at once; >= 1 for it)."""
         fmt = cache.kv_dtype
         check_format(model, fmt)
         lead = (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads)
-        width = model.head_dim // 2 if fmt == "int4" else model.head_dim      # int4: two values a byte
+        width = model.head_dim // 2 if fmt in kv_quant.INT4_CODES else model.head_dim     # two values a byte
         dt = kv_quant.value_dtype(fmt, dtype or model.dtype)
         mk = jax.jit(lambda: jnp.zeros(lead + (width,), dt), out_shardings=sharding)
         aux = None
         if kv_quant.is_quantized(fmt):
             w = kv_quant.aux_width(fmt, model.head_dim)
             aux = jax.jit(lambda: jnp.zeros(lead + (w,), kv_quant.AUX_DTYPE), out_shardings=sharding)()
-        return KVCache(mk(), mk(), aux, fmt)
+        tail = None
+        if fmt == "kivi64":
+            if tail_rows < 1:
+                raise ValueError("a kivi64 cache needs tail_rows >= 1 (its sequences' filling K groups)")
+            shape = (model.num_layers, tail_rows, kivi64.GROUP, model.num_kv_heads, model.head_dim)
+            tail = jax.jit(lambda: jnp.zeros(shape, jnp.bfloat16), out_shardings=sharding)()
+        return KVCache(mk(), mk(), aux, fmt, tail)
 
     @property
     def page_size(self) -> int:
@@ -48,11 +62,12 @@ class KVCache:
 
     def with_arrays(self, arrays) -> "KVCache":
         arrays = tuple(arrays)
-        return KVCache(arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None, self.kv_dtype)
+        return KVCache(arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None, self.kv_dtype, self.k_tail)
 
     def like(self, leaf) -> "KVCache":
         """This cache's structure with `leaf` (a sharding, a PartitionSpec) in place of every array."""
-        return self.with_arrays([leaf] * len(self.arrays()))
+        out = self.with_arrays([leaf] * len(self.arrays()))
+        return out if self.k_tail is None else dataclasses.replace(out, k_tail=leaf)
 
     def take_pages(self, pages: Int[Array, "P"]) -> tuple:
         """Every array's rows of `pages` (all layers), as stored: swapping moves compressed pages and their
@@ -65,8 +80,13 @@ class KVCache:
                                 for a, b in zip(self.arrays(), blocks))
 
     def write(self, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
-              v: Float[Array, "T KH D"]) -> "KVCache":
-        """Slots past the cache (padding tokens, see `build_metadata`) are dropped; all slots are distinct."""
+              v: Float[Array, "T KH D"], meta: AttentionMetadata | None = None) -> "KVCache":
+        """Slots past the cache (padding tokens, see `build_metadata`) are dropped; all slots are distinct.
+        `meta`: the step's (or nano-batch's) metadata, which kivi64 needs (its K groups follow the sequences)."""
+        if self.kv_dtype == "kivi64":
+            if meta is None:
+                raise ValueError("a kivi64 cache write needs the step's AttentionMetadata")
+            return kivi64.write(self, layer, slots, k, v, meta)
         ps = self.page_size
         page, off = slots // ps, slots % ps
         put = dict(mode="drop", unique_indices=True)
@@ -77,7 +97,7 @@ class KVCache:
             return self._write_page_scaled(layer, page, off, k, v)
         kq, vq, aux = kv_quant.quantize_kv(self.kv_dtype, k, v)
         return KVCache(self.k.at[layer, page, off].set(kq, **put), self.v.at[layer, page, off].set(vq, **put),
-                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype)
+                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype, self.k_tail)
 
     def _write_page_scaled(self, layer, page, off, k, v) -> "KVCache":
         """fp8 with one scale per page and kv head (accuracy comparison only): the layer is dequantized, the
@@ -106,14 +126,18 @@ class KVCache:
         """(k, v, aux) of one layer: [N, PS, KH, D] values as stored, aux [N, PS, KH, W] or None."""
         return self.k[layer], self.v[layer], None if self.aux is None else self.aux[layer]
 
+    def tail_rows(self, layer, rows: Int[Array, "S"]) -> Float[Array, "S G KH D"] | None:
+        """kivi64: the K tail rows `rows` of one layer (None for the other formats)."""
+        return None if self.k_tail is None else self.k_tail[layer][rows]
+
 
 def check_format(model: ModelConfig, kv_dtype: str) -> None:
     """A ConfigError naming the flag and the choices for a format this model cannot hold."""
     if kv_dtype not in kv_quant.ALL_KV_DTYPES:
         raise ConfigError(f"cache.kv_dtype (--kv-dtype) {kv_dtype!r} is not a KV format; choices: "
                           f"{', '.join(kv_quant.KV_DTYPES)}")
-    if kv_dtype == "int4" and model.head_dim % kv_quant.INT4_GROUP:
-        raise ConfigError(f"--kv-dtype int4 needs head_dim a multiple of {kv_quant.INT4_GROUP} (its groups); this "
+    if kv_dtype in kv_quant.INT4_CODES and model.head_dim % kv_quant.INT4_GROUP:
+        raise ConfigError(f"--kv-dtype {kv_dtype} needs head_dim a multiple of {kv_quant.INT4_GROUP} (its groups); this "
                           f"model's is {model.head_dim}; choices: {', '.join(kv_quant.KV_DTYPES)}")
 
 

@@ -24,6 +24,7 @@ class AttentionMetadata:
     query_start: Int[Array, "S1"]    # S + 1 offsets of each sequence's first token in the flat batch
     num_decode: Int[Array, ""]       # sequences [0, num_decode) are decodes with exactly one query token
     logits_index: Int[Array, "S"]    # flat index of each sequence's last token (the one sampled from)
+    kv_tail: Int[Array, "S"]         # row of KVCache.k_tail holding each sequence's filling K group (kivi64 only)
 
     @property
     def num_tokens(self) -> int:
@@ -37,8 +38,11 @@ PADDING_SLOT = 1 << 30          # first slot of the padding tokens: past any cac
 
 
 def build_metadata(seqs: list[tuple[list[int], int, int]], num_tokens: int, max_seqs: int,
-                   max_pages: int, page_size: int, num_decode: int = 0) -> AttentionMetadata:
+                   max_pages: int, page_size: int, num_decode: int = 0,
+                   kv_tails: list[int] | None = None) -> AttentionMetadata:
     """Host-side (numpy) metadata for sequences given as (page_ids, first_position, num_query_tokens).
+    `kv_tails`: each sequence's K tail row (kivi64, nfjax/kv/tail_slots.py; None: row i uses tail row i, right
+    for callers whose row i is the same sequence in every step).
 
     Decode sequences must come first. Padding fills up to the static `num_tokens` / `max_seqs`. Vectorized
     over sequences: the engine builds one per step for up to hundreds of sequences.
@@ -50,6 +54,9 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_tokens: int, max_
     lens = np.zeros(max_seqs, np.int32)
     qstart = np.zeros(max_seqs + 1, np.int32)
     lidx = np.zeros(max_seqs, np.int32)
+    tails = np.arange(max_seqs, dtype=np.int32)
+    if kv_tails is not None:
+        tails[:len(kv_tails)] = kv_tails
     pos = np.zeros(num_tokens, np.int32)
     # Padding: distinct slots past the cache, dropped by the write. One shared slot made XLA's scatter serialise
     # on it: 0.86 ms a layer program for 63 padding tokens of an 8B decode step (H100, docs/design.md).
@@ -78,4 +85,5 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_tokens: int, max_
         qstart[:n] = first
         lidx[:n] = first + counts - 1
         qstart[n:] = total
-    return AttentionMetadata(pos, slot, tseq, table, lens, qstart, np.asarray(num_decode, np.int32), lidx)
+    return AttentionMetadata(pos, slot, tseq, table, lens, qstart, np.asarray(num_decode, np.int32), lidx,
+                             tails)

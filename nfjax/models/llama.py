@@ -112,7 +112,7 @@ class DecoderLayer(nnx.Module):
     def rope_append(self, ctx, q, k, v, kv, positions, slots):
         q = apply_rope(q, positions, ctx.inv_freq)
         k = apply_rope(k, positions, ctx.inv_freq)
-        return q, kv.write(ctx.layer, slots, k, v)
+        return q, kv.write(ctx.layer, slots, k, v, ctx.meta)
 
     @op(Resource.MEMORY, ins=("q_rot", "kv"), outs=("attn_d",))
     def attn_decode(self, ctx, q, kv):

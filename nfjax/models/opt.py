@@ -69,7 +69,7 @@ class OPTDecoderLayer(DecoderLayer):
 
     @op(Resource.MEMORY, ins=("q", "k", "v", "kv", "positions", "slots"), outs=("q_rot", "kv"))
     def rope_append(self, ctx, q, k, v, kv, positions, slots):
-        return q, kv.write(ctx.layer, slots, k, v)
+        return q, kv.write(ctx.layer, slots, k, v, ctx.meta)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):

@@ -34,7 +34,7 @@ class _DenseKV:
     def __init__(self, k=None, v=None):
         self.k, self.v = k, v
 
-    def write(self, layer, slots, k, v) -> "_DenseKV":
+    def write(self, layer, slots, k, v, meta=None) -> "_DenseKV":
         return _DenseKV(k, v)
 
 

@@ -43,7 +43,7 @@ class BatchKV:
         "bfloat16" (unquantized, in the model's dtype)."""
         return "int4" if len(self.arrays) > 2 else "bfloat16"
 
-    def write(self, layer, slots, k, v) -> "BatchKV":
+    def write(self, layer, slots, k, v, meta=None) -> "BatchKV":
         b, s = self.arrays[0].shape[:2]
         put = dict(mode="drop", unique_indices=True)
         new = kv_quant.quantize_kv(self.kv_dtype, k, v) if kv_quant.is_quantized(self.kv_dtype) else (k, v)

@@ -40,4 +40,4 @@ def nano_metadata(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadat
         positions=meta.positions[lo:hi], slot_mapping=meta.slot_mapping[lo:hi], token_seq=tseq,
         page_table=jnp.where(valid[:, None], meta.page_table[src], 0), seq_lens=jnp.maximum(lens, 0),
         query_start=q0.astype(jnp.int32), num_decode=jnp.clip(jnp.minimum(nd, hi) - s0, 0, s).astype(jnp.int32),
-        logits_index=jnp.clip(meta.logits_index - lo, 0, hi - lo - 1))
+        logits_index=jnp.clip(meta.logits_index - lo, 0, hi - lo - 1), kv_tail=meta.kv_tail[src])

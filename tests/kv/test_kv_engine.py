@@ -62,6 +62,11 @@ def test_formats_the_device_cannot_serve_fail_at_start():
     with pytest.raises(ConfigError, match=r"'int4' cannot be served.*head_dim 64 or 128.*choices here: bfloat16, fp8 "):
         resolve(engine_config(CFG.replace(head_dim=256), {"cache": {"kv_dtype": "int4"}}), free_bytes=1 << 30,
                 on_gpu=True)
+    with pytest.raises(ConfigError, match=r"'kivi64' cannot be served on this GPU: no attention kernel reads it yet"):
+        resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64}}), free_bytes=1 << 30,
+                on_gpu=True)
+    with pytest.raises(ConfigError, match=r"kivi64 needs pages of 64.*--page-size"):
+        engine_config(CFG, {"cache": {"kv_dtype": "kivi64"}})
     for f in ("fp8", "int4"):          # the kernels serve both on a GPU
         resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
 
@@ -108,3 +113,22 @@ def test_logits_close_to_the_unquantized_cache():
         err = np.linalg.norm(logits[f] - ref) / np.linalg.norm(ref - ref.mean(-1, keepdims=True))
         assert err < tol, (f, err)
         assert (logits[f].argmax(-1) == ref.argmax(-1)).all(), f
+
+
+def test_kivi64_batch_invariance_with_swapping():
+    """kivi64 (K groups of 64 positions, the filling group in a tail row by sequence): prompts ending inside and
+    across groups, decodes completing groups, and swapping moving the tail rows with the pages. One prefill chunk a
+    step and a budget above every prompt: a prompt is one chunk in either engine (a query sees a group completed by
+    its own step quantized, so kivi64's prefill follows its chunk boundaries: docs/design.md section 14.1)."""
+    def engine(pages):
+        cache = CacheConfig(page_size=64, num_pages=pages, max_pages_per_seq=4, kv_dtype="kivi64")
+        return make_engine(cache, BatcherConfig(token_buckets=(128,), max_seqs=6, max_prefill_seqs=1,
+                                                predict_memory=False), cfg=CFG)
+    tight, roomy = engine(5), engine(16)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (3, 70, 63, 100)]
+    params = [SamplingParams.greedy(max_tokens=int(n), ignore_eos=True) for n in (66, 30, 40, 30)]
+    outs = tight.generate(prompts, params)
+    assert tight.preemptions > 0 and tight.pages_used == 0 and tight.runner.tails.rows_swapped > 0
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.token_ids == roomy.generate([p], sp)[0].token_ids
