@@ -5,6 +5,8 @@ step launched ahead of the read of the one before, as the engine runs) with `--r
 step, by each way of moving a page row to the host:
   none        no eviction: the reference time
   inprog      `TierCopies` with pinned rows: the gather program writes its rows to pinned host memory itself
+  pool        `HostPool`: rows written into slots of one pinned array allocated at start (a tier of 4x the rows
+              a step evicts, its oldest rows dropped as new ones come)
   numpy       `TierCopies` with numpy rows: device rows, `copy_to_host_async`, read back one step later
   put         device rows, then `jax.device_put` to pinned host on the engine thread (the first pinned version)
   put_thread  device rows, then `jax.device_put` to pinned host on a worker thread
@@ -21,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-METHODS = ("none", "inprog", "numpy", "put", "put_thread")
+METHODS = ("none", "pool", "inprog", "numpy", "put", "put_thread")
 
 
 def build(args):
@@ -41,6 +43,8 @@ def build(args):
     pinned = pinned_host_sharding(rep)
     copies = {"inprog": TierCopies(kv, rep, rep, args.pages, 64, host_sharding=pinned),
               "numpy": TierCopies(kv, rep, rep, args.pages, 64, host_sharding=None)}
+    from nfjax.kv.host_pool import HostPool
+    copies["pool"] = HostPool(kv, rep, rep, pinned, 4 * args.rows, copies["numpy"].row_bytes, 64)
     w = jax.random.normal(jax.random.key(7), (args.dim, args.dim), jnp.bfloat16) / args.dim ** 0.5
 
     def step(kv, x, w, slot):
@@ -59,7 +63,7 @@ def run_method(method, kv, x, w, step_c, copies, pinned, args, pool):
     import jax
     rng = np.random.default_rng(0)
     kept = []                                  # (page, row, kv array snapshot id) of a few rows to check
-    lazies, futs = [], []
+    lazies, futs, tier = [], [], []
     evict_s = 0.0
     prev = None
     t0 = time.perf_counter()
@@ -72,6 +76,10 @@ def run_method(method, kv, x, w, step_c, copies, pinned, args, pool):
                 lazies.append(rows)
                 if len(lazies) > 2:          # read back one step later, as the engine settles them
                     [r.get() for r in lazies.pop(0)]
+        elif method == "pool":
+            tier = tier[-3 * args.rows:]             # the oldest rows dropped: their slots free again
+            rows = copies["pool"].put(kv, pages)
+            tier.extend(rows)
         elif method in ("put", "put_thread"):
             dev_rows = copies["numpy"]._pack[args.rows](kv, np.asarray(pages, np.int32))
             if method == "put":

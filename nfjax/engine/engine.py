@@ -88,8 +88,14 @@ class Engine:
                             self._tier_fingerprint(), background=True)
         capacity = int(c.host_cache_gb * 2 ** 30) // row
         tiers = PrefixTiers(HostTier(capacity, row, stats, spill=disk), disk, rates=self._tier_rates())
-        if tiers.use_host:
-            stats.pinned_reserve_s = copies.reserve_pinned(capacity * row)
+        if tiers.use_host and copies.pinned and capacity:
+            from nfjax.kv.host_pool import HostPool
+            from nfjax.kv.prefix_cache import MAX_RUN
+            r = self.runner
+            # slack: rows out of the tier but not yet dropped (a batch loading them) keep their slots a while
+            copies.pool = HostPool(r.kv, r.kv_sharding, r.replicated, copies.host_sharding, capacity + 2 * MAX_RUN,
+                                   row, c.max_pages_per_seq)
+            stats.pinned_reserve_s = copies.pool.alloc_s
         return tiers
 
     def _tier_rates(self, **overrides):
@@ -154,9 +160,12 @@ class Engine:
         t = self.batcher.tiers
         if t is None or t.rates is None:
             return None
-        mem = "pinned_host arrays" if self.runner.tier_copies.pinned else "numpy"
-        if self.batcher.stats.pinned_reserve_s:
-            mem += f", pool of {self.config.cache.host_cache_gb:g} GB pinned in {self.batcher.stats.pinned_reserve_s:.1f} s"
+        copies = self.runner.tier_copies
+        mem = "pinned_host arrays" if copies.pinned else "numpy"
+        if copies.pool is not None:
+            mem = (f"a pinned_host pool of {copies.pool.capacity:,} rows "
+                   f"({copies.pool.capacity * copies.row_bytes / 2 ** 30:.3g} GiB) allocated in "
+                   f"{self.batcher.stats.pinned_reserve_s:.1f} s")
         return f"{t.rates.line()} [host rows: {mem}]"
 
     def _tier_fingerprint(self) -> bytes:
@@ -202,13 +211,18 @@ class Engine:
         if not tiers.use_host:
             stats.evictions_dropped += len(evict)
             return
-        rows = self.runner.tier_copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches,
-                                                      lambda: self._reads)
+        copies = self.runner.tier_copies
+        if copies.pool is not None:
+            evict = evict[-tiers.host.capacity:] if tiers.host.capacity else []
+            tiers.host.make_room(len(evict))
+        rows = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)
         stats.evict_launch_s += time.perf_counter() - t0
+        stats.evictions_dropped += len(evict) - len(rows)
         lazy = [(h, row) for (_, h), row in zip(evict, rows)]
         for h, row in lazy:
             tiers.put(h, row)
-        self._evicting.append((self._launches, lazy))
+        if copies.pool is None:         # pool rows need no settling (and would hold their slots meanwhile)
+            self._evicting.append((self._launches, lazy))
         stats.evict_s += time.perf_counter() - t0
 
     def _settle_evictions(self, all_: bool = True) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +166,7 @@ class TierCopies:
         if self.host_sharding is None:
             self._compile(kv, kv_sharding, max_pages, replicated)
         self.sizes = sorted(self._pack)
+        self.pool = None                # a HostPool (nfjax/kv/host_pool.py): rows are slots of one pinned array
         self.rows_to_host = self.rows_from_host = 0
         self._waits = [0]
 
@@ -187,25 +187,6 @@ class TierCopies:
             self._unpack[n] = jax.jit(unpack, donate_argnums=0, out_shardings=kv_sharding).lower(
                 kv, pg, *([row] * n)).compile()
 
-    def reserve_pinned(self, nbytes: int, chunk: int = 1 << 30) -> float:
-        """Grow the runtime's pinned host pool to `nbytes` now (allocated in `chunk`s, then freed to the pool):
-        the host tier's rows are carved from it later. Growing it on the engine thread while the tier fills
-        (page-locking GBs at a time) held evictions for seconds on the H100 (docs/design.md section 13).
-        Returns the seconds spent; 0 without pinned rows or where the pool cannot grow that far."""
-        if self.host_sharding is None or nbytes <= 0:
-            return 0.0
-        t0 = time.perf_counter()
-        make = jax.jit(lambda: jnp.zeros((chunk,), jnp.uint8), out_shardings=self.host_sharding)
-        held = []
-        try:
-            for _ in range(-(-nbytes // chunk)):
-                held.append(make())
-            jax.block_until_ready(held)
-        except Exception:  # noqa: BLE001 - the pool's limit: what was reserved stays in the pool
-            pass
-        del held
-        return time.perf_counter() - t0
-
     @property
     def pinned(self) -> bool:
         return self.host_sharding is not None
@@ -225,6 +206,10 @@ class TierCopies:
         nothing waited for. Returns the host tier's rows: pinned JAX arrays (ready when their copy is done),
         or `LazyRow`s of one `PendingRows`. `launched`, `reads`: the caller's step counts (PendingRows); early
         reads counted in `step_waits`."""
+        if self.pool is not None:
+            rows = self.pool.put(kv, pages)
+            self.rows_to_host += len(rows)
+            return rows
         rows = []
         for _, n, ids in self._runs(pages):
             rows.extend(self._pack[n](kv, ids))
@@ -244,8 +229,18 @@ class TierCopies:
     def from_host(self, kv, pages: list[int], rows: list):
         """`kv` with `rows` (numpy or pinned arrays) written at `pages`: per run its rows go over (no host-side
         stacking) and one scatter writes them."""
-        for i, n, ids in self._runs(pages):
-            run = rows[i:i + n]           # pinned rows are read by the program; numpy rows go over as arguments
-            kv = self._unpack[n](kv, ids, *run)
+        i = 0
+        while i < len(pages):         # runs of pool rows and runs of the rest (numpy rows from the disk tier)
+            pooled = hasattr(rows[i], "slot")
+            j = i
+            while j < len(pages) and hasattr(rows[j], "slot") == pooled:
+                j += 1
+            if pooled:
+                kv = self.pool.load(kv, pages[i:j], rows[i:j])
+            else:
+                for k, n, ids in self._runs(pages[i:j]):
+                    run = rows[i + k:i + k + n]     # pinned rows are read by the program; numpy rows go over as arguments
+                    kv = self._unpack[n](kv, ids, *run)
+            i = j
         self.rows_from_host += len(pages)
         return kv

@@ -9,8 +9,9 @@ embedding and the head) over the device's GEMM rate. The walk takes a tier's pag
 a tier that cannot win is not written either (the host tier: evictions are dropped; the disk tier: nothing is
 spilled). docs/design.md section 13.
 
-A host row is a numpy array, a `LazyRow` (its device->host copy still running, numpy path), or a JAX array in
-the `pinned_host` memory kind (its copy may still run: `is_ready()`)."""
+A host row is a numpy array, a `LazyRow` (its device->host copy still running, numpy path), a `PoolRow` (a slot
+of the pinned pool, nfjax/kv/host_pool.py), or a JAX array in the `pinned_host` memory kind (its copy may still
+run: `is_ready()`)."""
 from __future__ import annotations
 
 import time
@@ -39,7 +40,7 @@ class PrefixStats:
     evict_launch_s: float = 0.0     # ... of which launching the copy programs (their host rows allocated)
     disk_write_s: float = 0.0       # the disk tier's writer thread's seconds (beside the loop, not on it)
     disk_writes_dropped: int = 0    # pages spilled while the disk writer's queue was full: dropped, not waited for
-    pinned_reserve_s: float = 0.0   # at start: growing the pinned host pool to the host tier's size
+    pinned_reserve_s: float = 0.0   # at start: allocating the host tier's pinned pool (nfjax/kv/host_pool.py)
 
     @property
     def hit_tokens(self) -> int:
@@ -118,8 +119,8 @@ def is_ready(row) -> bool:
 
 
 def _host_row(row):
-    """A row to hand on: numpy and pinned rows as they are; a `LazyRow` read back now."""
-    return row.get() if hasattr(row, "pending") else row
+    """A row to hand on: numpy and pinned rows as they are; a `LazyRow` or a pool slot (`PoolRow`) read back now."""
+    return row.get() if hasattr(row, "pending") or hasattr(row, "slot") else row
 
 
 class HostTier:
@@ -144,11 +145,17 @@ class HostTier:
         self._rows.move_to_end(h)
         self._shrink()
 
-    def _shrink(self) -> None:
-        """Over capacity: the least recently used rows to `spill` (dropped without one). A row still coming
-        waits (the tier is over capacity until it is ready): reading it back now could wait for the step in
-        flight."""
-        while len(self._rows) > self.capacity:
+    def make_room(self, n: int) -> None:
+        """Room for `n` more rows now (least recently used out first): a pool's rows free their slots before
+        the copies that need them are launched."""
+        self._shrink(self.capacity - n)
+
+    def _shrink(self, limit: int | None = None) -> None:
+        """Over capacity (or `limit`): the least recently used rows to `spill` (dropped without one). A row still
+        coming waits (the tier is over capacity until it is ready): reading it back now could wait for the step
+        in flight."""
+        limit = self.capacity if limit is None else max(limit, 0)
+        while len(self._rows) > limit:
             old, r = next(iter(self._rows.items()))
             if self.spill is not None and not is_ready(r):
                 return
@@ -158,7 +165,9 @@ class HostTier:
 
     def pop(self, h: bytes):
         row = self._rows.pop(h, None)
-        return None if row is None else _host_row(row)
+        if row is None:
+            return None
+        return row.get() if hasattr(row, "pending") else row       # a pool row is loaded from its slot
 
     def settle(self, h: bytes, lazy) -> None:
         """`lazy`'s bytes in its place, if the tier still holds it (its LRU position unchanged)."""

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from nfjax.kv.host_pool import PoolRow
 from nfjax.kv.tiers import HostTier, PrefixStats, PrefixTiers, TierRates, flops_per_token
 from nfjax.models.random_init import LLAMA3_8B
 from tests.engine.conftest import make_engine
@@ -98,20 +99,25 @@ def test_a_slow_tier_gives_no_hits_and_the_same_tokens_a_fast_one_hits_again(off
 
 
 def test_host_rows_in_pinned_host_memory(off, tmp_path, monkeypatch):
-    """NFJAX_TIER_HOST_MEMORY=pinned (the default on a one-GPU mesh): evicted rows are pinned_host JAX arrays,
-    hits load them back with the cache-off tokens, and they spill to disk through the writer thread."""
+    """NFJAX_TIER_HOST_MEMORY=pinned (the default on a one-GPU mesh): evicted rows are slots of one pinned_host
+    pool, hits load them back with the cache-off tokens, and they spill to disk through the writer thread."""
     monkeypatch.setenv("NFJAX_TIER_HOST_MEMORY", "pinned")
     eng = _tiered(tmp_path)
     try:
         assert eng.runner.tier_copies.pinned and "pinned_host" in eng.tier_line()
-        # the pinned pool was grown to the host tier's size at start (not while the tier fills)
-        assert eng.prefix_stats()["pinned_reserve_s"] > 0 and "pinned in" in eng.tier_line()
+        # one pinned pool of the host tier's rows (and slack), allocated at start (not while the tier fills)
+        pool = eng.runner.tier_copies.pool
+        assert pool.capacity >= 4 and pool.pool.sharding.memory_kind == "pinned_host"
+        assert eng.prefix_stats()["pinned_reserve_s"] > 0 and "pinned_host pool of" in eng.tier_line()
         converse([off, eng], n=6, turns=4, seed=5)
         st = eng.prefix_stats()
         assert st["host_rows_pinned"] and st["hit_tokens_host"] > 0 and st["hit_tokens_disk"] > 0
         assert st["tier_step_waits"] == 0 and st["rows_to_host"] * ROW == st["bytes_to_host"]
         rows = list(eng.batcher.tiers.host._rows.values())
-        assert rows and all(isinstance(r, jax.Array) and r.sharding.memory_kind == "pinned_host" for r in rows)
+        assert rows and all(isinstance(r, PoolRow) and r.pool is pool for r in rows)
+        # every slot is free or held by the tier's rows: none lost
+        held = {r.slot for r in rows}
+        assert len(held) == len(rows) and not held & set(pool._free) and len(held) + pool.num_free == pool.capacity
         assert_no_leaks(eng)
     finally:
         eng.close()
