@@ -5,8 +5,8 @@ allocator held the engine thread ~30 s of a 2-minute multi-round run once ~50k r
 pool is allocated once; a row is a slot of it. `put` gathers pages into rows on the device and writes them into
 their slots (one dynamic-update-slice each, the pool donated: no copy of it); `load` reads slots and scatters them
 into pages. Every program runs on the device's one stream in launch order, so a slot freed after a `load` is
-launched and written again by a later `put` is read first. A slot is freed when its `PoolRow` is dropped (the
-tier let it go, or the page it was loaded into holds it now); a pool with no free slot drops the eviction."""
+launched and written again by a later `put` is read first. A slot is freed when its row is loaded back (at
+the load's launch) or dropped by the tier; a pool with no free slot drops the eviction."""
 from __future__ import annotations
 
 import time
@@ -35,8 +35,14 @@ class PoolRow:
     def get(self) -> np.ndarray:
         return self.pool.read(self.slot)
 
+    def release(self) -> None:
+        """The slot back to the pool (once): at a load's launch, or when the row is dropped."""
+        if self.slot >= 0:
+            self.pool._free.append(self.slot)
+            self.slot = -1
+
     def __del__(self):
-        self.pool._free.append(self.slot)
+        self.release()
 
 
 def put_rows(host, pool: UInt8[Array, "C B"], kv, pages: Int[Array, "P"], slots: Int[Array, "P"]) -> UInt8[Array, "C B"]:
@@ -118,6 +124,8 @@ class HostPool:
         for i, k in self._runs(len(pages)):
             kv = self._load[k](kv, self.pool, np.asarray(pages[i:i + k], np.int32),
                                np.asarray([r.slot for r in rows[i:i + k]], np.int32))
+        for r in rows:      # free now, not when the batch holding them is collected (cycles: seconds later on the
+            r.release()     # H100, 3k rows short of slots); a later put into these slots runs after this load
         return kv
 
     def read(self, slot: int) -> np.ndarray:
