@@ -2,14 +2,21 @@
 
 Every step is formed by `nfjax.engine.batcher.Batcher` exactly as in the engine; its tokens land at once (the
 engine learns them a step later, which changes no batch here: the decode input comes from the step in flight).
-The time of a step is modelled from H100 profiles of the 8B model (bench/NOTES.md sections 9 and 11): the
-non-attention part by token bucket (GEMMs, norms, head; `--gemm-ms`), decode attention at the copy rate over the
-KV bytes read plus a fixed cost, and prefill attention per prefill token x context. What it is for: comparing
-batch-formation policies (admission, buckets, max_seqs) on the workloads of bench/offline.py in steps, padding,
-decode batch sizes and modelled seconds, before spending device time on one.
+The workloads are bench/offline.py's (seed 1, the context sized to the longest request), so on the measured
+runs' pool (26,486 pages) the replay forms their steps: ShareGPT-shaped 2,000 requests 2,355 steps against 2,354
+measured, with the same count of every step kind within 2. The time of a step is modelled from H100 profiles of
+the 8B model (bench/NOTES.md sections 9 and 11): the non-attention part by token bucket (GEMMs, norms, head),
+decode attention at the copy rate over the KV bytes read plus a fixed cost, prefill attention per prefill token
+x context, and a fixed cost per prefill chunk (`CHUNK_MS`). The model leaves out host time: a step whose host
+work (forming it, launching it, taking its tokens) is longer than its GPU time takes the host's time; and the
+decode@512/1024 steps of the 2,000-request run took 6-7 ms more than modelled. `--measured FILE` sets the model
+beside a bench/offline.py result per step kind (the measured time between steps: mean - wait).
+What it is for: comparing batch-formation policies (admission, buckets, max_seqs) on the workloads of
+bench/offline.py in steps, padding, decode batch sizes and modelled seconds, before spending device time on one.
 
     python -m bench.probes.batcher_replay --workloads 1024x512,sharegpt --num-requests 512
-    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --variants "base=;fine=--buckets 16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792,2048"
+    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --variants "now=;before=--fcfs --no-defer"
+    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --measured bench/results/offline-sharegpt2000-forecast-20261125.json --variants "before=--fcfs --no-defer"
     python -m bench.probes.batcher_replay --workloads 1024x512 --num-pages 50034 --kv-bytes 69632 --attn-of-copy 0.75   # fp8
 """
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 from bench.workloads import parse
 from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
 from nfjax.engine.batcher import Batcher
+from nfjax.engine.builder import GPU_BUCKETS
 from nfjax.engine.request import Request, Status
 from nfjax.engine.sampling_params import SamplingParams
 
@@ -33,6 +41,9 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 GEMM_MS = {16: 6.3, 32: 7.75, 64: 8.1, 128: 8.7, 256: 10.4, 2048: 49.0}
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 COPY_TB_S = 2.9
+# A prefill chunk's cost beyond its flops: mixed steps of ShareGPT-shaped runs (5.7 and 8.9 chunks a step) took
+# 4.4 and 4.8 ms more than modelled without it, 1024/512's (2.8 chunks of 1,024 tokens) 1.2 ms (least squares)
+CHUNK_MS = 0.6
 
 
 def gemm_ms(tokens: int, table: dict[int, float]) -> float:
@@ -40,27 +51,33 @@ def gemm_ms(tokens: int, table: dict[int, float]) -> float:
     return float(np.interp(tokens, xs, [table[x] for x in xs]))
 
 
-def step_ms(batch, table, kv_bytes: float = KV_BYTES_PER_TOKEN, attn_of_copy: float = 1.0) -> tuple[float, float]:
+def step_ms(batch, table, kv_bytes: float = KV_BYTES_PER_TOKEN, attn_of_copy: float = 1.0,
+            chunk_ms: float = CHUNK_MS) -> tuple[float, float]:
     """(modelled ms, of which decode attention); `kv_bytes` a token as stored, read at `attn_of_copy` of the
-    copy rate (a compressed format's kernel)."""
+    copy rate (a compressed format's kernel); `chunk_ms` a prefill chunk's fixed cost."""
     kv = sum(s.start + 1 for s in batch.seqs[:batch.num_decode])
     attn = 0.47 + kv * kv_bytes / (COPY_TB_S * attn_of_copy * 1e12) * 1e3
     pre = sum(s.num_tokens * (s.start + s.num_tokens / 2) for s in batch.seqs[batch.num_decode:])
     pre_ms = pre * 4 * 4096 * 32 / 400e12 * 1e3          # QK and PV flops at ~400 TFLOP/s
-    return gemm_ms(batch.bucket, table) + attn + pre_ms, attn
+    chunks = len(batch.seqs) - batch.num_decode
+    return gemm_ms(batch.bucket, table) + attn + pre_ms + chunk_ms * chunks, attn
 
 
 def replay(work, num_pages: int, batcher: BatcherConfig, table, kv_bytes: float = KV_BYTES_PER_TOKEN,
-           attn_of_copy: float = 1.0) -> dict:
+           attn_of_copy: float = 1.0, chunk_ms: float = CHUNK_MS, batcher_cls=Batcher) -> dict:
+    context = max(len(p) + o for p, o in work)             # bench/offline.py sizes the context so
     cfg = EngineConfig(model=LLAMA3_8B, cache=CacheConfig(page_size=16, num_pages=num_pages,
-                                                          max_pages_per_seq=256, max_model_len=4096),
+                                                          max_pages_per_seq=-(-context // 16), max_model_len=context),
                        batcher=batcher)
-    b = Batcher(cfg)
+    b = batcher_cls(cfg)
     for i, (prompt, out) in enumerate(work):
         b.add(Request(str(i), prompt, SamplingParams.greedy(max_tokens=out, ignore_eos=True), seed=0))
     steps, pad, ms, attn_ms = 0, 0, 0.0, 0.0
     kinds: Counter = Counter()
     kind_ms: Counter = Counter()
+    kind_dec: Counter = Counter()          # decodes, prefill chunks and prefill tokens by kind (sums)
+    kind_chunks: Counter = Counter()
+    kind_pre: Counter = Counter()
     decodes = []
     swaps = 0
     t0 = time.perf_counter()
@@ -71,13 +88,16 @@ def replay(work, num_pages: int, batcher: BatcherConfig, table, kv_bytes: float 
         swaps += len(batch.swap_out)
         steps += 1
         pad += batch.bucket - batch.num_tokens
-        t, a = step_ms(batch, table, kv_bytes, attn_of_copy)
+        t, a = step_ms(batch, table, kv_bytes, attn_of_copy, chunk_ms)
         ms += t
         attn_ms += a
         kind = ("decode+prefill" if batch.num_decode < len(batch.seqs) and batch.num_decode else
                 "decode" if batch.num_decode else "prefill") + f"@{batch.bucket}"
         kinds[kind] += 1
         kind_ms[kind] += t
+        kind_dec[kind] += batch.num_decode
+        kind_chunks[kind] += len(batch.seqs) - batch.num_decode
+        kind_pre[kind] += batch.num_tokens - batch.num_decode
         decodes.append(batch.num_decode)
         for s in batch.seqs:
             r = s.req
@@ -89,39 +109,79 @@ def replay(work, num_pages: int, batcher: BatcherConfig, table, kv_bytes: float 
     return {"steps": steps, "padding": pad, "model_s": ms / 1e3, "attn_s": attn_ms / 1e3, "tok_s": tokens / ms * 1e3,
             "mean_decode": float(np.mean(decodes)), "preemptions": swaps, "host_s": time.perf_counter() - t0,
             "kinds": {k: (kinds[k], round(kind_ms[k] / kinds[k], 1)) for k in sorted(kinds, key=kinds.get,
-                                                                                   reverse=True)}}
+                                                                                   reverse=True)},
+            "kind_detail": {k: {"steps": kinds[k], "ms": kind_ms[k] / kinds[k], "decodes": kind_dec[k] / kinds[k],
+                                "chunks": kind_chunks[k] / kinds[k], "prefill": kind_pre[k] / kinds[k]}
+                            for k in kinds}}
+
+
+def policy(longest_first: bool = True, defer_slack: float = Batcher.DEFER_SLACK) -> type[Batcher]:
+    """The Batcher with its admission order and decode deferral set (the product's defaults: itself)."""
+    if longest_first == Batcher.LONGEST_FIRST and defer_slack == Batcher.DEFER_SLACK:
+        return Batcher
+    return type("ReplayBatcher", (Batcher,), {"LONGEST_FIRST": longest_first, "DEFER_SLACK": defer_slack})
+
+
+def measured_kinds(path: str) -> dict[tuple[str, int], dict]:
+    """{(workload, requests): {kind: (steps, ms between steps, host ms)}} from a bench/offline.py result. A
+    step's `mean_ms` runs from its launch to its tokens on the host, across the next step's launch; less the
+    wait for its tokens, it is the time from one launch to the next."""
+    import json
+    doc = json.load(open(path))
+    out = {}
+    for eng in doc["data"]["engines"].values():
+        for w, r in eng["results"].items():
+            out[(w, r["requests"])] = {k: (v["steps"], v["mean_ms"] - v["wait_ms"], v["host_ms"])
+                                       for k, v in r["step_ms_by_kind"].items()}
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="1024x512,sharegpt")
     p.add_argument("--num-requests", type=int, default=512)
-    p.add_argument("--num-pages", type=int, default=26674, help="the H100's 8B pool at the default fraction")
+    p.add_argument("--seed", type=int, default=1, help="workload seed (bench/offline.py's is 1)")
+    p.add_argument("--num-pages", type=int, default=26486, help="the H100's 8B pool in the measured runs")
     p.add_argument("--variants", default="base=", help="NAME=FLAGS;... with --buckets, --max-seqs, "
-                                                       "--max-prefill-seqs, --no-predict")
+                   "--max-prefill-seqs, --no-predict, --fcfs (admission in arrival order), --no-defer (every decode "
+                   "in every step), --defer-slack X")
     p.add_argument("--optimal-tok-s", type=float, default=42847.0)
     p.add_argument("--kv-bytes", type=float, default=KV_BYTES_PER_TOKEN, help="KV bytes a token as stored "
                    "(fp8 with its scales: ~0.53x bf16's; set --num-pages to the format's pool too)")
     p.add_argument("--attn-of-copy", type=float, default=1.0, help="decode attention's rate, of the copy rate")
+    p.add_argument("--chunk-ms", type=float, default=CHUNK_MS, help="a prefill chunk's fixed cost (ms)")
+    p.add_argument("--measured", metavar="FILE", help="a bench/offline.py result: its step kinds beside the model's")
     a = p.parse_args(argv)
     vp = argparse.ArgumentParser(prog="variant")
-    vp.add_argument("--buckets", default="16,32,64,128,256,384,512,1024,2048")
+    vp.add_argument("--buckets", default=",".join(map(str, GPU_BUCKETS)))
     vp.add_argument("--max-seqs", type=int, default=1024)
     vp.add_argument("--max-prefill-seqs", type=int, default=16)
     vp.add_argument("--no-predict", action="store_true")
+    vp.add_argument("--fcfs", action="store_true")
+    vp.add_argument("--no-defer", action="store_true")
+    vp.add_argument("--defer-slack", type=float, default=Batcher.DEFER_SLACK)
+    measured = measured_kinds(a.measured) if a.measured else {}
     for spec in a.workloads.split(","):
-        work = parse(spec, a.num_requests, 32000)
+        work = parse(spec, a.num_requests, LLAMA3_8B.vocab_size, seed=a.seed)
         for v in a.variants.split(";"):
             name, _, flags = v.partition("=")
             f = vp.parse_args(shlex.split(flags))
             cfg = BatcherConfig(token_buckets=tuple(int(x) for x in f.buckets.split(",")), max_seqs=f.max_seqs,
                                 max_prefill_seqs=f.max_prefill_seqs, predict_memory=not f.no_predict)
-            r = replay(work, a.num_pages, cfg, GEMM_MS, a.kv_bytes, a.attn_of_copy)
+            cls = policy(not f.fcfs, 0.0 if f.no_defer else f.defer_slack)
+            r = replay(work, a.num_pages, cfg, GEMM_MS, a.kv_bytes, a.attn_of_copy, a.chunk_ms, cls)
             print(f"{spec:9s} {name:10s} steps {r['steps']:5d} padding {r['padding']:7d} mean decode "
                   f"{r['mean_decode']:6.1f} preempt {r['preemptions']:4d} model {r['model_s']:6.1f} s (attn "
                   f"{r['attn_s']:5.1f}) {r['tok_s']:8,.0f} tok/s = {100 * r['tok_s'] / a.optimal_tok_s:5.1f}% "
                   f"[host {r['host_s']:.1f} s]")
             print("    " + ", ".join(f"{k} {n}x{m}" for k, (n, m) in list(r["kinds"].items())[:8]))
+            m = measured.get((spec, a.num_requests))
+            if m:
+                print(f"    {'kind':24s} {'steps':>11s} {'ms modelled':>12s} {'measured':>9s} {'host':>6s}")
+                for k in sorted(set(m) | set(r["kind_detail"]), key=lambda k: -m.get(k, (0, 0, 0))[0]):
+                    d = r["kind_detail"].get(k, {"steps": 0, "ms": float("nan")})
+                    ms, mi, mh = m.get(k, (0, float("nan"), float("nan")))
+                    print(f"    {k:24s} {d['steps']:5d}/{ms:5d} {d['ms']:12.1f} {mi:9.1f} {mh:6.1f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,12 @@
 """NanoFlow batch formation: a dense token budget per step, decodes first, then prefill chunks to fill it.
 
+Requests added together (between two steps: all of `Engine.generate`'s, or a server's arrivals within one step)
+are queued longest predicted first, so the longest requests start first and the run does not end on a tail of
+small steps behind one late long request; later arrivals still queue behind earlier ones. A decode-only step
+just past a token bucket runs in the bucket below when nothing waits: the decodes left out are those that end
+before the longest running request even at half speed, never left out two steps in a row (docs/design.md
+section 9).
+
 Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
 else the average output length seen so far) and a request is let in when the peak of the pages all running
 requests will hold, step by step to their predicted ends, still fits (nfjax/engine/memory_forecast.py); when pages
@@ -59,6 +66,9 @@ class Batch:
 
 
 class Batcher:
+    LONGEST_FIRST = True       # requests added together are admitted longest predicted first (module docstring)
+    DEFER_SLACK = 0.5          # a decode-only step of up to (1 + this) x a bucket may run in that bucket
+
     def __init__(self, config: EngineConfig):
         """`config` with its automatic sizes resolved (`Runner.config`)."""
         self.cfg = sched = config.batcher
@@ -75,11 +85,25 @@ class Batcher:
         self._out_len_sum = 0                      # outputs of finished (not aborted) requests: sum, count
         self._out_len_count = 0
         self._wants: dict[str, list[bytes]] = {}  # waiting request id -> the prompt hashes it wants kept
+        self._burst: list[Request] = []            # added since the last step, not yet ordered in `waiting`
+        self._deferred: set[int] = set()           # id() of the decodes left out of the last step
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self._burst.append(req)
         self._want(req)
+
+    def _order_burst(self) -> None:
+        """The requests added since the last step, longest predicted (prompt + output) first: they are the
+        newest in `waiting`, so its tail. Stable: equal predictions keep their order."""
+        burst, self._burst = self._burst, []
+        n = sum(1 for r in burst if r.status is Status.WAITING)
+        if n < 2 or not self.LONGEST_FIRST:
+            return
+        tail = [self.waiting.pop() for _ in range(n)][::-1]
+        tail.sort(key=lambda r: -self._expected_len(r))
+        self.waiting.extend(tail)
 
     def _want(self, req: Request) -> None:
         """A waiting request's cached prompt pages are evicted last (nfjax/kv/allocator.py, eviction order)."""
@@ -107,8 +131,12 @@ class Batcher:
         # a step in flight may still count a token in the slot; the next owner's first step clears it after that
         self._release_slot(req)
         for q in (self.running, self.waiting, self.swapped):
-            if req in q:
-                q.remove(req)
+            # by identity: Request is a dataclass, and its __eq__ over ~1,000 running and waiting requests was
+            # most of a finish's host time
+            for i, r in enumerate(q):
+                if r is req:
+                    del q[i]
+                    break
         if reason != "abort":
             self._out_len_sum += len(req.output_ids)
             self._out_len_count += 1
@@ -243,6 +271,8 @@ class Batcher:
     def next_batch(self, prev_slots: dict[str, int]) -> Batch | None:
         """Form the next step. `prev_slots` maps request ids to their sampled row in the step in flight."""
         batch = Batch(bucket=0, seqs=[], num_decode=0)
+        if self._burst:
+            self._order_burst()
         self._swap_in(batch)
         # 1) decodes: one token each for every running request past its prompt
         for req in list(self.running):
@@ -311,14 +341,67 @@ class Batcher:
             batch.evict = evicted
         if not batch.seqs and not batch.swap_out and not batch.swap_in:
             return None
-        n = batch.num_tokens
-        batch.bucket = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
+        batch.bucket = self._fit_bucket(batch)
         for s in batch.seqs:
             s.req.num_computed += s.num_tokens
             if s.samples:
                 s.req.num_launched_outputs += 1
             self._register(s.req)
         return batch
+
+    def _fit_bucket(self, batch: Batch) -> int:
+        """The step's token bucket: the smallest that holds the batch, or the one below for a decode-only step
+        whose decodes past it have slack (`_defer`)."""
+        n = batch.num_tokens
+        lower = max((b for b in self.cfg.token_buckets if b < n), default=0)
+        deferred: set[int] = set()
+        if lower and n <= lower * (1 + self.DEFER_SLACK) and self._can_defer(batch):
+            deferred = self._defer(batch, n - lower)
+            n = batch.num_tokens
+        self._deferred = deferred
+        return min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
+
+    def _can_defer(self, batch: Batch) -> bool:
+        """Only a step of every running request's decode (those whose last token is in flight aside), with
+        nothing waiting or swapped out: then leaving a decode out delays no admission, and the pages it holds
+        longer are checked in `_defer`."""
+        if batch.num_decode != len(batch.seqs) or self.waiting or self.swapped or batch.swap_in or batch.swap_out:
+            return False
+        return batch.num_decode == sum(1 for r in self.running if not r.in_prefill and self._steps_left(r)[1] > 0)
+
+    def _steps_left(self, req: Request) -> tuple[int, int]:
+        """(at least, at most) the decode steps `req` has left: at most to max_tokens or the context; at least
+        that where its length is exact (ignore_eos, no stop condition), else to min_tokens."""
+        p = req.params
+        most = min(p.max_tokens - req.num_launched_outputs, self.max_model_len - req.total_len)
+        exact = p.ignore_eos and not p.stop and not p.stop_token_ids
+        return (most if exact else max(0, min(p.min_tokens - req.num_launched_outputs, most))), most
+
+    def _defer(self, batch: Batch, k: int) -> set[int]:
+        """Leave `k` decodes out of `batch` if that many have slack: at half speed (never left out two steps in
+        a row) they still end before the running request with the most steps surely left, so the run does not
+        get longer; and if the pages of all of them at their predicted ends still fit beside the others'
+        forecast peak. Returns id() of those left out (none if the step cannot shrink by `k`)."""
+        left = [self._steps_left(s.req) for s in batch.seqs]
+        longest = max(least for least, _ in left)
+        slack = [i for i, (_, most) in enumerate(left)
+                 if 2 * most <= longest and id(batch.seqs[i].req) not in self._deferred]
+        if len(slack) < k:
+            return set()
+        slack.sort(key=lambda i: left[i][1])            # the nearest ends first
+        out = set(slack[:k])
+        forecast, held = MemoryForecast(self.cache.page_size), 0
+        for i, s in enumerate(batch.seqs):
+            if i in out:
+                held += self.cache.pages_for(self._expected_len(s.req))
+            else:
+                forecast.add(*self._span(s.req))
+        if forecast.peak() + held > self.allocator.capacity:
+            return set()
+        deferred = {id(batch.seqs[i].req) for i in out}
+        batch.seqs = [s for i, s in enumerate(batch.seqs) if i not in out]
+        batch.num_decode = len(batch.seqs)
+        return deferred
 
     def _room_for_chunk(self, batch: Batch) -> bool:
         return (len(batch.seqs) < self.cfg.max_seqs

@@ -60,3 +60,27 @@ def test_kv_probe_fake_schemes_match_the_format_and_wait_for_full_pages():
     page = np.asarray(kivi[1, :64, 0])
     assert all(len(np.unique(page[:, ch])) <= 16 for ch in range(64))
     assert p.bits(p.parse_scheme("kivi16"), 64) == 6.0 and p.bits(p.parse_scheme("rot64"), 128) == 4.5
+
+
+def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_run(capsys):
+    """batcher_replay: bench/offline.py's workload run to the end on a small pool, the policies switched by
+    variant flags, and the measured step kinds read from a bench result."""
+    from bench.probes import batcher_replay as r
+    from bench.workloads import parse
+    from nfjax.config import BatcherConfig
+    work = parse("sharegpt", 48, r.LLAMA3_8B.vocab_size, seed=1)
+    cfg = BatcherConfig(token_buckets=(16, 32, 64, 128, 256), max_seqs=64)
+    now = r.replay(work, 2000, cfg, r.GEMM_MS)
+    before = r.replay(work, 2000, cfg, r.GEMM_MS, batcher_cls=r.policy(longest_first=False, defer_slack=0.0))
+    longest = max(o for _, o in work)
+    assert before["steps"] >= now["steps"] >= longest and now["preemptions"] == before["preemptions"] == 0
+    assert now["padding"] < before["padding"] and now["model_s"] < before["model_s"]
+    assert sum(d["steps"] for d in now["kind_detail"].values()) == now["steps"]
+    from pathlib import Path
+    result = Path(__file__).parents[2] / "bench/results/offline-sharegpt2000-forecast-20261125.json"
+    m = r.measured_kinds(str(result))[("sharegpt", 2000)]
+    assert m["decode@16"][0] == 282 and 8 < m["decode@16"][1] < 8.2       # mean 11.1 ms less 3.0 ms waiting
+    r.main(["--workloads", "sharegpt", "--num-requests", "48", "--num-pages", "2000",
+            "--variants", "before=--fcfs --no-defer --buckets 16,64,256;now=--buckets 16,64,256"])
+    out = capsys.readouterr().out
+    assert "sharegpt  before" in out and "sharegpt  now" in out

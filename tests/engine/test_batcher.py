@@ -1,0 +1,130 @@
+"""Batch formation policies (nfjax/engine/batcher.py): requests added together are admitted longest predicted
+first, and a decode-only step just past a token bucket runs in the bucket below by leaving out decodes with
+slack, without making the run longer, preempting, or changing a token."""
+import random
+
+from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
+from nfjax.engine import SamplingParams
+from nfjax.engine.batcher import Batcher
+from nfjax.engine.request import Request
+
+from tests.engine.conftest import make_engine
+
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=16, max_position_embeddings=4096)
+
+
+def _batcher(buckets=(16, 64), max_seqs=64, max_prefill_seqs=16, num_pages=512, **kw):
+    cfg = EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=num_pages, max_pages_per_seq=64,
+                                                      max_model_len=1024),
+                       batcher=BatcherConfig(token_buckets=buckets, max_seqs=max_seqs,
+                                             max_prefill_seqs=max_prefill_seqs))
+    return type("B", (Batcher,), kw)(cfg) if kw else Batcher(cfg)
+
+
+def _req(rid, prompt_len, out, exact=True):
+    return Request(rid, list(range(1, prompt_len + 1)),
+                   SamplingParams.greedy(max_tokens=out, ignore_eos=exact), 0)
+
+
+def _step(b, log=None):
+    """One step as the engine takes it, with its tokens landing at once; `log` gets (bucket, decode ids)."""
+    batch = b.next_batch({})
+    assert b.allocator.num_used <= b.allocator.capacity
+    if log is not None:
+        log.append((batch.bucket, [s.req.request_id for s in batch.seqs[:batch.num_decode]], len(batch.swap_out)))
+    for s in batch.seqs:
+        if s.samples:
+            s.req.output_ids.append(1)
+            if len(s.req.output_ids) >= s.req.params.max_tokens:
+                b.finish(s.req, "length")
+    return batch
+
+
+def test_requests_added_together_are_admitted_longest_first_and_later_ones_queue_behind():
+    b = _batcher(max_prefill_seqs=1)                      # one admission a step
+    for rid, out in (("a", 5), ("b", 50), ("c", 20), ("d", 20)):
+        b.add(_req(rid, 4, out))
+    admitted = [_step(b).seqs[-1].req.request_id]
+    b.add(_req("e", 4, 100))                              # a later arrival: behind the first group
+    for _ in range(4):
+        admitted.append(_step(b).seqs[-1].req.request_id)
+    assert admitted == ["b", "c", "d", "a", "e"]          # equal predictions keep their order
+
+
+def test_old_order_without_longest_first():
+    b = _batcher(max_prefill_seqs=1, LONGEST_FIRST=False)
+    for rid, out in (("a", 5), ("b", 50), ("c", 20)):
+        b.add(_req(rid, 4, out))
+    assert [_step(b).seqs[-1].req.request_id for _ in range(3)] == ["a", "b", "c"]
+
+
+def _run(b, work, exact=True):
+    for i, (plen, out) in enumerate(work):
+        b.add(_req(str(i), plen, out, exact))
+    log = []
+    while b.has_work():
+        _step(b, log)
+    return log
+
+
+WORK = [(2, 120)] + [(2, random.Random(i).randint(20, 40)) for i in range(21)]   # 22 decodes: just past 16
+
+
+def test_decodes_with_slack_wait_so_the_step_fits_the_bucket_below():
+    log = _run(_batcher(), WORK)
+    base = _run(_batcher(DEFER_SLACK=0.0), WORK)
+    assert len(log) == len(base) == 120                   # the longest request's chain: the run is no longer
+    assert sum(1 for bucket, *_ in base if bucket == 64) > 20
+    assert all(bucket == 16 for bucket, *_ in log[2:])    # 17 to 22 decodes ran 16 at a time (after 2 prefill steps)
+    assert all("0" in ids for _, ids, _ in log[1:])       # the longest request never waits
+    steps_of: dict[str, list[int]] = {}
+    for t, (_, ids, _) in enumerate(log):
+        for r in ids:
+            steps_of.setdefault(r, []).append(t)
+    for r, ts in steps_of.items():                        # never left out two steps in a row
+        assert max(b - a for a, b in zip(ts, ts[1:])) <= 2, r
+        assert len(ts) == WORK[int(r)][1] - 1             # the first token came with the prompt
+    assert sum(swaps for *_, swaps in log) == 0
+
+
+class Watched(Batcher):
+    """Records, per step, whether a request waited and how many running requests could decode."""
+
+    def next_batch(self, prev_slots):
+        self.seen = getattr(self, "seen", [])
+        decodable = sum(1 for r in self.running if not r.in_prefill)
+        batch = super().next_batch(prev_slots)
+        self.seen.append((bool(self.waiting), decodable, batch.num_decode))
+        return batch
+
+
+def test_no_decode_waits_without_exact_lengths_or_while_a_request_waits():
+    # lengths not known (EOS may come any time): nothing is surely longer, so nothing is left out
+    log = _run(_batcher(), WORK, exact=False)
+    assert sum(1 for bucket, *_ in log if bucket == 64) > 20
+    # a large request waits for pages: meanwhile every running request decodes, whatever the bucket
+    cfg = _batcher(num_pages=40).cfg
+    b = Watched(EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=40, max_pages_per_seq=64,
+                                                            max_model_len=1024), batcher=cfg))
+    for i, (plen, out) in enumerate(WORK + [(300, 200)]):
+        b.add(_req(str(i), plen, out))
+    while b.has_work():
+        _step(b)
+    waited = [(d, n) for w, d, n in b.seen[1:] if w]
+    assert len(waited) > 10 and all(d == n for d, n in waited)
+
+
+def test_engine_tokens_unchanged_when_decodes_wait():
+    """Greedy tokens with decodes left out of steps equal those of steps that take every decode."""
+    eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
+                      BatcherConfig(token_buckets=(4, 16), max_seqs=8))
+    prompts = ["the cat", "a dog ran", "in the", "on it", "to be or", "so"]
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (16, 6, 5, 7, 6, 5)]
+    outs = eng.generate(prompts, params)
+    assert (4, 4) in [(s.bucket, s.decode_tokens) for s in eng.trace.steps if not s.prefill_tokens]
+    eng.batcher.DEFER_SLACK = 0.0
+    eng.trace.steps.clear()
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in outs]
+    assert (16, 6) in [(s.bucket, s.decode_tokens) for s in eng.trace.steps if not s.prefill_tokens]
+    assert eng.pages_used == 0
