@@ -214,7 +214,8 @@ class Engine:
         copies = self.runner.tier_copies
         if copies.pool is not None:
             evict = evict[-tiers.host.capacity:] if tiers.host.capacity else []
-            tiers.host.make_room(len(evict))
+            # rows this batch takes out of the tier for its loads keep their slots until the loads launch
+            tiers.host.make_room(len(evict), free=lambda: copies.pool.num_free)
         rows = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)
         stats.evict_launch_s += time.perf_counter() - t0
         stats.evictions_dropped += len(evict) - len(rows)

@@ -145,10 +145,13 @@ class HostTier:
         self._rows.move_to_end(h)
         self._shrink()
 
-    def make_room(self, n: int) -> None:
+    def make_room(self, n: int, free=None) -> None:
         """Room for `n` more rows now (least recently used out first): a pool's rows free their slots before
-        the copies that need them are launched."""
+        the copies that need them are launched. `free()`: the pool's free slots, which rows taken out for a
+        load still hold until it is launched; rows go until it reaches `n` too."""
         self._shrink(self.capacity - n)
+        while free is not None and free() < n and self._rows:
+            self._shrink(len(self._rows) - 1)
 
     def _shrink(self, limit: int | None = None) -> None:
         """Over capacity (or `limit`): the least recently used rows to `spill` (dropped without one). A row still

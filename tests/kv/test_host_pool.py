@@ -37,3 +37,21 @@ def test_pages_go_to_slots_and_come_back_into_other_pages():
     np.testing.assert_array_equal(rows[2].get(), np.asarray(pool.read(rows[2].slot)))
     del rows[0]                                    # a dropped row frees its slot
     assert pool.num_free == 1
+
+
+def test_make_room_counts_slots_held_by_rows_out_for_a_load():
+    """Rows popped for a load hold their slots until it launches: making room for an eviction drops more of the
+    tier so that the pool has the slots (else the eviction would be dropped)."""
+    from nfjax.kv.tiers import HostTier, PrefixStats
+    kv = _kv()
+    rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pool = HostPool(kv, KVCache(rep, rep, None, "bfloat16"), rep, pinned_host_sharding(rep), 6,
+                    row_bytes(kv.arrays()), 8)
+    tier = HostTier(4, pool.row_bytes, PrefixStats())
+    for i, r in enumerate(pool.put(kv, [1, 2, 3, 4])):
+        tier.put(bytes([i]), r)
+    out = [tier.pop(bytes([0])), tier.pop(bytes([1]))]     # taken for a load, not launched yet
+    assert len(tier) == 2 and pool.num_free == 2
+    tier.make_room(3, free=lambda: pool.num_free)
+    assert pool.num_free >= 3 and len(tier) == 1 and len(pool.put(kv, [5, 6, 7])) == 3
+    assert all(r.slot >= 0 for r in out)                   # the load's rows are untouched
