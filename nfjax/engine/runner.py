@@ -54,6 +54,9 @@ class StepHandle:
     dispatch_ms: float = 0.0         #   enqueueing its programs
 
 
+KV_TRIES, KV_SHRINK = 5, 0.85     # an automatic KV size that does not fit: retried at 85% of the memory each time
+
+
 class Runner:
     """Owns the weights, the KV arrays and the compiled programs. Nothing compiles after `compile_all`."""
 
@@ -66,12 +69,7 @@ class Runner:
         from nfjax.engine.builder import resolve
         from nfjax.schedule.graph import layer_graph
         from nfjax.schedule.variants import SEQUENTIAL, Variants
-        self.config = config = resolve(config, free_device_bytes(), on_gpu())
-        cache, sched, sc = config.cache, config.batcher, config.execution
-        skip_collectives = config.parallel.skip_collectives
         self.cfg = model.cfg
-        self.cache_cfg = cache
-        self.sched = sched
         self.mesh = mesh
         tp = mesh.shape[TP_AXIS]
         self.rest_gd, self.rest_state, self.layer_gd, stacked = split_layers(model)
@@ -80,15 +78,13 @@ class Runner:
         del stacked
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
-        try:        # the engine's largest allocations: one that does not fit fails here, by name, not at a later step
-            self.kv = KVCache.create(model.cfg, cache, sharding=NamedSharding(mesh, kv_spec()),
-                                     tail_rows=tail_rows(sched.max_seqs))
-            jax.block_until_ready(self.kv.arrays())
-        except Exception as e:  # noqa: BLE001 - the runtime's allocation error type differs across jax versions
-            from nfjax.errors import UserError
-            raise UserError(f"the KV cache ({cache.num_pages:,} pages) did not fit on the device: lower "
-                            f"--kv-memory-fraction (now {cache.kv_memory_fraction}) or set --num-pages "
-                            f"({type(e).__name__}: {str(e)[:200]})") from e
+        # sized after unstacking (its holes are what is left), the engine's largest allocations made now: one
+        # that does not fit fails here, by name, not at a later step
+        self.config = config = self._make_kv(config, resolve)
+        cache, sched, sc = config.cache, config.batcher, config.execution
+        skip_collectives = config.parallel.skip_collectives
+        self.cache_cfg = cache
+        self.sched = sched
         self.kv_sharding = self.kv.like(NamedSharding(mesh, kv_spec()))
         # kivi64: which K tail row holds each sequence's filling group (nfjax/kv/tail_slots.py)
         self.tails = TailSlots(self.kv.k_tail.shape[1]) if self.kv.k_tail is not None else None
@@ -151,6 +147,36 @@ class Runner:
         packed = jax.device_put(pack(inp), self.replicated)
         self._staged[bucket] = self._unpack[bucket](self._staged[bucket], packed)
         return self._staged[bucket]
+
+    def _make_kv(self, config: EngineConfig, resolve) -> EngineConfig:
+        """`config` resolved and its KV cache (`self.kv`) allocated. An automatic size that does not fit (free
+        memory in holes: Mixtral's unstacked experts left 41.6 GiB free on an H200 but no block over 28 GiB,
+        docs/design.md section 15) is retried at `KV_SHRINK` of the free memory each time, with a warning; a size
+        given by --num-pages, or the last try, is a UserError."""
+        free, auto = free_device_bytes(), config.cache.num_pages is None
+        tries = KV_TRIES if auto and free is not None else 1
+        for i in range(tries):
+            resolved = resolve(config, None if free is None else int(free * KV_SHRINK ** i), on_gpu())
+            cache = resolved.cache
+            err = None
+            try:
+                self.kv = KVCache.create(self.cfg, cache, sharding=NamedSharding(self.mesh, kv_spec()),
+                                         tail_rows=tail_rows(resolved.batcher.max_seqs))
+                jax.block_until_ready(self.kv.arrays())
+                if i:
+                    import warnings
+                    warnings.warn(f"the KV cache holds {cache.num_pages:,} pages, not the {first:,} the free device "
+                                  f"memory allowed: no free block held them (--kv-memory-fraction, --num-pages)",
+                                  RuntimeWarning, stacklevel=3)
+                return resolved
+            except Exception as e:  # noqa: BLE001 - the runtime's allocation error type differs across jax versions
+                self.kv = None
+                err = f"{type(e).__name__}: {str(e)[:200]}"
+            if i == 0:
+                first = cache.num_pages
+        from nfjax.errors import UserError
+        raise UserError(f"the KV cache ({cache.num_pages:,} pages) did not fit on the device: lower "
+                        f"--kv-memory-fraction (now {cache.kv_memory_fraction}) or set --num-pages ({err})")
 
     def compile_all(self, progress: bool = False) -> None:
         """Lower every program in turn, then compile them on a thread pool (XLA compiles outside the GIL)."""

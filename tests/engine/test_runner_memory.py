@@ -124,3 +124,36 @@ def test_the_check_sees_a_copied_cache(runner):
                    out_shardings=(r.replicated, r.kv_sharding)).lower(
         tuple(r.layer_states[:n]), r.kv, x, inp.meta, r._layer_ids[0]).compile()
     assert check_no_cache_copy("undonated", prog, r.kv.k.nbytes)
+
+
+def test_an_automatic_kv_size_that_does_not_fit_is_retried_smaller(monkeypatch):
+    """Free memory in holes (issue #26: no block held Mixtral's V on an H200): an automatic size whose cache
+    fails to allocate is retried at 85% of the memory, with a warning; a size given by --num-pages is not."""
+    import nfjax.engine.runner as runner_mod
+    from nfjax.errors import UserError
+    from nfjax.kv.cache import KVCache
+    real = KVCache.create
+    tried = []
+
+    def create(model, cache, **kw):
+        tried.append(cache.num_pages)
+        if cache.num_pages > 1400:                    # as the device would: too large to allocate
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real(model, cache, **kw)
+    monkeypatch.setattr(KVCache, "create", staticmethod(create))
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda: 64 << 20)
+    mesh = make_mesh(1)
+    model = random_model(SMOKE.replace(**_DIMS), host=True)
+    shard_model(model, mesh)
+    ec = EngineConfig(model.cfg, CacheConfig(page_size=16, max_pages_per_seq=8),
+                      BatcherConfig(token_buckets=(16,), max_seqs=4))
+    with pytest.warns(RuntimeWarning, match="not the"):
+        r = Runner(model, ec, mesh)
+    assert len(tried) == 3 and tried[0] > 1400 >= r.cache_cfg.num_pages == tried[-1]
+    assert r.kv.k.shape[1] == r.cache_cfg.num_pages and tried == sorted(tried, reverse=True)
+    tried.clear()
+    fixed = EngineConfig(model.cfg, CacheConfig(page_size=16, num_pages=1500, max_pages_per_seq=8),
+                         BatcherConfig(token_buckets=(16,), max_seqs=4))
+    with pytest.raises(UserError, match="--num-pages"):
+        Runner(model, fixed, mesh)
+    assert tried == [1500]
