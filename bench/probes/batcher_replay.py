@@ -15,8 +15,8 @@ What it is for: comparing batch-formation policies (admission, buckets, max_seqs
 bench/offline.py in steps, padding, decode batch sizes and modelled seconds, before spending device time on one.
 
     python -m bench.probes.batcher_replay --workloads 1024x512,sharegpt --num-requests 512
-    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --variants "now=;before=--fcfs --no-defer"
-    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --measured bench/results/offline-sharegpt2000-forecast-20261125.json --variants "before=--fcfs --no-defer"
+    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --variants "now=;before=--fcfs --no-defer --no-shorten"
+    python -m bench.probes.batcher_replay --workloads sharegpt --num-requests 2000 --measured bench/results/offline-sharegpt2000-forecast-20261125.json --variants "before=--fcfs --no-defer --no-shorten"
     python -m bench.probes.batcher_replay --workloads 1024x512 --num-pages 50034 --kv-bytes 69632 --attn-of-copy 0.75   # fp8
 """
 from __future__ import annotations
@@ -115,11 +115,15 @@ def replay(work, num_pages: int, batcher: BatcherConfig, table, kv_bytes: float 
                             for k in kinds}}
 
 
-def policy(longest_first: bool = True, defer_slack: float = Batcher.DEFER_SLACK) -> type[Batcher]:
-    """The Batcher with its admission order and decode deferral set (the product's defaults: itself)."""
-    if longest_first == Batcher.LONGEST_FIRST and defer_slack == Batcher.DEFER_SLACK:
+def policy(longest_first: bool = True, defer_slack: float = Batcher.DEFER_SLACK,
+           shorten_pad: float = Batcher.SHORTEN_PAD) -> type[Batcher]:
+    """The Batcher with its admission order, decode deferral and chunk shortening set (the product's defaults:
+    itself). `defer_slack` 0 and `shorten_pad` 1 turn the last two off."""
+    if (longest_first, defer_slack, shorten_pad) == (Batcher.LONGEST_FIRST, Batcher.DEFER_SLACK,
+                                                     Batcher.SHORTEN_PAD):
         return Batcher
-    return type("ReplayBatcher", (Batcher,), {"LONGEST_FIRST": longest_first, "DEFER_SLACK": defer_slack})
+    return type("ReplayBatcher", (Batcher,), {"LONGEST_FIRST": longest_first, "DEFER_SLACK": defer_slack,
+                                              "SHORTEN_PAD": shorten_pad})
 
 
 def measured_kinds(path: str) -> dict[tuple[str, int], dict]:
@@ -144,7 +148,7 @@ def main(argv=None):
     p.add_argument("--num-pages", type=int, default=26486, help="the H100's 8B pool in the measured runs")
     p.add_argument("--variants", default="base=", help="NAME=FLAGS;... with --buckets, --max-seqs, "
                    "--max-prefill-seqs, --no-predict, --fcfs (admission in arrival order), --no-defer (every decode "
-                   "in every step), --defer-slack X")
+                   "in every step), --defer-slack X, --no-shorten (whole prefill chunks in mixed steps)")
     p.add_argument("--optimal-tok-s", type=float, default=42847.0)
     p.add_argument("--kv-bytes", type=float, default=KV_BYTES_PER_TOKEN, help="KV bytes a token as stored "
                    "(fp8 with its scales: ~0.53x bf16's; set --num-pages to the format's pool too)")
@@ -160,6 +164,7 @@ def main(argv=None):
     vp.add_argument("--fcfs", action="store_true")
     vp.add_argument("--no-defer", action="store_true")
     vp.add_argument("--defer-slack", type=float, default=Batcher.DEFER_SLACK)
+    vp.add_argument("--no-shorten", action="store_true")
     measured = measured_kinds(a.measured) if a.measured else {}
     for spec in a.workloads.split(","):
         work = parse(spec, a.num_requests, LLAMA3_8B.vocab_size, seed=a.seed)
@@ -168,7 +173,7 @@ def main(argv=None):
             f = vp.parse_args(shlex.split(flags))
             cfg = BatcherConfig(token_buckets=tuple(int(x) for x in f.buckets.split(",")), max_seqs=f.max_seqs,
                                 max_prefill_seqs=f.max_prefill_seqs, predict_memory=not f.no_predict)
-            cls = policy(not f.fcfs, 0.0 if f.no_defer else f.defer_slack)
+            cls = policy(not f.fcfs, 0.0 if f.no_defer else f.defer_slack, 1.0 if f.no_shorten else Batcher.SHORTEN_PAD)
             r = replay(work, a.num_pages, cfg, GEMM_MS, a.kv_bytes, a.attn_of_copy, a.chunk_ms, cls)
             print(f"{spec:9s} {name:10s} steps {r['steps']:5d} padding {r['padding']:7d} mean decode "
                   f"{r['mean_decode']:6.1f} preempt {r['preemptions']:4d} model {r['model_s']:6.1f} s (attn "

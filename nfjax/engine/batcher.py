@@ -4,8 +4,9 @@ Requests added together (between two steps: all of `Engine.generate`'s, or a ser
 are queued longest predicted first, so the longest requests start first and the run does not end on a tail of
 small steps behind one late long request; later arrivals still queue behind earlier ones. A decode-only step
 just past a token bucket runs in the bucket below when nothing waits: the decodes left out are those that end
-before the longest running request even at half speed, never left out two steps in a row (docs/design.md
-section 9).
+before the longest running request even at half speed, never left out two steps in a row. A step of mostly
+decodes whose prefill chunks would leave more than a quarter of its bucket as padding runs in the bucket below
+with shorter chunks (docs/design.md section 9).
 
 Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
 else the average output length seen so far) and a request is let in when the peak of the pages all running
@@ -68,6 +69,7 @@ class Batch:
 class Batcher:
     LONGEST_FIRST = True       # requests added together are admitted longest predicted first (module docstring)
     DEFER_SLACK = 0.5          # a decode-only step of up to (1 + this) x a bucket may run in that bucket
+    SHORTEN_PAD = 0.25         # a mixed step padding its bucket by more than this share may run in the one below
 
     def __init__(self, config: EngineConfig):
         """`config` with its automatic sizes resolved (`Runner.config`)."""
@@ -351,15 +353,36 @@ class Batcher:
 
     def _fit_bucket(self, batch: Batch) -> int:
         """The step's token bucket: the smallest that holds the batch, or the one below for a decode-only step
-        whose decodes past it have slack (`_defer`)."""
+        whose decodes past it have slack (`_defer`) and for a mostly-decode step whose prefill chunks would pad
+        the bucket above by more than `SHORTEN_PAD` of it (`_shorten_chunks`)."""
         n = batch.num_tokens
         lower = max((b for b in self.cfg.token_buckets if b < n), default=0)
         deferred: set[int] = set()
-        if lower and n <= lower * (1 + self.DEFER_SLACK) and self._can_defer(batch):
+        chunks = len(batch.seqs) - batch.num_decode
+        if chunks:
+            upper = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
+            if (upper - n > self.SHORTEN_PAD * upper and 2 * batch.num_decode >= lower
+                    and lower >= batch.num_decode + chunks):
+                self._shorten_chunks(batch, n - lower)
+                n = lower
+        elif lower and n <= lower * (1 + self.DEFER_SLACK) and self._can_defer(batch):
             deferred = self._defer(batch, n - lower)
             n = batch.num_tokens
         self._deferred = deferred
         return min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
+
+    @staticmethod
+    def _shorten_chunks(batch: Batch, cut: int) -> None:
+        """Take `cut` tokens off the prefill chunks, newest first, each keeping one: the rest of those prompts
+        goes in later steps (first in line: running prefills come before admissions), in their padding where
+        they have some. Pages grown for the longer chunk stay with the request for its next chunk."""
+        for s in reversed(batch.seqs[batch.num_decode:]):
+            take = min(cut, s.num_tokens - 1)
+            s.num_tokens -= take
+            s.samples = s.start + s.num_tokens == s.req.prompt_len
+            cut -= take
+            if not cut:
+                return
 
     def _can_defer(self, batch: Batch) -> bool:
         """Only a step of every running request's decode (those whose last token is in flight aside), with

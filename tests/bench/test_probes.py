@@ -71,7 +71,7 @@ def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_ru
     work = parse("sharegpt", 48, r.LLAMA3_8B.vocab_size, seed=1)
     cfg = BatcherConfig(token_buckets=(16, 32, 64, 128, 256), max_seqs=64)
     now = r.replay(work, 2000, cfg, r.GEMM_MS)
-    before = r.replay(work, 2000, cfg, r.GEMM_MS, batcher_cls=r.policy(longest_first=False, defer_slack=0.0))
+    before = r.replay(work, 2000, cfg, r.GEMM_MS, batcher_cls=r.policy(False, 0.0, 1.0))
     longest = max(o for _, o in work)
     assert before["steps"] >= now["steps"] >= longest and now["preemptions"] == before["preemptions"] == 0
     assert now["padding"] < before["padding"] and now["model_s"] < before["model_s"]
@@ -81,6 +81,6 @@ def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_ru
     m = r.measured_kinds(str(result))[("sharegpt", 2000)]
     assert m["decode@16"][0] == 282 and 8 < m["decode@16"][1] < 8.2       # mean 11.1 ms less 3.0 ms waiting
     r.main(["--workloads", "sharegpt", "--num-requests", "48", "--num-pages", "2000",
-            "--variants", "before=--fcfs --no-defer --buckets 16,64,256;now=--buckets 16,64,256"])
+            "--variants", "before=--fcfs --no-defer --no-shorten --buckets 16,64,256;now=--buckets 16,64,256"])
     out = capsys.readouterr().out
     assert "sharegpt  before" in out and "sharegpt  now" in out

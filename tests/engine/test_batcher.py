@@ -1,6 +1,7 @@
 """Batch formation policies (nfjax/engine/batcher.py): requests added together are admitted longest predicted
-first, and a decode-only step just past a token bucket runs in the bucket below by leaving out decodes with
-slack, without making the run longer, preempting, or changing a token."""
+first; a decode-only step just past a token bucket runs in the bucket below by leaving out decodes with slack,
+without making the run longer, preempting, or changing a token; and a step of mostly decodes runs its prefill
+chunks shortened to the bucket below rather than padding the one above."""
 import random
 
 from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
@@ -115,16 +116,53 @@ def test_no_decode_waits_without_exact_lengths_or_while_a_request_waits():
     assert len(waited) > 10 and all(d == n for d, n in waited)
 
 
-def test_engine_tokens_unchanged_when_decodes_wait():
-    """Greedy tokens with decodes left out of steps equal those of steps that take every decode."""
+def test_a_prompt_beside_many_decodes_is_chunked_to_the_bucket_below():
+    b = _batcher()
+    for i in range(12):
+        b.add(_req(str(i), 1, 30))
+    _step(b)                                              # 12 one-token prompts
+    b.add(_req("x", 20, 5))
+    log = [_step(b) for _ in range(6)]
+    chunks = [[s.num_tokens for s in batch.seqs[batch.num_decode:]] for batch in log]
+    assert [batch.bucket for batch in log] == [16] * 6    # 12 decodes + the prompt would pad 64 by half
+    assert chunks == [[4], [4], [4], [4], [4], []]        # the prompt over 5 steps, then it decodes
+    assert [s.samples for s in log[4].seqs[12:]] == [True] and log[5].num_decode == 13
+    few = _batcher()                                      # 4 decodes: the prompt goes in at once (bucket 64)
+    for i in range(4):
+        few.add(_req(str(i), 1, 30))
+    _step(few)
+    few.add(_req("x", 20, 5))
+    assert [s.num_tokens for s in _step(few).seqs[4:]] == [20]
+
+
+def _drive(eng, late_prompt):
+    """Three requests decoding, then one more arrives: its prompt beside their decodes; every output by id."""
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (16, 6, 7)]
+    ids = [eng.add_request(p, sp) for p, sp in zip(["the cat", "a dog ran", "in the"], params)]
+    outs = {}
+    for _ in range(3):
+        outs.update({o.request_id: o for o in eng.step()})
+    ids.append(eng.add_request(late_prompt, SamplingParams.greedy(max_tokens=5, ignore_eos=True)))
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    return [outs[i].token_ids for i in ids]
+
+
+def test_engine_tokens_unchanged_when_decodes_wait_or_chunks_shorten():
+    """Greedy tokens with decodes left out of steps and prefill chunks shortened equal those of steps that take
+    every decode and whole chunks."""
     eng = make_engine(CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16),
                       BatcherConfig(token_buckets=(4, 16), max_seqs=8))
     prompts = ["the cat", "a dog ran", "in the", "on it", "to be or", "so"]
     params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (16, 6, 5, 7, 6, 5)]
     outs = eng.generate(prompts, params)
     assert (4, 4) in [(s.bucket, s.decode_tokens) for s in eng.trace.steps if not s.prefill_tokens]
-    eng.batcher.DEFER_SLACK = 0.0
+    eng.trace.steps.clear()
+    late = _drive(eng, "hello!")
+    assert (4, 3, 1) in [(s.bucket, s.decode_tokens, s.prefill_tokens) for s in eng.trace.steps]
+    eng.batcher.DEFER_SLACK, eng.batcher.SHORTEN_PAD = 0.0, 1.0
     eng.trace.steps.clear()
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in outs]
     assert (16, 6) in [(s.bucket, s.decode_tokens) for s in eng.trace.steps if not s.prefill_tokens]
+    assert _drive(eng, "hello!") == late
     assert eng.pages_used == 0
