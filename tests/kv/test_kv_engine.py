@@ -118,17 +118,18 @@ def test_logits_close_to_the_unquantized_cache():
 def test_kivi64_batch_invariance_with_swapping():
     """kivi64 (K groups of 64 positions, the filling group in a tail row by sequence): prompts ending inside and
     across groups, decodes completing groups, and swapping moving the tail rows with the pages. One prefill chunk a
-    step and a budget above every prompt: a prompt is one chunk in either engine (a query sees a group completed by
-    its own step quantized, so kivi64's prefill follows its chunk boundaries: docs/design.md section 14.1)."""
-    def engine(pages):
-        cache = CacheConfig(page_size=64, num_pages=pages, max_pages_per_seq=4, kv_dtype="kivi64")
-        return make_engine(cache, BatcherConfig(token_buckets=(128,), max_seqs=6, max_prefill_seqs=1,
-                                                predict_memory=False), cfg=CFG)
-    tight, roomy = engine(5), engine(16)
+    step and a budget above every prompt: a prompt is one chunk in every run (a query sees a group completed by its
+    own step quantized, so kivi64's prefill follows its chunk boundaries: docs/design.md section 14.1). The same
+    engine, alone, is the reference (a single sequence fits its pages; no prefix cache to reuse the batch's)."""
+    cache = CacheConfig(page_size=64, num_pages=5, max_pages_per_seq=4, kv_dtype="kivi64", prefix_cache=False)
+    engine = make_engine(cache, BatcherConfig(token_buckets=(128,), max_seqs=6, max_prefill_seqs=1,
+                                              predict_memory=False), cfg=CFG)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (3, 70, 63, 100)]
     params = [SamplingParams.greedy(max_tokens=int(n), ignore_eos=True) for n in (66, 30, 40, 30)]
-    outs = tight.generate(prompts, params)
-    assert tight.preemptions > 0 and tight.pages_used == 0 and tight.runner.tails.rows_swapped > 0
+    outs = engine.generate(prompts, params)
+    assert engine.preemptions > 0 and engine.pages_used == 0 and engine.runner.tails.rows_swapped > 0
+    swaps = engine.preemptions
     for p, sp, o in zip(prompts, params, outs):
-        assert o.token_ids == roomy.generate([p], sp)[0].token_ids
+        assert o.token_ids == engine.generate([p], sp)[0].token_ids
+    assert engine.preemptions == swaps
