@@ -10,7 +10,6 @@ CPU, 2026-11-25 (jax 0.10.2): interpret max error 0.0625 on values up to 18.9 (t
 CUDA lowering ok, and the same kernel with the row layout in place of the column one fails to lower (so the
 lowering checks the layouts). Not run on a GPU: the numbers there are the next check.
 """
-import sys
 import functools
 import jax
 import jax.numpy as jnp
@@ -77,7 +76,10 @@ if __name__ == "__main__":
     sc = np.concatenate([a[:, 2 * g] for g in range(G)])
     ce = np.concatenate([a[:, 2 * g + 1] for g in range(G)])
     ref = (np.asarray(codes, np.float32) - 7.5) * sc[None] + ce[None]
-    mode = sys.argv[1] if len(sys.argv) > 1 else "interpret"
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="interpret", choices=("interpret", "lower"))
+    mode = ap.parse_args().mode
     if mode == "interpret":
         out = np.asarray(run(aux, codes, True), np.float32)
         print("interpret max err", np.abs(out - ref).max(), "of", np.abs(ref).max())
