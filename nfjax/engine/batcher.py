@@ -89,6 +89,7 @@ class Batcher:
         self._wants: dict[str, list[bytes]] = {}  # waiting request id -> the prompt hashes it wants kept
         self._burst: list[Request] = []            # added since the last step, not yet ordered in `waiting`
         self._deferred: set[int] = set()           # id() of the decodes left out of the last step
+        self._missed = 0                           # decodes the step being formed could not take
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -239,6 +240,8 @@ class Batcher:
             batch.prefix_seeds.append(req)
 
     def _grow(self, req: Request, upto: int) -> bool:
+        if len(req.pages) * self.cache.page_size >= upto:
+            return True                 # the common case (a decode needs a page one step in page_size)
         need = self.cache.pages_for(upto) - len(req.pages)
         if need <= 0:
             return True
@@ -277,24 +280,31 @@ class Batcher:
             self._order_burst()
         self._swap_in(batch)
         # 1) decodes: one token each for every running request past its prompt
+        missed = 0             # decodes that could have run but did not (the sequence cap, pages, input)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue   # preempted earlier in this loop
-            if req.in_prefill or len(batch.seqs) >= self.cfg.max_seqs:
+            if req.in_prefill:
+                continue
+            if len(batch.seqs) >= self.cfg.max_seqs:
+                missed += 1
                 continue
             if req.num_launched_outputs >= req.params.max_tokens or req.total_len >= self.max_model_len:
                 continue   # its last token is in flight; the host finishes it when that lands
             pos = req.num_computed
-            while not self._grow(req, pos + 1):
-                if not self._preempt_newest(batch, protect=req):
-                    break
-            if not self._grow(req, pos + 1):
+            grown = self._grow(req, pos + 1)
+            while not grown and self._preempt_newest(batch, protect=req):
+                grown = self._grow(req, pos + 1)
+            if not grown:
+                missed += 1
                 continue
             known = req.token_at(pos)
             slot = None if known is not None else prev_slots.get(req.request_id)
             if known is None and slot is None:
+                missed += 1
                 continue   # input token not available (cannot happen in steady state)
             batch.seqs.append(ScheduledSeq(req, pos, 1, True, slot))
+        self._missed = missed
         batch.num_decode = len(batch.seqs)
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
         left = self.budget - batch.num_tokens
@@ -388,9 +398,8 @@ class Batcher:
         """Only a step of every running request's decode (those whose last token is in flight aside), with
         nothing waiting or swapped out: then leaving a decode out delays no admission, and the pages it holds
         longer are checked in `_defer`."""
-        if batch.num_decode != len(batch.seqs) or self.waiting or self.swapped or batch.swap_in or batch.swap_out:
-            return False
-        return batch.num_decode == sum(1 for r in self.running if not r.in_prefill and self._steps_left(r)[1] > 0)
+        return not (batch.num_decode != len(batch.seqs) or self._missed or self.waiting or self.swapped
+                    or batch.swap_in or batch.swap_out)
 
     def _steps_left(self, req: Request) -> tuple[int, int]:
         """(at least, at most) the decode steps `req` has left: at most to max_tokens or the context; at least
