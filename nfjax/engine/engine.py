@@ -211,14 +211,14 @@ class Engine:
         if not tiers.use_host:
             stats.evictions_dropped += len(evict)
             return
-        copies = self.runner.tier_copies
+        copies, wanted = self.runner.tier_copies, len(evict)
         if copies.pool is not None:
             evict = evict[-tiers.host.capacity:] if tiers.host.capacity else []
             # rows this batch takes out of the tier for its loads keep their slots until the loads launch
             tiers.host.make_room(len(evict), free=lambda: copies.pool.num_free)
         rows = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)
         stats.evict_launch_s += time.perf_counter() - t0
-        stats.evictions_dropped += len(evict) - len(rows)
+        stats.evictions_dropped += wanted - len(rows)
         lazy = [(h, row) for (_, h), row in zip(evict, rows)]
         for h, row in lazy:
             tiers.put(h, row)
