@@ -213,7 +213,7 @@ class Engine:
             return
         copies, wanted = self.runner.tier_copies, len(evict)
         if copies.pool is not None:
-            evict = evict[-tiers.host.capacity:] if tiers.host.capacity else []
+            evict = evict[-tiers.host.capacity:]        # a pool exists only for a tier of >= 1 row
             # rows this batch takes out of the tier for its loads keep their slots until the loads launch
             tiers.host.make_room(len(evict), free=lambda: copies.pool.num_free)
         rows = copies.to_host_async(self.runner.kv, [p for p, _ in evict], self._launches, lambda: self._reads)

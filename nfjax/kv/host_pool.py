@@ -18,12 +18,13 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Int, UInt8
 
-from nfjax.kv.prefix_cache import pack_pages, transfer_sizes, unpack_pages
+from nfjax.kv.prefix_cache import pack_pages, size_runs, transfer_sizes, unpack_pages
 
 
 class PoolRow:
-    """Slot `slot` of a `HostPool`, held by the host tier (or by a batch loading it). Its slot is freed when it
-    is dropped. `get()` reads its bytes back as numpy (a spill to disk; waits for the write)."""
+    """Slot `slot` of a `HostPool`, held by the host tier (or by a batch loading it). Its slot is freed when a
+    load of it is launched, or when it is dropped. `get()` reads its bytes back as numpy (a spill to disk; waits
+    for the write)."""
     __slots__ = ("pool", "slot", "nbytes", "__weakref__")
 
     def __init__(self, pool: "HostPool", slot: int, nbytes: int):
@@ -71,7 +72,7 @@ class HostPool:
     """`capacity` rows of `row_bytes` in `host_sharding`'s memory, and the programs that move pages in and out."""
 
     def __init__(self, kv, kv_sharding, replicated, host_sharding, capacity: int, row_bytes: int, max_pages: int):
-        self.replicated, self.capacity, self.row_bytes = replicated, capacity, row_bytes
+        self.capacity, self.row_bytes = capacity, row_bytes
         t0 = time.perf_counter()
         self.pool = jax.jit(lambda: jnp.zeros((capacity, row_bytes), jnp.uint8), out_shardings=host_sharding)()
         jax.block_until_ready(self.pool)
@@ -79,6 +80,7 @@ class HostPool:
         pool = jax.ShapeDtypeStruct(self.pool.shape, jnp.uint8, sharding=host_sharding)
         dev = replicated.with_memory_kind("device")
         self._put, self._load = {}, {}
+
         def compile_put(ids, host):
             return jax.jit(partial(put_rows, host), donate_argnums=0, out_shardings=host_sharding,
                            in_shardings=(host_sharding, kv_sharding, replicated, replicated)).lower(
@@ -89,9 +91,9 @@ class HostPool:
                 self._put[n] = compile_put(ids, host_sharding)
             except ValueError:      # jax typed the pool as device memory (a single-device sharding on a CPU)
                 self._put[n] = compile_put(ids, None)
-            self._load[n] = jax.jit(partial(load_rows, dev), donate_argnums=0, in_shardings=(kv_sharding, host_sharding,
-                                                                              replicated, replicated),
-                                    out_shardings=kv_sharding).lower(kv, pool, ids, ids).compile()
+            self._load[n] = jax.jit(partial(load_rows, dev), donate_argnums=0, out_shardings=kv_sharding,
+                                    in_shardings=(kv_sharding, host_sharding, replicated, replicated)).lower(
+                kv, pool, ids, ids).compile()
         one = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated)
         self._read = jax.jit(partial(take_rows, dev), in_shardings=(host_sharding, replicated),
                              out_shardings=replicated).lower(pool, one).compile()
@@ -102,26 +104,19 @@ class HostPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def _runs(self, n: int):
-        i = 0
-        while i < n:
-            k = max(s for s in self.sizes if s <= n - i)
-            yield i, k
-            i += k
-
     def put(self, kv, pages: list[int]) -> list[PoolRow]:
         """`pages` written into free slots (launched, not waited for): their rows. As many pages as there are free
         slots, the first ones first; the rest are not copied."""
         pages = pages[:len(self._free)]
         slots = [self._free.pop() for _ in pages]
-        for i, k in self._runs(len(pages)):
+        for i, k in size_runs(self.sizes, len(pages)):
             self.pool = self._put[k](self.pool, kv, np.asarray(pages[i:i + k], np.int32),
                                      np.asarray(slots[i:i + k], np.int32))
         return [PoolRow(self, s, self.row_bytes) for s in slots]
 
     def load(self, kv, pages: list[int], rows: list[PoolRow]):
-        """`kv` with `rows` written at `pages` (launched; the rows' slots are free once the rows are dropped)."""
-        for i, k in self._runs(len(pages)):
+        """`kv` with `rows` written at `pages` (launched; the rows' slots are freed at once)."""
+        for i, k in size_runs(self.sizes, len(pages)):
             kv = self._load[k](kv, self.pool, np.asarray(pages[i:i + k], np.int32),
                                np.asarray([r.slot for r in rows[i:i + k]], np.int32))
         for r in rows:      # free now, not when the batch holding them is collected (cycles: seconds later on the

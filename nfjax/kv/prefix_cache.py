@@ -105,6 +105,16 @@ def transfer_sizes(max_pages: int) -> list[int]:
     return out + [top]
 
 
+def size_runs(sizes: list[int], count: int):
+    """`count` items in runs of the compiled `sizes` (1 among them), largest first, covering them exactly:
+    (start, size) of each run."""
+    i = 0
+    while i < count:
+        n = max(s for s in sizes if s <= count - i)
+        yield i, n
+        i += n
+
+
 class PendingRows:
     """Rows on their way to the host as numpy (no pinned memory): the gather programs are launched and each
     row's device->host copy started (`copy_to_host_async`); `rows()` waits for those copies only (once; the
@@ -195,11 +205,8 @@ class TierCopies:
         """`pages` in runs of compiled sizes, largest first, covering them exactly: (start, size, ids). The ids
         stay numpy: a compiled program takes them as they are (7 us a call on the CPU, against 40 us for a
         device_put first)."""
-        i = 0
-        while i < len(pages):
-            n = max(s for s in self.sizes if s <= len(pages) - i)
+        for i, n in size_runs(self.sizes, len(pages)):
             yield i, n, np.asarray(pages[i:i + n], np.int32)
-            i += n
 
     def to_host_async(self, kv, pages: list[int], launched: int = 0, reads=None) -> list:
         """Start copying `pages` out, one row each: one gather per run and the rows' device->host copies,
