@@ -4,7 +4,7 @@ reads it does not return it (a device run copied the whole cache in every attent
 import jax
 import pytest
 
-from nfjax.autosearch.profiler import compile_jobs, op_job, time_job
+from nfjax.autosearch.profiler import compile_jobs, floor_job, op_job, time_job
 from nfjax.autosearch.subjects import LlamaSubject
 from nfjax.checkpoint.orbax_io import load_config
 from nfjax.engine.engine import TINY_MODEL
@@ -22,6 +22,20 @@ def test_copies_are_separate_gemms(subject, copies):
     assert j.error is None
     assert j.compiled.as_text().count(" dot(") == 2 * copies          # gate and up, once per copy
     assert time_job(j, 2, 1.0) > 0
+
+
+def test_the_floor_program_takes_the_ops_arguments_and_computes_nothing(subject):
+    j = op_job(subject, "k", "up_gate", subject.token_case(32), copies=2)
+    fl = floor_job("floor", j)
+    compile_jobs([j, fl], log=lambda m: None)
+    assert j.error is None and fl.error is None
+    assert j.compiled.as_text().count(" dot(") == 4
+    hlo = fl.compiled.as_text()
+    assert " dot(" not in hlo and " fusion(" not in hlo
+    # every argument of the op is a parameter of the floor too (keep_unused): the same transfer and dispatch
+    n_args = len(jax.tree.leaves(j.args()))
+    assert n_args == len(jax.tree.leaves(fl.args())) and hlo.count(" parameter(") >= n_args
+    assert time_job(fl, 2, 1.0) > 0
 
 
 def test_a_cache_writer_chains_its_own_cache(subject):
