@@ -89,7 +89,8 @@ def run_model(name: str, formats: list[str], window: int, chunk: int, page_size:
         wins, w = wins[:, :w - w % chunk], w - w % chunk
     per_seq = -(-w // page_size)
     overrides = {"cache": {"page_size": page_size, "num_pages": s * per_seq + 1, "max_pages_per_seq": per_seq},
-                 "batcher": {"token_buckets": [s * chunk], "max_seqs": s}}
+                 # (at least 64: kivi64's batcher refuses less; this script forms its own steps, of s * chunk tokens)
+                 "batcher": {"token_buckets": [max(s * chunk, 64)], "max_seqs": s}}
     fmts = ["bfloat16"] + [f for f in formats if f != "bfloat16"]
     t0 = time.perf_counter()
     engines = {f: build_engine(path, {**overrides, "cache": {**overrides["cache"], "kv_dtype": f}},

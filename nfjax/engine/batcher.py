@@ -23,6 +23,15 @@ before the step) and its prefill starts at the first uncached token; a page is o
 full, written by a launched step, and its tokens are known on the host (prompt chunks at formation, generated
 tokens at finish or preemption). The last prompt token is always computed, and a request writes only from its
 first uncached position on, in pages of its own, so shared pages are never written (no copy-on-write).
+
+kivi64 (K quantized per channel over groups of 64 positions, a group a page; docs/design.md section 14.1): a
+query sees a group its own step completes as quantized, so a prefill chunk that does not end its prompt ends at
+a multiple of 64 (`_add_chunk`, `_shorten_chunks`), and what a query sees depends on its position and its
+prompt's length only: tokens do not depend on the batch. When the step's decodes leave the first prefill in line
+less than a group (where another format's prefill would still get a few tokens), enough decodes sit this step
+out to give it one (`_make_room`; never the same decode two steps in a row). Only pages wholly inside a prompt
+are offered to the prefix cache: a page holding generated positions was written by decodes, which saw their
+group unquantized, and is not what a prefill of the same tokens writes.
 """
 from __future__ import annotations
 
@@ -30,13 +39,24 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nfjax.config import EngineConfig
+from nfjax.config import ConfigError, EngineConfig
 from nfjax.engine.memory_forecast import MemoryForecast
 from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 from nfjax.kv.prefix_cache import page_hash, prompt_hashes
 from nfjax.kv.tiers import PrefixStats
+from pallas_kernels.kv_kivi64 import GROUP as KIVI_GROUP
+
+
+def check_chunk_budget(kv_dtype: str, token_buckets: tuple[int, ...]) -> None:
+    """kivi64's prefill chunks that do not end their prompt end at a multiple of 64 positions: a token budget
+    below that could never start a longer prompt, so it is refused at start (a ConfigError naming the flags)."""
+    if kv_dtype == "kivi64" and max(token_buckets) < KIVI_GROUP:
+        raise ConfigError(f"--kv-dtype kivi64 needs a token budget (the largest of --token-buckets / "
+                          f"batcher.token_buckets) of at least {KIVI_GROUP}, got {max(token_buckets)}: a prefill "
+                          f"chunk that does not end its prompt ends at a multiple of {KIVI_GROUP} positions "
+                          f"(docs/design.md section 14.1), so a longer prompt could never start")
 
 
 @dataclass
@@ -90,6 +110,10 @@ class Batcher:
         self._burst: list[Request] = []            # added since the last step, not yet ordered in `waiting`
         self._deferred: set[int] = set()           # id() of the decodes left out of the last step
         self._missed = 0                           # decodes the step being formed could not take
+        # kivi64: non-final prefill chunks end at multiples of this (0: anywhere); see the module docstring
+        self.group = KIVI_GROUP if cache.kv_dtype == "kivi64" else 0
+        self._made_room: set[int] = set()          # id() of the decodes `_make_room` left out of this step
+        check_chunk_budget(cache.kv_dtype, sched.token_buckets)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -197,7 +221,9 @@ class Batcher:
         a, ps = self.allocator, self.cache.page_size
         if not a.prefix:
             return
-        while req.num_registered < len(req.pages) and (req.num_registered + 1) * ps <= req.num_computed:
+        # kivi64: only pages wholly inside the prompt (module docstring)
+        done = min(req.num_computed, req.prompt_len) if self.group else req.num_computed
+        while req.num_registered < len(req.pages) and (req.num_registered + 1) * ps <= done:
             h = page_hash(req, req.num_registered, ps)
             if h is None:
                 return
@@ -308,9 +334,14 @@ class Batcher:
         batch.num_decode = len(batch.seqs)
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
         left = self.budget - batch.num_tokens
+        self._made_room = set()
         for req in [r for r in self.running if r.in_prefill]:
             if left <= 0 or not self._room_for_chunk(batch):
                 break
+            if self._blocked(req, left, req.prompt_len - req.num_computed):
+                if not self._make_room(batch, req, left):
+                    continue                        # it waits; a later prompt that ends within `left` may go
+                left = self.group
             left -= self._add_chunk(batch, req, left)
         forecast = None        # the running requests' pages to their predicted ends, built once per step
         # No admission while a preempted request waits to come back: new requests would take its pages.
@@ -321,6 +352,11 @@ class Batcher:
                 forecast = self._forecast()
             if not self._fits_prediction(req, forecast):
                 break
+            # kivi64: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
+            if self._blocked(req, left, req.prompt_len):
+                if not self._make_room(batch, req, left):
+                    break
+                left = self.group
             if req.penalized:
                 if not self.free_penalty_slots:
                     break       # every penalty slot is taken: wait (first come, first served)
@@ -373,26 +409,36 @@ class Batcher:
             upper = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
             if (upper - n > self.SHORTEN_PAD * upper and 2 * batch.num_decode >= lower
                     and lower >= batch.num_decode + chunks):
-                self._shorten_chunks(batch, n - lower)
-                n = lower
+                n -= self._shorten_chunks(batch, n - lower)
         elif lower and n <= lower * (1 + self.DEFER_SLACK) and self._can_defer(batch):
             deferred = self._defer(batch, n - lower)
             n = batch.num_tokens
-        self._deferred = deferred
+        self._deferred = deferred | self._made_room
         return min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
 
-    @staticmethod
-    def _shorten_chunks(batch: Batch, cut: int) -> None:
+    def _shorten_chunks(self, batch: Batch, cut: int) -> int:
         """Take `cut` tokens off the prefill chunks, newest first, each keeping one: the rest of those prompts
         goes in later steps (first in line: running prefills come before admissions), in their padding where
-        they have some. Pages grown for the longer chunk stay with the request for its next chunk."""
+        they have some. Pages grown for the longer chunk stay with the request for its next chunk. kivi64: a
+        chunk is cut to a multiple of 64 (keeping one group), so at least `cut` tokens, or none at all when that
+        cannot reach `cut`. Returns the tokens taken."""
+        g, plan, left = self.group, [], cut
         for s in reversed(batch.seqs[batch.num_decode:]):
-            take = min(cut, s.num_tokens - 1)
+            if left <= 0:
+                break
+            if g:
+                end, first = s.start + s.num_tokens, s.start + g       # first: the chunk's first group boundary
+                take = end - max((end - left) // g * g, first) if first < end else 0
+            else:
+                take = min(left, s.num_tokens - 1)
+            plan.append((s, take))
+            left -= take
+        if left > 0:
+            return 0
+        for s, take in plan:
             s.num_tokens -= take
             s.samples = s.start + s.num_tokens == s.req.prompt_len
-            cut -= take
-            if not cut:
-                return
+        return cut - left
 
     def _can_defer(self, batch: Batch) -> bool:
         """Only a step of every running request's decode (those whose last token is in flight aside), with
@@ -439,8 +485,35 @@ class Batcher:
         return (len(batch.seqs) < self.cfg.max_seqs
                 and len(batch.seqs) - batch.num_decode < self.cfg.max_prefill_seqs)
 
+    def _blocked(self, req: Request, left: int, rest: int) -> bool:
+        """kivi64: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,
+        so its chunk would wait (where another format's would take them)."""
+        return bool(self.group) and left < min(rest, self.group)
+
+    def _make_room(self, batch: Batch, req: Request, left: int) -> bool:
+        """kivi64: leave out enough decodes (newest first, none left out by the last step) that the first
+        prefill in line gets one group this step, if pages hold it. False (nothing changed) when the step
+        already has a prefill chunk, or too few decodes may sit out: then the prefill waits a step."""
+        need = self.group - left
+        if len(batch.seqs) > batch.num_decode or self._made_room:
+            return False
+        if self.cache.pages_for(req.num_computed + self.group) - len(req.pages) > self.allocator.num_free:
+            return False
+        order = {id(r): i for i, r in enumerate(self.running)}
+        can = [i for i in range(batch.num_decode) if id(batch.seqs[i].req) not in self._deferred]
+        if len(can) < need:
+            return False
+        can.sort(key=lambda i: -order.get(id(batch.seqs[i].req), -1))       # the newest running first
+        out = set(can[:need])
+        self._made_room = {id(batch.seqs[i].req) for i in out}
+        batch.seqs = [s for i, s in enumerate(batch.seqs) if i not in out]
+        batch.num_decode = len(batch.seqs)
+        return True
+
     def _add_chunk(self, batch: Batch, req: Request, left: int) -> int:
         n = min(req.prompt_len - req.num_computed, left)
+        if self.group and n < req.prompt_len - req.num_computed:
+            n = (req.num_computed + n) // self.group * self.group - req.num_computed     # a non-final chunk
         while n > 0 and not self._grow(req, req.num_computed + n):
             n = min(n, (len(req.pages) + self.allocator.num_free) * self.cache.page_size - req.num_computed)
         if n <= 0:

@@ -193,6 +193,7 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     """Every automatic (None) size made concrete. `free_bytes`: device memory free after the weights (None
     when the device keeps no statistics, as on CPU)."""
     from nfjax.kv.attention import check_kv_format
+    from nfjax.engine.batcher import check_chunk_budget
     from nfjax.engine.penalties import num_penalty_slots, state_bytes
     from nfjax.kv import kivi64
     from nfjax.kv.cache import bytes_per_token
@@ -202,6 +203,7 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
     seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
+    check_chunk_budget(c.kv_dtype, buckets)         # kivi64's chunks end at its groups (nfjax/engine/batcher.py)
     num_pages = c.num_pages
     if num_pages is None:
         if free_bytes is None:

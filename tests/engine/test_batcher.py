@@ -4,7 +4,9 @@ without making the run longer, preempting, or changing a token; and a step of mo
 chunks shortened to the bucket below rather than padding the one above."""
 import random
 
-from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
+import pytest
+
+from nfjax.config import BatcherConfig, CacheConfig, ConfigError, EngineConfig, ModelConfig
 from nfjax.engine import SamplingParams
 from nfjax.engine.batcher import Batcher
 from nfjax.engine.request import Request
@@ -166,3 +168,82 @@ def test_engine_tokens_unchanged_when_decodes_wait_or_chunks_shorten():
     assert (16, 6) in [(s.bucket, s.decode_tokens) for s in eng.trace.steps if not s.prefill_tokens]
     assert _drive(eng, "hello!") == late
     assert eng.pages_used == 0
+
+
+def _kivi(buckets, kv_dtype="kivi64", max_seqs=128):
+    """A batcher over pages of 64: kivi64's (K groups of 64 positions) or another format's."""
+    return Batcher(EngineConfig(model=MODEL, cache=CacheConfig(page_size=64, num_pages=512, max_pages_per_seq=16,
+                                                               max_model_len=1024, kv_dtype=kv_dtype),
+                                batcher=BatcherConfig(token_buckets=buckets, max_seqs=max_seqs)))
+
+
+def _chunks(batch):
+    return [s.num_tokens for s in batch.seqs[batch.num_decode:]]
+
+
+def _decoding(b, n):
+    """`n` one-token prompts admitted (16 a step) and decoding."""
+    for i in range(n):
+        b.add(_req(str(i), 1, 20))
+    while b.waiting:
+        _step(b)
+
+
+def test_kivi64_prefill_chunks_end_at_group_boundaries():
+    """kivi64's prefill follows where its chunks end (docs/design.md section 14.1): a chunk that does not end its
+    prompt ends at a multiple of 64; a budget below 64 could never start a longer prompt, so it is refused."""
+    with pytest.raises(ConfigError, match=r"kivi64 needs a token budget \(the largest of --token-buckets.*48"):
+        _kivi((16, 48))
+    log = {}
+    for fmt in ("kivi64", "bfloat16"):
+        b = _kivi((100,), fmt)
+        b.add(_req("x", 300, 2))
+        log[fmt] = []
+        while b.has_work():
+            log[fmt].append(_chunks(_step(b)))
+    assert log["kivi64"] == [[64], [64], [64], [64], [44], []]
+    assert log["bfloat16"] == [[100], [100], [100], []]
+
+
+def test_kivi64_decodes_sit_out_so_a_prefill_gets_a_group():
+    """30 decodes leave a budget of 80 only 50 tokens: another format's prompt takes them; kivi64's would reach no
+    group boundary, so the 14 newest decodes not left out by the last step sit this one out instead."""
+    log = {}
+    for fmt in ("kivi64", "bfloat16"):
+        b = _kivi((80,), fmt)
+        _decoding(b, 30)
+        b.add(_req("x", 200, 2))
+        log[fmt] = [_step(b) for _ in range(4)]
+    assert [_chunks(s) for s in log["bfloat16"]] == [[50]] * 4
+    steps = log["kivi64"]
+    assert [_chunks(s) for s in steps] == [[64], [64], [64], [8]]
+    assert [s.bucket for s in steps] == [80] * 4 and [s.num_decode for s in steps] == [16, 16, 16, 30]
+    out = [{str(i) for i in range(30)} - {s.req.request_id for s in st.seqs[:st.num_decode]} for st in steps[:3]]
+    newest, next_ = {str(i) for i in range(16, 30)}, {str(i) for i in range(2, 16)}
+    assert out == [newest, next_, newest]                 # never the same decode two steps in a row
+
+
+def test_kivi64_shortened_chunks_end_at_group_boundaries():
+    """A step of mostly decodes runs its chunks shortened to the bucket below: kivi64's to a multiple of 64 (a
+    chunk of 200 beside 80 decodes keeps 64, another format's 80), or not at all where none is reached."""
+    got = {}
+    for fmt in ("kivi64", "bfloat16"):
+        for decodes, prompt in ((80, 200), (120, 60)):
+            b = _kivi((160, 512), fmt)
+            _decoding(b, decodes)
+            b.add(_req("x", prompt, 2))
+            batch = _step(b)
+            got[fmt, decodes] = (batch.bucket, _chunks(batch), batch.seqs[-1].samples)
+    assert got["kivi64", 80] == (160, [64], False) and got["bfloat16", 80] == (160, [80], False)
+    assert got["kivi64", 120] == (512, [60], True) and got["bfloat16", 120] == (160, [40], False)
+
+
+def test_kivi64_offers_only_prompt_pages_to_the_prefix_cache():
+    """A page holding generated positions was written by decodes that saw their group unquantized: a prefill of
+    the same tokens writes another page, so kivi64 shares only pages wholly inside a prompt."""
+    for fmt, cached in (("kivi64", 1), ("bfloat16", 3)):
+        b = _kivi((256,), fmt)
+        b.add(_req("x", 100, 100))
+        while b.has_work():
+            _step(b)
+        assert b.allocator.num_cached == cached, fmt

@@ -67,6 +67,9 @@ def test_formats_the_device_cannot_serve_fail_at_start():
                 on_gpu=True)
     with pytest.raises(ConfigError, match=r"kivi64 needs pages of 64.*--page-size"):
         engine_config(CFG, {"cache": {"kv_dtype": "kivi64"}})
+    with pytest.raises(ConfigError, match=r"kivi64 needs a token budget \(the largest of --token-buckets.*got 48"):
+        resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64},
+                                    "batcher": {"token_buckets": [16, 48]}}), free_bytes=None, on_gpu=False)
     for f in ("fp8", "int4"):          # the kernels serve both on a GPU
         resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
 
@@ -115,21 +118,42 @@ def test_logits_close_to_the_unquantized_cache():
         assert (logits[f].argmax(-1) == ref.argmax(-1)).all(), f
 
 
-def test_kivi64_batch_invariance_with_swapping():
-    """kivi64 (K groups of 64 positions, the filling group in a tail row by sequence): prompts ending inside and
-    across groups, decodes completing groups, and swapping moving the tail rows with the pages. One prefill chunk a
-    step and a budget above every prompt: a prompt is one chunk in every run (a query sees a group completed by its
-    own step quantized, so kivi64's prefill follows its chunk boundaries: docs/design.md section 14.1). The same
-    engine, alone, is the reference (a single sequence fits its pages; no prefix cache to reuse the batch's)."""
-    cache = CacheConfig(page_size=64, num_pages=5, max_pages_per_seq=4, kv_dtype="kivi64", prefix_cache=False)
-    engine = make_engine(cache, BatcherConfig(token_buckets=(128,), max_seqs=6, max_prefill_seqs=1,
-                                              predict_memory=False), cfg=CFG)
+def test_kivi64_batch_invariance_under_budget_chunking():
+    """kivi64 (K groups of 64 positions, the filling group in a tail row by sequence; docs/design.md section 14.1):
+    a budget of 68 chunks the prompts, decodes crowd the prefills (some decodes sit a step out so a prefill gets a
+    whole group), pages tight enough to swap sequences (tail rows with them), and the prefix cache on; every
+    non-final chunk ends at a multiple of 64, and each prompt's greedy tokens equal its own run alone on the same
+    engine (then with prefix hits). A page holding generated positions is not shared: decodes wrote it seeing
+    their group unquantized, which a prefill of the same tokens does not."""
+    cache = CacheConfig(page_size=64, num_pages=9, max_pages_per_seq=4, kv_dtype="kivi64")
+    engine = make_engine(cache, BatcherConfig(token_buckets=(68,), max_seqs=8, predict_memory=False), cfg=CFG)
+    b = engine.batcher
+    b.LONGEST_FIRST = False                 # the short prompts first: their decodes crowd the long ones' chunks
+    chunks, made = [], []
+    form, make_room = b.next_batch, b._make_room
+
+    def next_batch(slots):
+        batch = form(slots)
+        if batch is not None:
+            chunks.extend((s.start + s.num_tokens, s.req.prompt_len) for s in batch.seqs[batch.num_decode:])
+        return batch
+
+    b.next_batch = next_batch
+    b._make_room = lambda *a: made.append(make_room(*a)) or made[-1]
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (3, 70, 63, 100)]
-    params = [SamplingParams.greedy(max_tokens=int(n), ignore_eos=True) for n in (66, 30, 40, 30)]
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9, 3, 12, 7, 6, 130, 100, 70)]
+    prompts.append(prompts[6][:80] + [int(t) for t in rng.integers(0, 256, 20)])     # shares a page with one
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (30, 40, 35, 30, 70, 25, 20, 30, 25, 15)]
     outs = engine.generate(prompts, params)
-    assert engine.preemptions > 0 and engine.pages_used == 0 and engine.runner.tails.rows_swapped > 0
-    swaps = engine.preemptions
+    assert engine.preemptions > 0 and engine.runner.tails.rows_swapped > 0 and engine.pages_used == 0
+    assert True in made and any(end < n for end, n in chunks)
+    assert all(end == n or end % 64 == 0 for end, n in chunks), chunks
+    hits = b.stats.hit_tokens_gpu
     for p, sp, o in zip(prompts, params, outs):
         assert o.token_ids == engine.generate([p], sp)[0].token_ids
-    assert engine.preemptions == swaps
+    assert b.stats.hit_tokens_gpu > hits
+    x, sp = prompts[4] + outs[4].token_ids + [1, 2, 3], SamplingParams.greedy(max_tokens=8, ignore_eos=True)
+    hits = b.stats.hit_tokens_gpu
+    first = engine.generate([x], sp)[0].token_ids
+    assert b.stats.hit_tokens_gpu == hits              # its first page holds generated positions: not shared
+    assert engine.generate([x], sp)[0].token_ids == first and b.stats.hit_tokens_gpu == hits + 64
