@@ -17,6 +17,7 @@ from nfjax.engine.sampling_params import SamplingParams
 from nfjax.engine.batcher import Batcher
 from nfjax.engine.trace import StepTrace
 from nfjax.errors import UserError
+from nfjax.kv.host_pool import start_pool
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
@@ -40,9 +41,10 @@ class Engine:
         self.model_config = config.model
         self.runner = Runner(model, config, mesh, take_weights=take_weights)
         self.config = config = self.runner.config      # automatic sizes resolved
+        pool = start_pool(self.runner)                 # the host tier's pinned pool, allocated while compiling
         self.runner.compile_all(progress=progress)
         self.batcher = Batcher(config)
-        self.batcher.tiers = self._make_tiers()
+        self.batcher.tiers = self._make_tiers(pool)
         self.trace = StepTrace()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
@@ -73,7 +75,7 @@ class Engine:
             overrides.setdefault(section, {}).update(vals)
         return build_engine(path, overrides, dtype=dtype, progress=progress)
 
-    def _make_tiers(self):
+    def _make_tiers(self, pool=None):
         """The prefix cache's host tier (and disk tier below it) when configured, with the rates that decide
         which of them a hit is taken from (nfjax/kv/tiers.py, `TierRates`)."""
         from nfjax.kv.tiers import HostTier, PrefixTiers
@@ -88,14 +90,12 @@ class Engine:
                             self._tier_fingerprint(), background=True)
         capacity = int(c.host_cache_gb * 2 ** 30) // row
         tiers = PrefixTiers(HostTier(capacity, row, stats, spill=disk), disk, rates=self._tier_rates())
-        if tiers.use_host and copies.pinned and capacity:
-            from nfjax.kv.host_pool import HostPool
-            from nfjax.kv.prefix_cache import MAX_RUN
-            r = self.runner
-            # slack: rows out of the tier but not yet dropped (a batch loading them) keep their slots a while
-            copies.pool = HostPool(r.kv, r.kv_sharding, r.replicated, copies.host_sharding, capacity + 2 * MAX_RUN,
-                                   row, c.max_pages_per_seq)
-            stats.pinned_reserve_s = copies.pool.alloc_s
+        if tiers.use_host and copies.pinned and capacity:     # `pool`: its array, allocating since start_pool
+            copies.attach_pool(capacity, c.max_pages_per_seq, alloc=pool, disk=disk is not None)
+            if copies.pool is not None:
+                stats.pinned_reserve_s, stats.pinned_reserve_wait_s = copies.pool.alloc_s, copies.pool.alloc_wait_s
+        else:                                  # the copy programs this engine runs, compiled now (none in a step)
+            copies.prepare(disk=disk is not None)
         return tiers
 
     def _tier_rates(self, **overrides):
@@ -165,7 +165,8 @@ class Engine:
         if copies.pool is not None:
             mem = (f"a pinned_host pool of {copies.pool.capacity:,} rows "
                    f"({copies.pool.capacity * copies.row_bytes / 2 ** 30:.3g} GiB) allocated in "
-                   f"{self.batcher.stats.pinned_reserve_s:.1f} s")
+                   f"{self.batcher.stats.pinned_reserve_s:.1f} s ({copies.pool.alloc_method}; start waited "
+                   f"{copies.pool.alloc_wait_s:.1f} s)")
         return f"{t.rates.line()} [host rows: {mem}]"
 
     def _tier_fingerprint(self) -> bytes:
@@ -211,6 +212,7 @@ class Engine:
         if not tiers.use_host:
             stats.evictions_dropped += len(evict)
             return
+        evict = tiers.admit(evict)              # only pages whose copy is expected to pay (nfjax/kv/tier_admission.py)
         copies, wanted = self.runner.tier_copies, len(evict)
         if copies.pool is not None:
             evict = evict[-tiers.host.capacity:]        # a pool exists only for a tier of >= 1 row

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -152,50 +153,122 @@ class LazyRow:
         return self.pending.rows()[self.index]
 
 
+def compile_parallel(jobs: dict) -> dict:
+    """`jobs` {key: a function giving a lowered program} compiled on a thread pool (XLA compiles outside the GIL;
+    lowering traces Python, so it runs first, in turn): {key: compiled}. The tier's copy programs were compiled
+    one after the other at start: ~21 s on this repo's 2-core CPU for XLA:GPU at 8B (H200 target, no device)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    lowered = {k: f() for k, f in jobs.items()}
+    if not lowered:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as ex:
+        return dict(zip(lowered, ex.map(lambda lo: lo.compile(), lowered.values())))
+
+
+class Programs(dict):
+    """Compiled programs by row count: `make(n)` compiles one on first use. An engine fills the table at start
+    (`TierCopies.prepare`), so a step never compiles; the fallback serves direct users (probes, tests)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, n: int):
+        self[n] = prog = self.make(n).compile()
+        return prog
+
+
 class TierCopies:
-    """Compiled `pack_rows` / `unpack_rows` for each of `transfer_sizes` (compiled at start: no step compiles
-    later), and the host side of the copies. `host_sharding` (pinned_host): the copies are inside the programs,
-    `pack_rows` writing its rows to pinned host memory and `unpack_rows` reading them from there (a DMA at the
-    pinned rate, 8x pageable numpy's on the H100), so the host only launches them; None: numpy rows
-    (copy_to_host_async, read back lazily). The first pinned version moved the rows by `device_put` after and
-    before the programs: on the H100 that held the engine thread 64 of a 156 s multi-round run
-    (docs/design.md section 13). `rows_to_host` / `rows_from_host` count the rows moved."""
+    """Compiled `pack_rows` / `unpack_rows` for each of `transfer_sizes`, and the host side of the copies.
+    `host_sharding` (pinned_host): the copies are inside the programs, `pack_rows` writing its rows to pinned host
+    memory and `unpack_rows` reading them from there (a DMA at the pinned rate, 8x pageable numpy's on the H100),
+    so the host only launches them; None: numpy rows (copy_to_host_async, read back lazily). The first pinned
+    version moved the rows by `device_put` after and before the programs: on the H100 that held the engine thread
+    64 of a 156 s multi-round run (docs/design.md section 13). With a `HostPool` (`pool`, the engine's default on
+    one GPU) rows go out and back through the pool's own programs: here only disk rows (numpy) come back, so
+    `prepare` compiles no pack program then, and no unpack program without a disk tier. `rows_to_host` /
+    `rows_from_host` count the rows moved."""
 
     def __init__(self, kv, kv_sharding, replicated, num_pages: int, max_pages: int, host_sharding=None):
         self.replicated, self.num_pages, self.host_sharding = replicated, num_pages, host_sharding
+        # the cache's shapes, not its arrays (the engine donates those every step): what the programs are lowered for
+        self._kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), kv)
+        self.kv_sharding = kv_sharding
         self.row_bytes = row_bytes(kv.arrays())
-        self._pack, self._unpack = {}, {}
-        if host_sharding is not None:
-            try:
-                self._compile(kv, kv_sharding, max_pages, host_sharding)
-            except Exception as e:  # noqa: BLE001 - a backend without in-program host copies: numpy rows
-                import warnings
-                warnings.warn(f"prefix cache host tier: no copy programs into pinned host memory ({e}); numpy "
-                              f"rows", RuntimeWarning, stacklevel=2)
-                self.host_sharding = None
-        if self.host_sharding is None:
-            self._compile(kv, kv_sharding, max_pages, replicated)
-        self.sizes = sorted(self._pack)
+        self.sizes = transfer_sizes(max_pages)
+        self._rows_sharding = host_sharding or replicated     # where unpack's row arguments live
+        self._pack, self._unpack = Programs(self._lower_pack), Programs(self._lower_unpack)
         self.pool = None                # a HostPool (nfjax/kv/host_pool.py): rows are slots of one pinned array
         self.rows_to_host = self.rows_from_host = 0
         self._waits = [0]
 
-    def _compile(self, kv, kv_sharding, max_pages: int, row_sharding) -> None:
-        """The copy programs with their rows in `row_sharding`'s memory (pinned host or the device)."""
+    def attach_pool(self, tier_rows: int, max_pages: int, alloc=None, disk: bool = True) -> None:
+        """Host rows as slots of one pinned pool for a tier of `tier_rows` (nfjax/kv/host_pool.py; `alloc`: its
+        array, allocating since `start_pool`), then `prepare`. Where the pool's programs do not compile: no pool,
+        numpy rows (a warning)."""
+        from nfjax.kv.host_pool import HostPool, pool_rows
+        try:
+            self.pool = HostPool(self._kv, self.kv_sharding, self.replicated, self.host_sharding, pool_rows(tier_rows),
+                                 self.row_bytes, max_pages, alloc=alloc, reads=disk)
+        except Exception as e:  # noqa: BLE001 - a backend without host memory in programs
+            import warnings
+            warnings.warn(f"prefix cache host tier: no pinned pool ({e}); numpy rows", RuntimeWarning, stacklevel=2)
+            self.pool, self.host_sharding, self._rows_sharding = None, None, self.replicated
+        self.prepare(disk)
+
+    def prepare(self, disk: bool = True) -> None:
+        """Compile at start, in parallel, the programs the engine will run: without a pool the packs and unpacks of
+        its rows (pinned, or numpy where pinned programs do not compile: a warning); beside a pool only the
+        unpacks of disk rows (numpy: their rows go straight to the device), none without a disk tier (`disk`)."""
+        if self.pool is not None:
+            self._rows_sharding = self.replicated
+            if disk:
+                self._unpack.update(compile_parallel({n: partial(self._lower_unpack, n) for n in self.sizes}))
+            return
+        try:
+            self._compile_all()
+        except Exception as e:  # noqa: BLE001 - a backend without in-program host copies: numpy rows
+            if self.host_sharding is None:
+                raise
+            import warnings
+            warnings.warn(f"prefix cache host tier: no copy programs into pinned host memory ({e}); numpy "
+                          f"rows", RuntimeWarning, stacklevel=2)
+            self.host_sharding, self._rows_sharding = None, self.replicated
+            self._pack.clear()
+            self._unpack.clear()
+            self._compile_all()
+
+    def _compile_all(self) -> None:
+        jobs = {("pack", n): partial(self._lower_pack, n) for n in self.sizes}
+        jobs.update({("unpack", n): partial(self._lower_unpack, n) for n in self.sizes})
+        for (kind, n), prog in compile_parallel(jobs).items():
+            (self._pack if kind == "pack" else self._unpack)[n] = prog
+
+    @property
+    def num_programs(self) -> int:
+        """Compiled copy programs (the pool's own not included)."""
+        return len(self._pack) + len(self._unpack)
+
+    def _lower_pack(self, n: int):
+        """`pack_rows` of n pages, its rows in the host tier's memory (pinned host, or the device for numpy)."""
+        pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
+        rows = self.host_sharding or self.replicated
+        return jax.jit(pack_rows, out_shardings=(rows,) * n).lower(self._kv, pg)
+
+    def _lower_unpack(self, n: int):
+        """`unpack_rows` of n rows given as arguments in `_rows_sharding`'s memory."""
         unpack = unpack_rows
-        if row_sharding is not self.replicated:
+        if self._rows_sharding is not self.replicated:
             # Rows in host memory are moved to the device first, inside the program: XLA:GPU refuses a scatter
             # whose operand is in host memory ("DynamicUpdateSlice ... shouldn't change layout memory space").
             dev = self.replicated.with_memory_kind("device")
 
             def unpack(kv, pages, *rows):
                 return unpack_rows(kv, pages, *(jax.device_put(r, dev) for r in rows))
-        for n in transfer_sizes(max_pages):
-            pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
-            row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=row_sharding)
-            self._pack[n] = jax.jit(pack_rows, out_shardings=(row_sharding,) * n).lower(kv, pg).compile()
-            self._unpack[n] = jax.jit(unpack, donate_argnums=0, out_shardings=kv_sharding).lower(
-                kv, pg, *([row] * n)).compile()
+        pg = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
+        row = jax.ShapeDtypeStruct((self.row_bytes,), jnp.uint8, sharding=self._rows_sharding)
+        return jax.jit(unpack, donate_argnums=0, out_shardings=self.kv_sharding).lower(self._kv, pg, *([row] * n))
 
     @property
     def pinned(self) -> bool:

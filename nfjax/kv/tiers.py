@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from nfjax.kv.tier_admission import SaveGate, save_bar
+
 
 @dataclass
 class PrefixStats:
@@ -35,12 +37,15 @@ class PrefixStats:
     skipped_pages_host: int = 0     # pages a prefix walk found in a tier but recomputed: loading was slower
     skipped_pages_disk: int = 0
     evictions_dropped: int = 0      # evicted GPU pages not copied out (the host tier cannot beat recompute)
+    evictions_skipped: int = 0      # ... not copied because too few copies are hit (nfjax/kv/tier_admission.py)
+    ghost_hits: int = 0             # prefix walks' misses on pages the gate skipped (they count towards reopening it)
     tier_load_s: float = 0.0        # engine thread's seconds in tier hits: fetching rows (disk reads) and loading
     evict_s: float = 0.0            # ... in evictions: launching the copies out, settling them, spilling to disk
     evict_launch_s: float = 0.0     # ... of which launching the copy programs (their host rows allocated)
     disk_write_s: float = 0.0       # the disk tier's writer thread's seconds (beside the loop, not on it)
     disk_writes_dropped: int = 0    # pages spilled while the disk writer's queue was full: dropped, not waited for
     pinned_reserve_s: float = 0.0   # at start: allocating the host tier's pinned pool (nfjax/kv/host_pool.py)
+    pinned_reserve_wait_s: float = 0.0   # ... of which start waited for (the rest ran beside the compile)
 
     @property
     def hit_tokens(self) -> int:
@@ -187,13 +192,22 @@ class PrefixTiers:
         self.host, self.disk = host, disk
         self.rates = None
         self.use_host = self.use_disk = True
+        self.gate = SaveGate(host.capacity)
         self.set_rates(rates)
 
     def set_rates(self, rates: TierRates | None) -> None:
+        """New rates: which tiers are read and written, and the bar of the save gate (its rate back to 1)."""
         self.rates = rates
         self.use_host = rates is None or rates.wins("host")
         self.use_disk = self.disk is not None and self.use_host and (rates is None or rates.wins("disk"))
         self.host.spill = self.disk if self.use_disk else None
+        self.gate.reset(None if rates is None else save_bar(rates.load_s("host"), rates.recompute_s()))
+
+    def admit(self, evicted: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """The evicted (page, hash) pairs worth copying to the host tier (`SaveGate`); the rest are skipped."""
+        out = self.gate.admit(evicted)
+        self.host.stats.evictions_skipped += len(evicted) - len(out)
+        return out
 
     def put(self, h: bytes, row) -> None:
         self.host.stats.bytes_to_host += row.nbytes
@@ -219,9 +233,11 @@ class PrefixTiers:
                 row, tier = self.disk.pop(h), "disk"
             else:
                 row = None
-            if row is None:
+            if row is None:                     # a miss: had the gate copied these pages, they would hit
+                stats.ghost_hits += self.gate.missed(hashes[len(out):max(limit, 0)])
                 break
             out.append((row, tier))
+        self.gate.hit(hashes[:len(out)])
         stats.tier_load_s += time.perf_counter() - t0
         return out
 
@@ -231,6 +247,8 @@ class PrefixTiers:
              "disk_write_backlog": self.disk.backlog() if self.disk is not None else 0}
         if self.rates is not None:
             d["tier_rates"] = self.rates.as_dict()
+        g = self.gate
+        d.update(tier_save_rate=g.rate, tier_save_bar=g.bar, tier_save_open=g.open)
         return d
 
     def close(self) -> None:
