@@ -52,13 +52,13 @@ def engine_calls(layers: int, bucket: int, decode: int, ctx: int, reps: int = 5,
         if fresh:
             inp = jax.block_until_ready(jax.tree.map(lambda a: a + 0, inp))     # same values, new buffers
         t = [time.perf_counter()]
-        x = r._embed[bucket](r.rest_state, r._prev, inp)
+        x = r._embed[bucket](r._rest_leaves, r._prev, inp)
         t.append(time.perf_counter())
         programs = r.layer_programs(bucket, "sequential")
         for i0, n, prog in programs:
-            x, r.kv = prog(tuple(r.layer_states[i0:i0 + n]), r.kv, x, inp.meta, r._layer_ids[i0])
+            x, r.kv = prog(r.group_args(i0, n), r.kv, x, inp.meta, r._layer_ids[i0])
             t.append(time.perf_counter())
-        r._prev = r._head[(bucket, False)](r.rest_state, x, inp)
+        r._prev = r._head[(bucket, False)](r._rest_leaves, x, inp)
         t.append(time.perf_counter())
         jax.block_until_ready(r._prev)
         t.append(time.perf_counter())

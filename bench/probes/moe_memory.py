@@ -9,7 +9,6 @@ output (the largest), then runs the warm-up step by step, each program waited on
 CPU check: python -m bench.probes.moe_memory --shape mixtral-smoke
 """
 import argparse
-import sys
 import time
 
 import bench.setup as bs          # XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 before JAX starts, as bench.offline
@@ -25,19 +24,10 @@ def stats(tag):
           f"{s.get('peak_bytes_in_use', 0) / GiB:.2f}; allocations {s.get('num_allocs', 0)}", flush=True)
 
 
-p = argparse.ArgumentParser()
-bs.add_bench_args(p, shape="mixtral-8x7b")
-args = p.parse_args()
-
-import nfjax.engine.runner as rn  # noqa: E402
-from nfjax.kv.cache import KVCache  # noqa: E402
-
-_create = KVCache.create
-
-
 def create(*a, **k):
+    """KVCache.create with the pool's state around it, each array waited on (a failed allocation shows)."""
     stats("before KV create")
-    kv = _create(*a, **k)
+    kv = create.original(*a, **k)
     for name, arr in (("K", kv.k), ("V", kv.v)):
         try:
             arr.block_until_ready()
@@ -48,19 +38,13 @@ def create(*a, **k):
     return kv
 
 
-KVCache.create = staticmethod(create)
-_unstack = rn.unstack_layers
-
-
 def unstack(*a, **k):
+    """runner.unstack_layers with the pool's state around it."""
     stats("before unstacking the layer weights")
-    out = _unstack(*a, **k)
+    out = unstack.original(*a, **k)
     jax.block_until_ready(out)
     stats("after unstacking")
     return out
-
-
-rn.unstack_layers = unstack
 
 
 class Waited:
@@ -83,33 +67,45 @@ class Waited:
         return self.prog.memory_analysis()
 
 
-from bench.setup import bench_engine  # noqa: E402
-from nfjax.engine import SamplingParams  # noqa: E402
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bs.add_bench_args(p, shape="mixtral-8x7b")
+    args = p.parse_args()
+    import nfjax.engine.runner as rn
+    from bench.setup import bench_engine
+    from nfjax.engine import SamplingParams
+    from nfjax.kv.cache import KVCache
+    create.original, KVCache.create = KVCache.create, staticmethod(create)
+    unstack.original, rn.unstack_layers = rn.unstack_layers, unstack
 
-t = time.perf_counter()
-engine = bench_engine(args, context=1536)
-r = engine.runner
-print(f"engine ready in {time.perf_counter() - t:.1f} s: {r.cache_cfg.num_pages} pages, one K array "
-      f"{r.kv.k.nbytes / GiB:.2f} GiB, buckets {r.sched.token_buckets}, {r.max_seqs} sequences", flush=True)
-stats("after compile")
-tables = {"embed": r._embed, "head": r._head, "full_head": r._full_head, "layers": r._steps,
-          "decode_layers": r._decode_steps, "stage": r._stage, "unpack": r._unpack}
-rows = []
-for tn, table in tables.items():
-    for key in list(table):
-        m = table[key].memory_analysis()
-        rows.append((m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes, f"{tn}{key}"))
-        table[key] = Waited(f"{tn}{key}", table[key])
-for temp, unaliased, name in sorted(rows, reverse=True)[:8]:
-    print(f"  {name}: scratch {temp / GiB:.3f} GiB, unaliased output {unaliased / GiB:.3f} GiB", flush=True)
-print(f"  largest unaliased output: {max(rows, key=lambda x: x[1])[2]} {max(x[1] for x in rows) / GiB:.3f} GiB",
-      flush=True)
-vocab = r.cfg.vocab_size
-n = min(1024, engine.max_model_len - 8)          # the smoke shape's context is 1024
-prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(n)] for i in range(8)]
-t = time.perf_counter()
-try:
-    engine.generate(prompts, SamplingParams.greedy(max_tokens=4, ignore_eos=True))
-    print(f"warm-up of 8 x {n} prompts, 4 tokens each: ok in {time.perf_counter() - t:.1f} s", flush=True)
-finally:
-    stats("end")
+    t = time.perf_counter()
+    engine = bench_engine(args, context=1536)
+    r = engine.runner
+    print(f"engine ready in {time.perf_counter() - t:.1f} s: {r.cache_cfg.num_pages} pages, one K array "
+          f"{r.kv.k.nbytes / GiB:.2f} GiB, buckets {r.sched.token_buckets}, {r.max_seqs} sequences", flush=True)
+    stats("after compile")
+    tables = {"embed": r._embed, "head": r._head, "full_head": r._full_head, "layers": r._steps,
+              "decode_layers": r._decode_steps, "stage": r._stage, "unpack": r._unpack}
+    rows = []
+    for tn, table in tables.items():
+        for key in list(table):
+            m = table[key].memory_analysis()
+            rows.append((m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes, f"{tn}{key}"))
+            table[key] = Waited(f"{tn}{key}", table[key])
+    for temp, unaliased, name in sorted(rows, reverse=True)[:8]:
+        print(f"  {name}: scratch {temp / GiB:.3f} GiB, unaliased output {unaliased / GiB:.3f} GiB", flush=True)
+    print(f"  largest unaliased output: {max(rows, key=lambda x: x[1])[2]} {max(x[1] for x in rows) / GiB:.3f} GiB",
+          flush=True)
+    vocab = r.cfg.vocab_size
+    n = min(1024, engine.max_model_len - 8)          # the smoke shape's context is 1024
+    prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(n)] for i in range(8)]
+    t = time.perf_counter()
+    try:
+        engine.generate(prompts, SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+        print(f"warm-up of 8 x {n} prompts, 4 tokens each: ok in {time.perf_counter() - t:.1f} s", flush=True)
+    finally:
+        stats("end")
+
+
+if __name__ == "__main__":
+    main()

@@ -47,7 +47,6 @@ class Engine:
         self.batcher.tiers = self._make_tiers(pool)
         self.trace = StepTrace()
         self._requests: dict[str, Request] = {}
-        self._texts: dict[str, OutputText] = {}
         self._inflight: StepHandle | None = None
         self._evicting: list = []                # (steps launched before, [(hash, row)]) on their way to the host
         self._launches = self._reads = 0         # steps launched / read back so far
@@ -283,8 +282,8 @@ class Engine:
                             "included unless ignore_eos) can be held back")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(rid, ids, params, seed)
+        req.out_text = OutputText(self.tokenizer, params, ids)
         self._requests[rid] = req
-        self._texts[rid] = OutputText(self.tokenizer, params, ids)
         self.batcher.add(req)
         return rid
 
@@ -292,7 +291,6 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.batcher.finish(req, "abort")
-        self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_work() or self._inflight is not None
@@ -361,17 +359,22 @@ class Engine:
         return self._process(prev, tokens, logprobs)
 
     def _process(self, handle: StepHandle, tokens, logprobs=None) -> list[RequestOutput]:
+        """The step's tokens into its requests (text, stop strings, finishing) and an output per sampled row.
+        Per row the cost does not grow with the output's length (outputs are views: `RequestOutput.view`)."""
         now = time.perf_counter()
         outs = []
-        eos = self._eos
+        eos, max_len, view = self._eos, self.max_model_len, RequestOutput.view
+        tokens = tokens.tolist()       # ints at once (per-row numpy scalars cost more than the rest of the row)
         if logprobs is not None:     # as lists once (per row from numpy took twice the host time, 256 rows x 20)
             lp_token, lp_ids, lp_top = logprobs.token.tolist(), logprobs.top_ids.tolist(), logprobs.top.tolist()
         for i, sq in enumerate(handle.batch.seqs):
             req = sq.req
-            if not sq.samples or req.finished:
+            if not sq.samples or req.status is Status.FINISHED:
                 continue          # a mid-prompt chunk, or a token past EOS / abort (dropped)
-            tok = int(tokens[i])
-            req.output_ids.append(tok)
+            tok = tokens[i]
+            out_ids = req.output_ids
+            out_ids.append(tok)
+            n = len(out_ids)
             p = req.params
             new_lp = None
             if p.logprobs is not None:           # its step ran the full head (penalties.needs_full)
@@ -379,35 +382,21 @@ class Engine:
                 new_lp = [TokenLogprob(tok, lp_token[i], tuple(zip(lp_ids[i][:k], lp_top[i][:k])))]
                 req.logprobs.append(new_lp[0])
                 req.cumulative_logprob += new_lp[0].logprob
-            if req.timings.first_token is None:
+            if n == 1:
                 req.timings.first_token = now
-            text = self._texts[req.request_id]
-            n = len(req.output_ids)
-            text.add([tok], check_stops=n > p.min_tokens)       # as vLLM: stop strings after min_tokens
+            text = req.out_text
+            text.add(tok, n > p.min_tokens)       # as vLLM: stop strings after min_tokens
             reason = None
             if n >= p.min_tokens and (text.stopped or tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
                 reason = "stop"
-            elif len(req.output_ids) >= p.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
+            elif n >= p.max_tokens or req.prompt_len + n >= max_len:
                 reason = "length"
             if reason:
                 self.batcher.finish(req, reason)
                 req.timings.finished = now
-            outs.append(self._output(req, [tok], new_lp))
+                self._requests.pop(req.request_id, None)
+            outs.append(view(req, [tok], text.release(final=reason is not None), new_lp))
         return outs
-
-    def _output(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob] | None = None
-                ) -> RequestOutput:
-        text = self._texts[req.request_id]
-        new_text = text.release(final=req.finished)
-        on = req.params.logprobs is not None
-        out = RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), text.text if req.finished
-                            else text.text[:text.released], new_ids, new_text, req.finished, req.finish_reason,
-                            req.timings.as_dict(), new_logprobs, list(req.logprobs) if on else None,
-                            req.cumulative_logprob if on else None)
-        if req.finished:
-            self._requests.pop(req.request_id, None)
-            self._texts.pop(req.request_id, None)
-        return out
 
     # ---- offline API ------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None

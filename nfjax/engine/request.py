@@ -42,6 +42,7 @@ class Request:
     host_kv: object = None       # swapped-out KV (host arrays) while SWAPPED
     penalty_slot: int | None = None   # row of the device's token counts (penalties), held from admission to finish
     logprobs: list = field(default_factory=list)   # TokenLogprob per output (SamplingParams.logprobs set)
+    out_text: object = None      # its OutputText (nfjax/engine/detok.py), set by the engine
     cumulative_logprob: float = 0.0
     # prefix cache (nfjax/kv/allocator.py): hashes of its full pages (as far as the host knows the tokens), the
     # leading pages already offered to the cache, and prompt tokens reused at admission per tier

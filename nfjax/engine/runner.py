@@ -39,8 +39,8 @@ from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-from nfjax.engine.step_programs import (embed_step, full_head_step, head_step, layer_groups, layers_step, seed_slot,
-                                       split_layers)
+from nfjax.engine.step_programs import (embed_step, full_head_step, head_step, layer_groups, layers_step, on_leaves,
+                                       seed_slot, split_layers)
 
 
 @dataclass
@@ -103,6 +103,10 @@ class Runner:
         # barrier does not prevent it). A program boundary orders them for free.
         self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
+        # the programs take the weights as flat tuples of arrays (`on_leaves`): the rest's, and each layer group's
+        self._rest_tdef, self._rest_leaves = jax.tree.structure(self.rest_state), tuple(jax.tree.leaves(self.rest_state))
+        self._group_args = {(i0, n): tuple(jax.tree.leaves(tuple(self.layer_states[i0:i0 + n])))
+                            for gs in self._groups.values() for i0, n in gs}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
         self._head: dict[tuple[int, bool], object] = {}      # (bucket, any_sampled) -> compiled head
@@ -202,17 +206,18 @@ class Runner:
                 jobs.append((self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
                     inp, packed), None))
                 self._staged[b] = inp           # lowering read only its shapes; the steps take it over
-            jobs.append((self._embed, b, jax.jit(partial(embed_step, self.rest_gd), out_shardings=rep).lower(
-                self.rest_state, self._prev, inp), xo))
+            rest = self._rest_leaves
+            jobs.append((self._embed, b, jax.jit(self._on_rest(partial(embed_step, self.rest_gd)),
+                                                 out_shardings=rep).lower(rest, self._prev, inp), xo))
             for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
                 jobs.append((self._head, (b, any_sampled), jax.jit(
-                    partial(head_step, self.rest_gd, any_sampled, self.max_seqs), out_shardings=rep).lower(
-                    self.rest_state, x, inp), xo))
+                    self._on_rest(partial(head_step, self.rest_gd, any_sampled, self.max_seqs)),
+                    out_shardings=rep).lower(rest, x, inp), xo))
             like = self._full_like(b)
             packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32, sharding=rep)
             jobs.append((self._full_head, b, jax.jit(
-                partial(full_head_step, self.rest_gd, self.max_seqs, like), donate_argnums=4,
-                out_shardings=rep).lower(self.rest_state, x, inp, packed, self.penalty_state), xo))
+                self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
+                out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo))
             for v in self.variants.by_bucket[b].values():
                 self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
                 opts = {**self.xla_options, **v.compiler_options()} or None
@@ -221,14 +226,16 @@ class Runner:
                 for dec in decode:
                     fwd = dataclasses.replace(self.opts, decode_only=dec)
                     table = self._decode_steps if dec else self._steps
-                    layers = jax.jit(partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
-                                             self.inv_freq), donate_argnums=(1, 2),
-                                     out_shardings=(rep, self.kv_sharding))
+                    step = partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
+                                   self.inv_freq)
                     groups = self._groups[v.label]
                     for n in sorted({n for _, n in groups}, reverse=True):
                         key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
-                        jobs.append((table, key, layers.lower(tuple(self.layer_states[:n]), self.kv, x, inp.meta,
-                                                              self._layer_ids[0]), opts))
+                        tdef = jax.tree.structure(tuple(self.layer_states[:n]))
+                        layers = jax.jit(on_leaves(step, tdef), donate_argnums=(1, 2),
+                                         out_shardings=(rep, self.kv_sharding))
+                        args = tuple(jax.tree.leaves(tuple(self.layer_states[:n])))
+                        jobs.append((table, key, layers.lower(args, self.kv, x, inp.meta, self._layer_ids[0]), opts))
         bar = None
         if progress:
             from tqdm import tqdm
@@ -398,19 +405,28 @@ class Runner:
         inputs."""
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
-        x = self._embed[bucket](self.rest_state, self._prev, inp)
+        rest = self._rest_leaves
+        x = self._embed[bucket](rest, self._prev, inp)
         for i0, n, prog in self.layer_programs(bucket, label, decode_only):
-            x, self.kv = prog(tuple(self.layer_states[i0:i0 + n]), self.kv, x, inp.meta, self._layer_ids[i0])
+            x, self.kv = prog(self._group_args[(i0, n)], self.kv, x, inp.meta, self._layer_ids[i0])
         if full is None:
             self.last_logprobs = None
-            self._prev = self._head[(bucket, any_sampled)](self.rest_state, x, inp)
+            self._prev = self._head[(bucket, any_sampled)](rest, x, inp)
         else:
             self._prev, self.last_logprobs, self.penalty_state = self._full_head[bucket](
-                self.rest_state, x, inp, full, self.penalty_state)
+                rest, x, inp, full, self.penalty_state)
         return self._prev
 
+    def group_args(self, i0: int, n: int) -> tuple:
+        """Layers i0 .. i0 + n - 1's weights as the layer-group programs take them (one flat tuple)."""
+        return self._group_args[(i0, n)]
+
+    def _on_rest(self, fn):
+        return on_leaves(fn, self._rest_tdef)
+
     def layer_programs(self, bucket: int, label: str, decode_only: bool = False) -> list[tuple[int, int, object]]:
-        """(first layer, layer count, compiled program) of each layer group of one step, in order."""
+        """(first layer, layer count, compiled program) of each layer group of one step, in order; a program takes
+        `group_args(first, count)` where a layer group's states would go."""
         groups = self._groups[label]
         full = groups[0][1]
         table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
