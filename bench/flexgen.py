@@ -556,9 +556,8 @@ def _trace(cfg, args, runs: dict, best: str, summary: dict, data: dict) -> None:
     summary.update({f"trace_{k}": v for k, v in data["trace"].items() if k.startswith("overlapped_pct")})
     png = result_path(args.name, args.out_dir).replace(".json", "-timeline.png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    plot(events, png, f"{args.shape}, policy {shown}: one decode pass (measured)", window)
     data["trace"]["policy"] = shown
-    data["timeline_png"] = png
+    data["timeline_png"] = plot(events, png, f"{args.shape}, policy {shown}: one decode pass (measured)", window)
 
 
 def _model_summary(cfg, args, hw, runs: dict, lp: dict | None, summary: dict, data: dict) -> None:

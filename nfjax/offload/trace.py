@@ -79,11 +79,15 @@ class Trace:
                 for e in sorted(self.events, key=lambda e: e.start)]
 
 
-def plot(events: list[dict], path, title: str = "", window: tuple[float, float] | None = None) -> None:
-    """A Gantt chart of `Trace.to_json()` events (ms), one row per lane."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(events: list[dict], path, title: str = "", window: tuple[float, float] | None = None) -> str | None:
+    """A Gantt chart of `Trace.to_json()` events (ms), one row per lane, written to `path`; None (nothing written)
+    without matplotlib (the `bench` extra), as bench/common.py's plots."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
 
     lanes = [ln for ln in LANES if any(e["lane"] == ln for e in events)]
     colors = dict(zip(LANES, ("tab:green", "tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown",
@@ -103,3 +107,4 @@ def plot(events: list[dict], path, title: str = "", window: tuple[float, float] 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return str(path)
