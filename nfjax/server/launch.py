@@ -9,6 +9,7 @@ elsewhere in the CLI).
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import threading
@@ -94,6 +95,12 @@ def serve(engine, cfg: ServerConfig, model_name: str, on_ready: Callable[[str], 
             on_ready(url)
 
     server = _Server(_uvicorn_config(app, cfg), app.state.nfjax, ready)
+    # The model's and the compiled programs' Python objects (280k on the tiny model) are kept for the process's life:
+    # frozen, the cyclic GC no longer walks them in every full collection on the engine loop's thread (streaming 512
+    # sequences on a CPU: 6.0 -> 3.8 ms of output processing a step, and no growth over the outputs' length;
+    # bench/NOTES.md section 17). One engine a process here, so nothing frozen is garbage left uncollected.
+    gc.collect()
+    gc.freeze()
     main = threading.current_thread() is threading.main_thread()
     got = []
     # uvicorn re-raises the signal it caught once it has shut down; let that land on a handler that records it
