@@ -30,6 +30,9 @@ Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop'
   cal+rotN | cal+plainN  each channel minus a calibrated mean per layer, kv head and channel (from the baseline's
                          cache over --calib-text, not the held-out text): exact for K with no correction, since
                          softmax ignores a constant q.mean added to every score of a query
+  cals+rotN | cals+plainN  as cal+, each channel also divided by its calibrated std (multiplied back after):
+                         the same as quantizing K / std and taking queries times std; calsNN: std ** 0.NN
+  cal+fp8 | cals+fp8     fp8 per token after the calibrated centering (and scaling)
   fp8 | fp8e5            float8 e4m3 / e5m2, one scale per token and kv head (kv_quant's rule: amax / max,
                          rounded up to bfloat16)
   fp8pP | fp8e5pP        the same with one scale per page of P and kv head (from the complete page's amax)
@@ -53,7 +56,7 @@ import time
 import numpy as np
 
 SPEC = {"k": None, "v": None, "traced": 0}        # the variant being built (read when its engine traces)
-CAL_MEAN = None                                   # [L, KH, D] f32: the calibrated K channel means
+CAL_MEAN = None                                   # ([L, KH, D], [L, KH, D]) f32: the calibrated K channel means, stds
 FP8_FORMATS = {"fp8": ("float8_e4m3fn", 448.0), "fp8e5": ("float8_e5m2", 57344.0)}
 
 
@@ -71,15 +74,25 @@ def parse_scheme(s: str) -> dict:
     if m:
         return {"kind": "kivi", "rot": m[1] == "r", "page": int(m[2]), "bits": 4,
                 "partial": parse_scheme(m[3]) if m[3] else None}
-    m = re.fullmatch(r"(pc(\d+)|cal)\+(rot|plain)(\d+)", s)
+    m = re.fullmatch(r"(pc(\d+)|cal|cals(\d*))\+(rot|plain)(\d+)", s)
     if m:
-        return {"kind": "pc" if m[2] else "cal", "page": int(m[2]) if m[2] else None, "rot": m[3] == "rot",
-                "group": int(m[4]), "bits": 4}
+        return {"kind": "pc" if m[2] else "cal", "page": int(m[2]) if m[2] else None, "rot": m[4] == "rot",
+                "group": int(m[5]), "bits": 4, "alpha": _alpha(m[1], m[3])}
+    m = re.fullmatch(r"(cal|cals(\d*))\+(fp8|fp8e5)", s)
+    if m:
+        return {"kind": "calfp8", "fmt": m[3], "alpha": _alpha(m[1], m[2])}
     m = re.fullmatch(r"(fp8|fp8e5)(?:p(\d+))?(?:/(.+))?", s)
     if m and (m[2] or not m[3]):
         return {"kind": "fp8", "fmt": m[1], "page": int(m[2]) if m[2] else None,
                 "partial": parse_scheme(m[3]) if m[3] else None}
     raise SystemExit(f"scheme {s!r}: want exact|bf16|rotN|plainN[bB]|[r]kiviP|pcP+rotN|cal+rotN|fp8[e5][pP]")
+
+
+def _alpha(name: str, digits: str | None) -> float:
+    """cal: no channel scale (0); cals: each channel divided by its calibrated std (1); calsNN: by std ** 0.NN."""
+    if name == "cal":
+        return 0.0
+    return int(digits) / 100 if digits else 1.0
 
 
 def bits(spec: dict | None, d: int) -> float:
@@ -97,6 +110,8 @@ def bits(spec: dict | None, d: int) -> float:
         return spec["bits"] + 32 / min(spec["group"], d) + 16 / spec["page"]
     if k == "cal":
         return spec["bits"] + 32 / min(spec["group"], d)
+    if k == "calfp8":
+        return 8 + 16 / d
     if k == "fp8":
         return 8 + (16 / d if spec["page"] is None else 16 / (d * spec["page"]))
     raise ValueError(k)
@@ -141,7 +156,12 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
     if k == "group":
         return rot(_groups(rot(x), spec["group"], spec["bits"]))
     if k == "cal":
-        return rot(_groups(rot(x - mean), spec["group"], spec["bits"])) + mean
+        mu, sd = mean[0], mean[1] ** spec["alpha"]
+        return rot(_groups(rot((x - mu) / sd), spec["group"], spec["bits"])) * sd + mu
+    if k == "calfp8":
+        mu, sd = mean[0], mean[1] ** spec["alpha"]
+        y = (x - mu) / sd
+        return _fp8(y, spec["fmt"], jnp.max(jnp.abs(y), -1, keepdims=True)) * sd + mu
     if k == "fp8" and spec["page"] is None:
         return _fp8(x, spec["fmt"], jnp.max(jnp.abs(x), -1, keepdims=True))
     # per-page schemes: [S, W / P, P, KH, D]; a page is quantized once complete, read exactly before
@@ -180,7 +200,8 @@ def fake_blocked_attention(q, k_pages, v_pages, positions, token_seq, page_table
     rt = SPEC.get("rt")
     if rt == "bf16":   # the shipped int4's query rotation, rounded to the model's dtype: (q H) rounded, times H
         q = kq.rotate(kq.rotate(q, q.dtype), jnp.float32)
-    mean = None if CAL_MEAN is None else jnp.asarray(CAL_MEAN)[layer]
+    # the calibrated K channel means and stds of this layer (cal+ schemes)
+    mean = None if CAL_MEAN is None else (jnp.asarray(CAL_MEAN[0])[layer], jnp.asarray(CAL_MEAN[1])[layer])
     ks, vs = SPEC["k"], SPEC["v"]
     SPEC["traced"] += 1
 
@@ -283,7 +304,8 @@ def run_base(setup: Setup, dtype: str, calib_text: str | None):
         used = np.concatenate([np.asarray(p) for p in setup.pages])
         kk = k[:, used].reshape(k.shape[0], -1, *k.shape[3:])       # [L, s * per_seq * PS, KH, D]
         slot = np.concatenate([np.arange(setup.per_seq * setup.page_size)] * setup.s)
-        mean = kk[:, slot < setup.w].mean(1)                        # written positions only
+        kw = kk[:, slot < setup.w]                                  # written positions only
+        mean = (kw.mean(1), np.maximum(kw.std(1), 1e-6))
     logits = []
     for meta, tokens, _, _ in setup.steps(setup.wins):
         lg, kv = fwd(kv, tokens, meta)
@@ -376,7 +398,7 @@ def main() -> None:
     parts = [parse_variant(v) for v in args.variants]
     install()
     setup = Setup(args.model, args.window, args.chunk, args.page_size, args.windows)
-    need_cal = any(p.get(x, {}) and p[x]["kind"] == "cal" for p in parts for x in ("k", "v"))
+    need_cal = any(p.get(x, {}) and p[x]["kind"] in ("cal", "calfp8") for p in parts for x in ("k", "v"))
     t0 = time.perf_counter()
     base_logits, CAL_MEAN = run_base(setup, args.base_dtype, args.calib_text if need_cal else None)
     base_nll = None
