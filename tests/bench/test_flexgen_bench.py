@@ -25,8 +25,12 @@ def test_flexgen_bench_runs_on_a_cpu(tmp_path):
     doc = json.loads(res.read_text())
     s = doc["summary"]
     for k in ("flexgen_out_tok_s_optsmoke_1gb", "flexgen_vs_rowbyrow", "flexgen_out_tok_s_optsmoke_1gb_int4",
-              "flexgen_vs_rowbyrow_int4"):
+              "flexgen_vs_rowbyrow_int4", "flexgen_out_tok_s_optsmoke_1gb_kv4", "flexgen_vs_rowbyrow_kv4"):
         assert s[k] > 0, k
+    runs = doc["data"]["runs"]           # each headline key from its own kind of run
+    assert not runs[s["flexgen_best_policy_kv4"]]["policy"]["compress_weights"]
+    assert runs[s["flexgen_best_policy_kv4"]]["policy"]["compress_cache"]
+    assert runs[s["flexgen_best_policy_int4"]]["policy"]["compress_weights"]
     assert s["flexgen_best_policy"] in doc["data"]["runs"]
     # issue #25: the LP's policy ran beside the grid, CPU attention on and off, every zig-zag run predicted
     for k in ("lp_policy_vs_best_grid", "cpu_attention_speedup", "cost_model_mean_abs_err_pct"):
