@@ -5,12 +5,13 @@ import itertools
 import random
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from nfjax.config import EngineConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput, TokenLogprob
 from nfjax.engine.penalties import MAX_BANNED, banned_ids
+from nfjax.engine.prompt import Prompt, encode_prompt
 from nfjax.engine.request import Request, Status
 from nfjax.engine.runner import Runner, StepHandle
 from nfjax.engine.sampling_params import SamplingParams
@@ -21,7 +22,6 @@ from nfjax.kv.host_pool import start_pool
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
-Prompt = str | Sequence[int]
 
 
 class Engine:
@@ -256,19 +256,7 @@ class Engine:
         return self.batcher.max_model_len
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise UserError(f"prompt token id {bad[0]} is out of range [0, {self.model_config.vocab_size})")
-        if not ids:
-            raise UserError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise UserError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                            "(prompt + at least one generated token)")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

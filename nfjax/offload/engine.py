@@ -21,6 +21,7 @@ import numpy as np
 
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput
+from nfjax.engine.prompt import encode_prompt
 from nfjax.engine.request import Timings
 from nfjax.engine.sampling_params import SamplingParams
 from nfjax.errors import UserError
@@ -148,16 +149,7 @@ class OffloadEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise UserError(f"prompt token id {bad[0]} is out of range [0, {self.cfg.vocab_size})")
-        if not ids:
-            raise UserError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise UserError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                            "(prompt + at least one generated token)")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.cfg.vocab_size, self.max_model_len)
 
     @staticmethod
     def _check_params(p: SamplingParams) -> None:
