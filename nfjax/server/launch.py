@@ -98,7 +98,7 @@ def serve(engine, cfg: ServerConfig, model_name: str, on_ready: Callable[[str], 
     # The model's and the compiled programs' Python objects (280k on the tiny model) are kept for the process's life:
     # frozen, the cyclic GC no longer walks them in every full collection on the engine loop's thread (streaming 512
     # sequences on a CPU: 6.0 -> 3.8 ms of output processing a step, and no growth over the outputs' length;
-    # bench/NOTES.md section 17). One engine a process here, so nothing frozen is garbage left uncollected.
+    # docs/design.md section 16). One engine a process here, so nothing frozen is garbage left uncollected.
     gc.collect()
     gc.freeze()
     main = threading.current_thread() is threading.main_thread()
