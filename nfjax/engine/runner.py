@@ -183,12 +183,13 @@ class Runner:
                         f"--kv-memory-fraction (now {cache.kv_memory_fraction}) or set --num-pages ({err})")
 
     def compile_all(self, progress: bool = False) -> None:
-        """Lower every program in turn, then compile them on a thread pool (XLA compiles outside the GIL)."""
+        """Lower every program and compile each on a thread pool as soon as it is lowered (XLA compiles outside the
+        GIL, so compiling overlaps the lowering of the programs after it); the layer programs, the longest to
+        compile, go first, the largest buckets' first."""
         from nfjax.schedule.variants import SEQUENTIAL
         t0 = time.perf_counter()
         if self.config.execution.compile_cache_dir:
             use_compile_cache(self.config.execution.compile_cache_dir)
-        jobs: list[tuple[dict, object, object, dict | None]] = []     # (table, key, lowered, compiler options)
         rep = self.replicated
         x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)
         xo = self.xla_options or None
@@ -196,58 +197,70 @@ class Runner:
         # the buckets a decode-only batch (at most max_seqs tokens) can land in
         decode_buckets = {b for b in buckets if b < self.max_seqs} | {min([b for b in buckets if b >= self.max_seqs],
                                                                          default=buckets[-1])}
-        for b in buckets:
-            inp = self._example_input(b)
-            x = x_sh.update(shape=(b, self.cfg.hidden_size))
-            if self.stable_inputs:
-                jobs.append((self._stage, b, jax.jit(stage, donate_argnums=0, out_shardings=rep).lower(inp, inp),
-                             None))
-                packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inp)),), jnp.int32, sharding=rep)
-                jobs.append((self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
-                    inp, packed), None))
-                self._staged[b] = inp           # lowering read only its shapes; the steps take it over
-            rest = self._rest_leaves
-            jobs.append((self._embed, b, jax.jit(self._on_rest(partial(embed_step, self.rest_gd)),
-                                                 out_shardings=rep).lower(rest, self._prev, inp), xo))
-            for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
-                jobs.append((self._head, (b, any_sampled), jax.jit(
-                    self._on_rest(partial(head_step, self.rest_gd, any_sampled, self.max_seqs)),
-                    out_shardings=rep).lower(rest, x, inp), xo))
-            like = self._full_like(b)
-            packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32, sharding=rep)
-            jobs.append((self._full_head, b, jax.jit(
-                self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
-                out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo))
-            for v in self.variants.by_bucket[b].values():
-                self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
-                opts = {**self.xla_options, **v.compiler_options()} or None
-                # Decode-only batches of the plain step also get programs without the prefill kernel.
-                decode = (False, True) if v.label == SEQUENTIAL and b in decode_buckets else (False,)
-                for dec in decode:
-                    fwd = dataclasses.replace(self.opts, decode_only=dec)
-                    table = self._decode_steps if dec else self._steps
-                    step = partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
-                                   self.inv_freq)
-                    groups = self._groups[v.label]
-                    for n in sorted({n for _, n in groups}, reverse=True):
-                        key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
-                        tdef = jax.tree.structure(tuple(self.layer_states[:n]))
-                        layers = jax.jit(on_leaves(step, tdef), donate_argnums=(1, 2),
-                                         out_shardings=(rep, self.kv_sharding))
-                        args = tuple(jax.tree.leaves(tuple(self.layer_states[:n])))
-                        jobs.append((table, key, layers.lower(args, self.kv, x, inp.meta, self._layer_ids[0]), opts))
+        inputs = {b: self._example_input(b) for b in buckets}
+        xs = {b: x_sh.update(shape=(b, self.cfg.hidden_size)) for b in buckets}
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(jobs), desc="compiling", unit="program")
+            bar = tqdm(total=0, desc="compiling", unit="program")
+        futures = []
 
-        def compile_one(job):
-            table, key, lowered, opts = job
+        def compile_one(table, key, lowered, opts):
             table[key] = lowered.compile(compiler_options=opts)
             if bar is not None:
                 bar.update(1)
-        with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
-            list(pool.map(compile_one, jobs))           # list(): re-raise the first compile error here
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            def submit(table: dict, key, lowered, opts: dict | None) -> None:
+                futures.append(pool.submit(compile_one, table, key, lowered, opts))
+                if bar is not None:
+                    bar.total += 1
+                    bar.refresh()
+
+            for b in reversed(buckets):
+                inp, x = inputs[b], xs[b]
+                for v in self.variants.by_bucket[b].values():
+                    self.layer_fns[(b, v.label)] = layer_fn = v.layer_fn()
+                    opts = {**self.xla_options, **v.compiler_options()} or None
+                    # Decode-only batches of the plain step also get programs without the prefill kernel.
+                    decode = (False, True) if v.label == SEQUENTIAL and b in decode_buckets else (False,)
+                    for dec in decode:
+                        fwd = dataclasses.replace(self.opts, decode_only=dec)
+                        table = self._decode_steps if dec else self._steps
+                        step = partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
+                                       self.inv_freq)
+                        groups = self._groups[v.label]
+                        for n in sorted({n for _, n in groups}, reverse=True):
+                            key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
+                            tdef = jax.tree.structure(tuple(self.layer_states[:n]))
+                            layers = jax.jit(on_leaves(step, tdef), donate_argnums=(1, 2),
+                                             out_shardings=(rep, self.kv_sharding))
+                            args = tuple(jax.tree.leaves(tuple(self.layer_states[:n])))
+                            submit(table, key, layers.lower(args, self.kv, x, inp.meta, self._layer_ids[0]), opts)
+            rest = self._rest_leaves
+            for b in reversed(buckets):
+                inp, x = inputs[b], xs[b]
+                like = self._full_like(b)
+                packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32,
+                                              sharding=rep)
+                submit(self._full_head, b, jax.jit(
+                    self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
+                    out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
+                for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
+                    submit(self._head, (b, any_sampled), jax.jit(
+                        self._on_rest(partial(head_step, self.rest_gd, any_sampled, self.max_seqs)),
+                        out_shardings=rep).lower(rest, x, inp), xo)
+                submit(self._embed, b, jax.jit(self._on_rest(partial(embed_step, self.rest_gd)),
+                                               out_shardings=rep).lower(rest, self._prev, inp), xo)
+                if self.stable_inputs:
+                    submit(self._stage, b, jax.jit(stage, donate_argnums=0, out_shardings=rep).lower(inp, inp), None)
+                    packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inp)),), jnp.int32,
+                                                  sharding=rep)
+                    submit(self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
+                        inp, packed), None)
+                    self._staged[b] = inp           # lowering read only its shapes; the steps take it over
+        for f in futures:
+            f.result()                              # re-raise the first compile error here
         if bar is not None:
             bar.close()
         pages = jax.device_put(jnp.zeros((self.cache_cfg.max_pages_per_seq,), jnp.int32), self.replicated)
