@@ -12,7 +12,7 @@ from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput, TokenLogprob
 from nfjax.engine.penalties import MAX_BANNED, banned_ids
 from nfjax.engine.prompt import Prompt, encode_prompt
-from nfjax.engine.request import Request, Status
+from nfjax.engine.request import Request
 from nfjax.engine.runner import Runner, StepHandle
 from nfjax.engine.sampling_params import SamplingParams
 from nfjax.engine.batcher import Batcher
@@ -21,7 +21,6 @@ from nfjax.errors import UserError
 from nfjax.kv.host_pool import start_pool
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny"
-
 
 
 class Engine:
@@ -357,7 +356,7 @@ class Engine:
             lp_token, lp_ids, lp_top = logprobs.token.tolist(), logprobs.top_ids.tolist(), logprobs.top.tolist()
         for i, sq in enumerate(handle.batch.seqs):
             req = sq.req
-            if not sq.samples or req.status is Status.FINISHED:
+            if not sq.samples or req.finished:
                 continue          # a mid-prompt chunk, or a token past EOS / abort (dropped)
             tok = tokens[i]
             out_ids = req.output_ids

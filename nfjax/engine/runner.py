@@ -104,7 +104,8 @@ class Runner:
         self._groups = {lb: layer_groups(model.cfg.num_layers, 1 if v.splits else g)
                         for vs in self.variants.by_bucket.values() for lb, v in vs.items()}
         # the programs take the weights as flat tuples of arrays (`on_leaves`): the rest's, and each layer group's
-        self._rest_tdef, self._rest_leaves = jax.tree.structure(self.rest_state), tuple(jax.tree.leaves(self.rest_state))
+        rest_leaves, self._rest_tdef = jax.tree.flatten(self.rest_state)
+        self._rest_leaves = tuple(rest_leaves)
         self._group_args = {(i0, n): tuple(jax.tree.leaves(tuple(self.layer_states[i0:i0 + n])))
                             for gs in self._groups.values() for i0, n in gs}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
@@ -232,11 +233,11 @@ class Runner:
                         groups = self._groups[v.label]
                         for n in sorted({n for _, n in groups}, reverse=True):
                             key = (b, v.label) if n == groups[0][1] else (b, v.label, n)
-                            tdef = jax.tree.structure(tuple(self.layer_states[:n]))
+                            args, tdef = jax.tree.flatten(tuple(self.layer_states[:n]))
                             layers = jax.jit(on_leaves(step, tdef), donate_argnums=(1, 2),
                                              out_shardings=(rep, self.kv_sharding))
-                            args = tuple(jax.tree.leaves(tuple(self.layer_states[:n])))
-                            submit(table, key, layers.lower(args, self.kv, x, inp.meta, self._layer_ids[0]), opts)
+                            submit(table, key, layers.lower(tuple(args), self.kv, x, inp.meta, self._layer_ids[0]),
+                                   opts)
             rest = self._rest_leaves
             for b in reversed(buckets):
                 inp, x = inputs[b], xs[b]
