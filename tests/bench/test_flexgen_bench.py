@@ -133,3 +133,45 @@ def test_warm_up_compiles_every_shape_of_the_timed_block(tmp_path):
         outs, passes, setup = _timed_generate(eng, prompts, 32)
         assert eng.programs.layer[True]._cache_size() == warm
         assert len(passes) == 32 and sum(len(o.token_ids) for o in outs) == 4 * 32 and setup >= 0
+
+
+def test_summary_keys_come_from_their_own_kind_of_run():
+    """The headline is the best policy with uncompressed weights (4-bit KV allowed); `_int4` has 4-bit weights,
+    `_nocompress` neither compression, and a kind with no run has no key (not another kind's figure)."""
+    import argparse
+
+    from bench.flexgen import _baseline_summary, _summary
+
+    def run(tok, w, kv):
+        return {"out_tok_s": tok, "policy": {"compress_weights": w, "compress_cache": kv}}
+    runs = {"kv4": run(40.0, False, True), "int4kv4": run(80.0, True, True)}
+    args = argparse.Namespace(shape="opt-30b", gpu_memory_gb=16)
+    s = _summary(args, runs)
+    assert s["flexgen_best_policy"] == "kv4" and s["flexgen_out_tok_s_opt30b_16gb"] == 40.0
+    assert s["flexgen_out_tok_s_opt30b_16gb_kv4"] == 40.0 and s["flexgen_out_tok_s_opt30b_16gb_int4"] == 80.0
+    assert "flexgen_out_tok_s_opt30b_16gb_nocompress" not in s and s["flexgen_best_policy_any"] == "int4kv4"
+    base = {"pinned": {**run(4.0, False, False), "policy": {"gpu_batch_size": 8}}}
+    _baseline_summary(runs, base, s, {})
+    assert s["flexgen_vs_rowbyrow"] == s["flexgen_vs_rowbyrow_kv4"] == 10.0 and s["flexgen_vs_rowbyrow_int4"] == 20.0
+    assert "flexgen_vs_rowbyrow_nocompress" not in s
+    runs["plain"] = run(12.0, False, False)
+    s = _summary(args, runs)
+    _baseline_summary(runs, base, s, {})
+    assert s["flexgen_best_policy"] == "kv4" and s["flexgen_best_policy_nocompress"] == "plain"
+    assert s["flexgen_vs_rowbyrow_nocompress"] == 3.0
+
+
+def test_rowbyrow_baseline_is_uncompressed(monkeypatch):
+    import argparse
+
+    import bench.flexgen as fg
+    seen = []
+    monkeypatch.setattr(fg, "run_policy", lambda cfg, pol, args, **kw: seen.append(pol) or
+                        {"out_tok_s": 1.0, "extrapolated": False})
+    args = argparse.Namespace(shape="opt-30b", policies="int4-kv4-w0-8x8", gpu_memory_gb=16, cpu_memory_gb=None,
+                              disk_gb=None, offload=None, offload_dir=None, baseline_batch=None, baseline_gen_len=3)
+    template = fg.grid(args)["int4-kv4-w0-8x8"]
+    assert template.compress_weights and template.compress_cache
+    fg._baselines(None, args, template.to_json(), ["pinned"])
+    (pol,) = seen
+    assert pol.schedule == "row_by_row" and not pol.compress_weights and not pol.compress_cache
