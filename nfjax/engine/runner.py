@@ -276,6 +276,21 @@ class Runner:
             self.tail_copies = TailCopies(self.tails, self.kv, self.kv_sharding, blk_sh, self.replicated)
         self._compile_prefix_programs()
         self.compile_seconds = time.perf_counter() - t0
+        self._check_scratch()
+
+    def _check_scratch(self) -> None:
+        """A warning at start where the largest program's scratch exceeds the device memory left beside the
+        weights and the cache: a step running that program would fail to allocate it (docs/design.md section 2: the
+        sampled head once needed 4.65 GiB against ~6 GiB left on an H100)."""
+        free, top = free_device_bytes(), self.largest_temps(1)
+        if free is None or not top or top[0][1] <= free:
+            return
+        import warnings
+        name, temp = top[0]
+        warnings.warn(f"the compiled program {name} needs {temp / 2**30:.2f} GiB of scratch and {free / 2**30:.2f} "
+                      f"GiB are free beside the weights and the KV cache: a step that runs it can run out of memory; "
+                      f"lower --kv-memory-fraction (now {self.cache_cfg.kv_memory_fraction}), --num-pages or "
+                      f"--max-seqs", RuntimeWarning, stacklevel=3)
 
     def _compile_prefix_programs(self) -> None:
         """The prefix cache's programs: the penalty-slot seed, and with a host tier the page <-> row copies."""

@@ -157,3 +157,22 @@ def test_an_automatic_kv_size_that_does_not_fit_is_retried_smaller(monkeypatch):
     with pytest.raises(UserError, match="--num-pages"):
         Runner(model, fixed, mesh)
     assert tried == [1500]
+
+
+def test_scratch_beyond_the_free_memory_is_a_warning_at_start(monkeypatch):
+    """Where a compiled program's scratch exceeds the device memory left beside the weights and the cache, the
+    engine says so at start, naming the program and the flags; with room (or no statistics, as on the CPU) it is
+    silent."""
+    import warnings
+
+    import nfjax.engine.runner as runner_mod
+    for free, warns in ((None, False), (1 << 40, False), (1024, True)):
+        monkeypatch.setattr(runner_mod, "free_device_bytes", lambda f=free: f)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            r = _runner(SMOKE.replace(**_DIMS))
+        msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning) and "scratch" in str(w.message)]
+        assert bool(msgs) == warns, (free, msgs)
+        if warns:
+            name = r.largest_temps(1)[0][0]
+            assert name in msgs[0] and "--kv-memory-fraction" in msgs[0]
