@@ -40,14 +40,19 @@ def step_kind(st) -> str:
     return "+".join(parts) + f"@{st.bucket}"
 
 
-def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | None = None) -> dict:
-    """Every request of `work` through `engine.generate` (greedy, exact output lengths) after a short warm-up;
-    total (prompt + generated) tokens/s and the mean step time per step kind."""
+def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | None = None,
+                 temperature: float = 0.0) -> dict:
+    """Every request of `work` through `engine.generate` (exact output lengths; greedy, or sampled at
+    `temperature` with a seed a request) after a short warm-up at the same temperature; total (prompt +
+    generated) tokens/s and the mean step time per step kind."""
     from nfjax.engine import SamplingParams
-    engine.generate([p for p, _ in work[:8]], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+
+    def params(i: int, n: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
+    engine.generate([p for p, _ in work[:8]], [params(i, 4) for i in range(len(work[:8]))])
     engine.trace.steps.clear()
     engine.runner.strategy_counts.clear()
-    sps = [SamplingParams.greedy(max_tokens=o, ignore_eos=True) for _, o in work]
+    sps = [params(i, o) for i, (_, o) in enumerate(work)]
     t = time.perf_counter()
     outs = engine.generate([p for p, _ in work], sps)
     dt = time.perf_counter() - t
@@ -61,6 +66,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     def mean(v, f):
         return sum(f(st) for st in v) / len(v)
     res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
+           "temperature": temperature,
            "total_tok_s": tot, "trace": engine.trace.summary(), "steps_by_strategy": dict(engine.runner.strategy_counts),
            "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": mean(v, lambda s: s.seconds * 1e3),
                                    "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms),

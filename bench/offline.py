@@ -109,7 +109,7 @@ def engine_run(args, workloads: list[str]) -> dict:
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
-        out["results"][w] = run_workload(engine, work, w, optimal)
+        out["results"][w] = run_workload(engine, work, w, optimal, temperature=args.temperature)
     return out
 
 
@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="engine variants compared in this call: 'NAME=FLAGS;...', "
                     "FLAGS being engine flags (they override the ones given outside); the first "
                     "is the baseline. Default: one variant from the flags given")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the engine's requests sampled at this temperature, a seed each (default 0: greedy); "
+                         "the peers run greedy, so only with --peer none")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     ap.add_argument("--workload-dir", default=None, help=argparse.SUPPRESS)  # child mode: write the requests here
@@ -201,6 +204,9 @@ def main() -> None:
     peer_kinds = set(filter(None, args.peer.split(","))) - {"none"}
     if peer_kinds - {"hf", "vllm"}:
         raise SystemExit(f"--peer: expected hf, vllm, hf,vllm or none, got {args.peer!r}")
+    if args.temperature < 0 or (args.temperature > 0 and peer_kinds):
+        raise SystemExit(f"--temperature: >= 0, and > 0 only with --peer none (the peers run greedy), got "
+                         f"{args.temperature} with --peer {args.peer}")
     if args.engine_json:
         with open(args.engine_json, "w") as f:
             json.dump(engine_run(args, workloads), f)
