@@ -39,15 +39,24 @@ def _paged_engine_tokens() -> list[str]:
 def test_generate_offload_auto_gives_the_engines_tokens(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NFJAX_CACHE", str(tmp_path / "cache"))
     want = _paged_engine_tokens()
-    # 16 MB of GPU (float32): the tiny model's weights fit, its KV cache and activations are pushed off
-    assert cli.main(["generate", "--offload", "auto", "--gpu-memory-gb", "0.016", "--offload-dir",
-                     str(tmp_path / "off"), "--dtype", "float32", *ARGS]) == 0
+    # 16 MB of GPU (float32): the weights fit with little room. Whether the KV cache and activations then stay on
+    # the GPU is a close call of the measured rates (~2% apart in predicted tok/s on a 2-core CPU, flipped by load),
+    # so the check is that the CLI ran the search's choice for the profile it measured and cached.
+    off = str(tmp_path / "off")
+    assert cli.main(["generate", "--offload", "auto", "--gpu-memory-gb", "0.016", "--offload-dir", off,
+                     "--dtype", "float32", *ARGS]) == 0
     cap = capsys.readouterr()
     assert _tokens(cap.out) == want and len(want) == 3
     assert "hardware (" in cap.err and "predicted" in cap.err and "tok/s" in cap.err
     policy = json.loads(cap.err.split("offload auto policy: ")[1].split("]\n")[0])
     assert policy["gpu_memory_gb"] == 0.016 and policy["gpu_batch_size"] * policy["num_gpu_batches"] <= 3
-    assert policy["cache"]["gpu"] < 100 or policy["activations"]["gpu"] < 100
+    from nfjax.checkpoint.orbax_io import load_config
+    from nfjax.engine.engine import TINY_MODEL
+    from nfjax.offload.policy import Policy
+    from nfjax.offload.search import auto_policy
+    cfg = load_config(TINY_MODEL).replace(dtype="float32")
+    again = auto_policy(cfg, Workload(6, 8, 14), Policy(gpu_memory_gb=0.016, offload_dir=off), max_block=3)
+    assert again.policy.to_json() == policy                  # the cached profile, not a new measurement
 
 
 def test_generate_offload_auto_caps_too_small(tmp_path, monkeypatch, capsys):
