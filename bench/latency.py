@@ -5,7 +5,8 @@ process of its own (bench/peers/vllm.py latency mode), before JAX touches the GP
 Each batch gets fresh random prompts (--prompt-len tokens, --output-len tokens out, greedy, ignore_eos) after a
 warm-up. Per request: TTFT from RequestOutput.metrics (arrival to first token on the host) and TPOT = (e2e -
 TTFT) / (tokens - 1); the batch's figures are the means over its requests. Inter-token latency (ITL): the gaps
-between the tokens `Engine.stream` yields for one request alone, p50 and p99. The engine is built as
+between the tokens `Engine.stream` yields for one request alone, `--streams` requests one after another, their
+gaps pooled for p50 and p99 (each stream's kept, with the step records of its largest gaps). The engine is built as
 bench/offline.py builds it (bench/setup.py: the product's engine flags and defaults).
 
 Ratios: nfjax_vs_vllm_tpot_bs<B> = vLLM TPOT / nfjax TPOT, so > 1 means nfjax is faster (as nfjax_vs_vllm_*
@@ -54,18 +55,35 @@ def batch_latency(engine, work) -> dict:
 
 
 def stream_latency(engine, ids: list[int], n: int) -> dict:
-    """One request alone through `Engine.stream`: the host time of each token as it is yielded."""
+    """One request alone through `Engine.stream`: the host time of each token as it is yielded, and the step
+    records (host ms, dispatch, blocked on read, step ms) of the three largest gaps."""
     from nfjax.engine import SamplingParams
+    steps = engine.trace.steps
     t0 = time.perf_counter()
-    times, tokens = [], 0
+    times, tokens, recs = [], 0, []
     for out in engine.stream(ids, SamplingParams.greedy(max_tokens=n, ignore_eos=True)):
         if out.new_token_ids:
             times.append(time.perf_counter())
             tokens += len(out.new_token_ids)
+            st = steps[-1] if steps else None
+            recs.append(None if st is None else {"host_ms": st.host_ms, "dispatch_ms": st.dispatch_ms,
+                                                 "wait_ms": st.wait_ms, "step_ms": st.seconds * 1e3})
     gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    worst = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:3]
     return {"tokens": tokens, "yields": len(times), "ttft_ms": (times[0] - t0) * 1e3,
             "itl_ms_mean": statistics.mean(gaps), "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p99": pct(gaps, 0.99),
-            "itl_ms_max": max(gaps), "itl_ms": gaps}
+            "itl_ms_max": max(gaps), "itl_ms": gaps,
+            "worst_gaps": [{"token": i + 2, "ms": gaps[i], "step": recs[i + 1]} for i in worst]}
+
+
+def pooled_streams(runs: list[dict]) -> dict:
+    """Several streams' gaps pooled (as vLLM's serving bench pools inter-token latencies over requests), each
+    stream kept."""
+    gaps = [g for r in runs for g in r["itl_ms"]]
+    return {"streams": runs, "tokens": runs[0]["tokens"], "yields": runs[0]["yields"],
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in runs), "itl_ms_mean": statistics.mean(gaps),
+            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p99": pct(gaps, 0.99), "itl_ms_max": max(gaps), "itl_ms": gaps,
+            "itl_p99_over_p50_by_stream": [r["itl_ms_p99"] / r["itl_ms_p50"] for r in runs]}
 
 
 def nfjax_latency(args, cfg) -> dict:
@@ -86,9 +104,16 @@ def nfjax_latency(args, cfg) -> dict:
     for bs, work in works.items():
         r = out["results"][str(bs)] = batch_latency(engine, work)
         print(f"[nfjax bs={bs}] TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms", flush=True)
-    out["stream"] = stream_latency(engine, solo[0], solo[1])
-    s = out["stream"]
-    print(f"[nfjax stream] ITL p50 {s['itl_ms_p50']:.2f} ms, p99 {s['itl_ms_p99']:.2f} ms", flush=True)
+    runs = []
+    for i in range(args.streams):
+        ids = solo[0] if i == 0 else fixed(1, args.prompt_len, args.output_len, v, seed=2000 + i)[0][0]
+        runs.append(stream_latency(engine, ids, solo[1]))
+        r = runs[-1]
+        print(f"[nfjax stream {i}] ITL p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms, max "
+              f"{r['itl_ms_max']:.2f} ms", flush=True)
+    out["stream"] = s = pooled_streams(runs)
+    print(f"[nfjax stream, {args.streams} pooled] ITL p50 {s['itl_ms_p50']:.2f} ms, p99 {s['itl_ms_p99']:.2f} ms",
+          flush=True)
     return out
 
 
@@ -122,6 +147,9 @@ def summarize(ours: dict, vllm: dict | None) -> tuple[dict, list[list]]:
     s = ours["stream"]
     summary.update(itl_p50_ms_bs1=s["itl_ms_p50"], itl_p99_ms_bs1=s["itl_ms_p99"],
                    itl_p99_over_p50_bs1=s["itl_ms_p99"] / s["itl_ms_p50"], ttft_ms_stream_bs1=s["ttft_ms"])
+    if "itl_p99_over_p50_by_stream" in s:
+        summary["itl_p99_over_p50_bs1_worst_stream"] = max(s["itl_p99_over_p50_by_stream"])
+        summary["itl_streams"] = len(s["itl_p99_over_p50_by_stream"])
     if vllm and vllm.get("error"):
         summary["vllm_error"] = vllm["error"][:300]
     return summary, rows
@@ -138,9 +166,10 @@ def plot(path: str, ours: dict, vllm: dict | None) -> None:
         if got:
             series["vLLM"] = (got, [peer[str(b)][key] for b in got])
         panels.append({"title": title, "xlabel": "batch size", "ylabel": "ms", "series": series, "logx": True})
-    gaps = ours["stream"]["itl_ms"]
+    streams = ours["stream"].get("streams") or [ours["stream"]]
     panels.append({"title": "inter-token latency, batch 1", "xlabel": "token", "ylabel": "ms",
-                   "series": {"nfjax": (list(range(2, len(gaps) + 2)), gaps)}})
+                   "series": {f"stream {i}": (list(range(2, len(r["itl_ms"]) + 2)), r["itl_ms"])
+                              for i, r in enumerate(streams)}})
     save_plot(path, panels)
 
 
@@ -150,13 +179,16 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=ints, default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=5,
+                    help="lone streamed requests timed one after another; their inter-token gaps are pooled")
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
     ap.add_argument("--peer-timeout", type=int, default=420, help="seconds for the vLLM process, start-up included")
     ap.add_argument("--vllm-args", default="", help="extra flags for bench/peers/vllm.py")
     ap.add_argument("--name", default="latency")
     args = ap.parse_args()
-    if args.output_len < 2 or not args.batch_sizes:
-        raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens) and --batch-sizes non-empty")
+    if args.output_len < 2 or not args.batch_sizes or args.streams < 1:
+        raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens), --batch-sizes non-empty and "
+                         "--streams >= 1")
     from bench.setup import model_config               # imports JAX without starting a backend
     cfg = model_config(args)
     vllm = None

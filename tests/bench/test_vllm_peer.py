@@ -166,8 +166,13 @@ def test_latency_script_on_cpu(tmp_path):
     for bs in (1, 3):
         assert ours["results"][str(bs)]["output_tokens"] == bs * 6
         assert 0 < s[f"ttft_ms_bs{bs}"] and 0 < s[f"tpot_ms_bs{bs}"] < ours["results"][str(bs)]["e2e_ms"]
-    assert ours["stream"]["tokens"] == 6 and len(ours["stream"]["itl_ms"]) == ours["stream"]["yields"] - 1
-    assert s["itl_p99_over_p50_bs1"] >= 1.0 and "latency-test" in doc["name"] and doc["command"]
+    st = ours["stream"]
+    assert len(st["streams"]) == 5 == s["itl_streams"]           # the default
+    assert all(r["tokens"] == 6 and len(r["itl_ms"]) == r["yields"] - 1 for r in st["streams"])
+    assert st["itl_ms"] == [g for r in st["streams"] for g in r["itl_ms"]]
+    assert all(len(r["worst_gaps"]) == 3 and r["worst_gaps"][0]["ms"] == max(r["itl_ms"]) for r in st["streams"])
+    assert s["itl_p99_over_p50_bs1"] >= 1.0 and s["itl_p99_over_p50_bs1_worst_stream"] >= 1.0
+    assert "latency-test" in doc["name"] and doc["command"]
     assert list(tmp_path.glob("latency-test-*.png"))
     if peer:
         assert doc["data"]["vllm"]["mode"] == "latency" and "vllm" in s["vllm_error"]
