@@ -38,6 +38,8 @@ Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop'
   fp8pP | fp8e5pP        the same with one scale per page of P and kv head (from the complete page's amax)
   SCHEME@rP              SCHEME on the complete pages of P positions, the page still filling read exactly (a
                          full-precision residual of up to P - 1 positions, as the per-page schemes have)
+  SCHEME@sN              SCHEME past the first N positions of each sequence, those kept in bfloat16 (the
+                         attention sink: the rows every query attends to most)
 
 usage: python -m bench.probes.kv_int4_variants k:rot64,v:rot64 k:kivi16,v:rot64 [...] [--windows 2]
        [--base-dtype float32] [--name kv_int4_variants-v2]
@@ -62,6 +64,9 @@ FP8_FORMATS = {"fp8": ("float8_e4m3fn", 448.0), "fp8e5": ("float8_e5m2", 57344.0
 
 # ---- schemes -------------------------------------------------------------------------------------------------
 def parse_scheme(s: str) -> dict:
+    m = re.fullmatch(r"(.+)@s(\d+)", s)
+    if m:
+        return {"kind": "sink", "n": int(m[2]), "inner": parse_scheme(m[1])}
     m = re.fullmatch(r"(.+)@r(\d+)", s)
     if m:
         return {"kind": "res", "page": int(m[2]), "inner": parse_scheme(m[1]), "partial": None}
@@ -100,7 +105,7 @@ def bits(spec: dict | None, d: int) -> float:
     if spec is None or spec["kind"] in ("exact", "bf16"):
         return 16.0
     k = spec["kind"]
-    if k == "res":
+    if k in ("res", "sink"):         # the sink's first positions not counted (a few rows a sequence)
         return bits(spec["inner"], d)
     if k == "group":
         return spec["bits"] + 32 / min(spec["group"], d)
@@ -152,6 +157,10 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
     k = spec["kind"]
     if k == "bf16":
         return x.astype(jnp.bfloat16).astype(jnp.float32)
+    if k == "sink":                  # the first n positions of every sequence kept in bfloat16
+        pos = pos0 + jnp.arange(x.shape[1])
+        keep = x.astype(jnp.bfloat16).astype(jnp.float32)
+        return jnp.where((pos < spec["n"])[None, :, None, None], keep, fake(x, spec["inner"], pos0, seq_lens, mean))
     rot = (lambda a: kq.rotate(a, jnp.float32)) if spec.get("rot") else (lambda a: a)
     if k == "group":
         return rot(_groups(rot(x), spec["group"], spec["bits"]))
