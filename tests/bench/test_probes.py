@@ -60,6 +60,11 @@ def test_kv_probe_fake_schemes_match_the_format_and_wait_for_full_pages():
     page = np.asarray(kivi[1, :64, 0])
     assert all(len(np.unique(page[:, ch])) <= 16 for ch in range(64))
     assert p.bits(p.parse_scheme("kivi16"), 64) == 6.0 and p.bits(p.parse_scheme("rot64"), 128) == 4.5
+    # @sN: a block starting at position 8 keeps positions < 20 in bf16, the rest through the inner scheme
+    sink = p.fake(x, p.parse_scheme("rot64@s20"), 8, lens)
+    inner = p.fake(x, p.parse_scheme("rot64"), 8, lens)
+    np.testing.assert_array_equal(sink[:, :12], x[:, :12].astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(sink[:, 12:], inner[:, 12:])
 
 
 def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_run(capsys):
