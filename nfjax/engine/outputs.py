@@ -14,6 +14,9 @@ class TokenLogprob:
 
 
 _UNSET = object()
+# the constructor's arguments, in order: what copies, pickles, equality and repr read
+_FIELDS = ("request_id", "prompt_token_ids", "token_ids", "text", "new_token_ids", "new_text", "finished",
+           "finish_reason", "metrics", "new_logprobs", "logprobs", "cumulative_logprob")
 
 
 class RequestOutput:
@@ -93,9 +96,7 @@ class RequestOutput:
         return self._metrics
 
     def _fields(self) -> tuple:
-        return (self.request_id, self.prompt_token_ids, self.token_ids, self.text, self.new_token_ids,
-                self.new_text, self.finished, self.finish_reason, self.metrics, self.new_logprobs, self.logprobs,
-                self.cumulative_logprob)
+        return tuple(getattr(self, k) for k in _FIELDS)
 
     def __reduce__(self):                 # copies and pickles hold the values, not the request
         return RequestOutput, self._fields()
@@ -106,6 +107,4 @@ class RequestOutput:
     __hash__ = None
 
     def __repr__(self) -> str:
-        names = ("request_id", "prompt_token_ids", "token_ids", "text", "new_token_ids", "new_text", "finished",
-                 "finish_reason", "metrics", "new_logprobs", "logprobs", "cumulative_logprob")
-        return "RequestOutput(" + ", ".join(f"{k}={v!r}" for k, v in zip(names, self._fields())) + ")"
+        return "RequestOutput(" + ", ".join(f"{k}={v!r}" for k, v in zip(_FIELDS, self._fields())) + ")"

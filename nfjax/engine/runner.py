@@ -282,8 +282,11 @@ class Runner:
         """A warning at start where the largest program's scratch exceeds the device memory left beside the
         weights and the cache: a step running that program would fail to allocate it (docs/design.md section 2: the
         sampled head once needed 4.65 GiB against ~6 GiB left on an H100)."""
-        free, top = free_device_bytes(), self.largest_temps(1)
-        if free is None or not top or top[0][1] <= free:
+        free = free_device_bytes()
+        if free is None:                 # no statistics (the CPU): nothing to compare, no memory analysis run
+            return
+        top = self.largest_temps(1)
+        if not top or top[0][1] <= free:
             return
         import warnings
         name, temp = top[0]
