@@ -37,12 +37,22 @@ def synthetic_batches(ctx: int, page_size: int):
     return {"decode256": decode_batch(256, ctx, page_size), "decode128": decode_batch(128, ctx, page_size),
             "decode64": decode_batch(64, ctx, page_size), "decode32": decode_batch(32, ctx, page_size),
             "decode1": (16, one, nd),        # in the smallest GPU bucket, as the engine runs it (GPU_BUCKETS)
+            "decode4": (16, decode_batch(4, ctx, page_size)[1], 4),      # a long run's tail: few rows live
+            "decode16": decode_batch(16, ctx, page_size),
             "mixed2048": mixed_batch(2048, ctx, page_size, num_decode=128),
             "prefill2048": mixed_batch(2048, ctx, page_size, num_decode=0)}
 
 
+def _force_decode_splits(n: int) -> None:
+    """Probe only: every decode-attention call that names no split count takes `n` (A/B of the kernel's choice)."""
+    from pallas_kernels import paged_decode_attention as pda
+    pda.choose_num_splits = lambda work, ctas, max_splits=16: n
+
+
 def child(args) -> dict:
     import numpy as np
+    if args.decode_splits:
+        _force_decode_splits(args.decode_splits)
     from bench.common import device_info, time_fn
     from bench.setup import bench_runner, config_record, setting
     from bench.step_bench import kernel_table, make_step_input, synthetic_context, synthetic_pages, trace
@@ -57,7 +67,8 @@ def child(args) -> dict:
                           extra={"batcher": {"token_buckets": tuple(sorted({b for b, _, _ in batches.values()}))}})
     t = time.perf_counter()
     runner.compile_all()
-    out = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_s":
+    out = {"variant": args.variant, "decode_splits": args.decode_splits or "auto",
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_s":
            time.perf_counter() - t, "device": device_info(), "ctx": args.ctx, "layers": runner.cfg.num_layers,
            "engine_config": config_record(runner.config), "batches": {}}
     rng = np.random.default_rng(0)
@@ -88,6 +99,8 @@ def main() -> None:
     ap.add_argument("--variants", default="base")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--decode-splits", type=int, default=0,
+                    help="probe: force the decode kernel's split count (0: the kernel's own choice)")
     ap.add_argument("--hlo", action="store_true", help="write the first batch's layer program's optimized HLO (gzip)")
     ap.add_argument("--batches", default=None, help=f"comma list of synthetic batches (default all: "
                     f"{','.join(synthetic_batches(1280, 16))})")
