@@ -94,6 +94,23 @@ def measure_gemm(n: int = 8192, dtype: str = "bfloat16", **kw) -> dict:
     return {"tflops": 2 * n ** 3 / t["median_s"] / 1e12, "n": n, "dtype": dtype, **t}
 
 
+class GcLog:
+    """Wall-clock spans of the collections Python runs, by generation."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float, int]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.spans.append((self._t0, time.perf_counter(), info.get("generation", -1)))
+
+    def within(self, a: float, b: float) -> list[dict]:
+        return [{"gen": g, "ms": (e - s) * 1e3} for s, e, g in self.spans if s >= a and e <= b]
+
+
 def fmt(x, digits: int = 3) -> str:
     if x is None:
         return "n/a"

@@ -18,6 +18,7 @@ CPU:   python -m bench.latency --shape smoke --batch-sizes 1,4 --prompt-len 16 -
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -25,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import module_command
+from bench.common import GcLog, module_command
 from bench.setup import add_bench_args
 
 
@@ -59,21 +60,32 @@ def stream_latency(engine, ids: list[int], n: int) -> dict:
     records (host ms, dispatch, blocked on read, step ms) of the three largest gaps."""
     from nfjax.engine import SamplingParams
     steps = engine.trace.steps
+    log = GcLog()
+    gc.callbacks.append(log)
     t0 = time.perf_counter()
-    times, tokens, recs = [], 0, []
-    for out in engine.stream(ids, SamplingParams.greedy(max_tokens=n, ignore_eos=True)):
-        if out.new_token_ids:
+    times, cpu, tokens, recs = [], [], 0, []
+    try:
+        for out in engine.stream(ids, SamplingParams.greedy(max_tokens=n, ignore_eos=True)):
+            if not out.new_token_ids:
+                continue
             times.append(time.perf_counter())
+            cpu.append(time.thread_time())
             tokens += len(out.new_token_ids)
             st = steps[-1] if steps else None
             recs.append(None if st is None else {"host_ms": st.host_ms, "dispatch_ms": st.dispatch_ms,
                                                  "wait_ms": st.wait_ms, "step_ms": st.seconds * 1e3})
+    finally:
+        gc.callbacks.remove(log)
     gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
     worst = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:3]
     return {"tokens": tokens, "yields": len(times), "ttft_ms": (times[0] - t0) * 1e3,
             "itl_ms_mean": statistics.mean(gaps), "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p99": pct(gaps, 0.99),
             "itl_ms_max": max(gaps), "itl_ms": gaps,
-            "worst_gaps": [{"token": i + 2, "ms": gaps[i], "step": recs[i + 1]} for i in worst]}
+            "gc_in_stream": log.within(times[0], times[-1]),
+            # thread_cpu_ms: this thread's CPU time in the gap (near ms: it was busy; far below: it waited, on
+            # the GPU, a lock or the OS); gc: Python's collections inside the gap
+            "worst_gaps": [{"token": i + 2, "ms": gaps[i], "thread_cpu_ms": (cpu[i + 1] - cpu[i]) * 1e3,
+                            "gc": log.within(times[i], times[i + 1]), "step": recs[i + 1]} for i in worst]}
 
 
 def pooled_streams(runs: list[dict]) -> dict:
@@ -109,8 +121,11 @@ def nfjax_latency(args, cfg) -> dict:
         ids = solo[0] if i == 0 else fixed(1, args.prompt_len, args.output_len, v, seed=2000 + i)[0][0]
         runs.append(stream_latency(engine, ids, solo[1]))
         r = runs[-1]
+        w = r["worst_gaps"][0]
         print(f"[nfjax stream {i}] ITL p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms, max "
-              f"{r['itl_ms_max']:.2f} ms", flush=True)
+              f"{r['itl_ms_max']:.2f} ms (token {w['token']}: thread CPU {w['thread_cpu_ms']:.1f} ms, dispatch "
+              f"{(w['step'] or {}).get('dispatch_ms', 0):.1f} ms, gc {[(c['gen'], round(c['ms'], 1)) for c in w['gc']]})",
+              flush=True)
     out["stream"] = s = pooled_streams(runs)
     print(f"[nfjax stream, {args.streams} pooled] ITL p50 {s['itl_ms_p50']:.2f} ms, p99 {s['itl_ms_p99']:.2f} ms",
           flush=True)

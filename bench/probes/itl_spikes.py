@@ -20,24 +20,8 @@ import os
 import statistics
 import time
 
+from bench.common import GcLog
 from bench.setup import add_bench_args
-
-
-class GcLog:
-    """Wall-clock spans of the collections Python runs, by generation."""
-
-    def __init__(self):
-        self.spans: list[tuple[float, float, int]] = []
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.spans.append((self._t0, time.perf_counter(), info.get("generation", -1)))
-
-    def within(self, a: float, b: float) -> list[dict]:
-        return [{"gen": g, "ms": (e - s) * 1e3} for s, e, g in self.spans if s >= a and e <= b]
 
 
 def one_stream(engine, ids: list[int], n: int, log: GcLog) -> dict:

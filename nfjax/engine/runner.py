@@ -247,7 +247,7 @@ class Runner:
                 submit(self._full_head, b, jax.jit(
                     self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
                     out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
-                for any_sampled in (False, True):      # greedy-only batches skip the top-k/top-p sort
+                for any_sampled in (False, True):      # greedy-only batches skip the draw
                     submit(self._head, (b, any_sampled), jax.jit(
                         self._on_rest(partial(head_step, self.rest_gd, any_sampled, self.max_seqs)),
                         out_shardings=rep).lower(rest, x, inp), xo)

@@ -1,20 +1,42 @@
-"""On-device token sampling: greedy, temperature, top-k, top-p, with a per-request key (seed, step)."""
+"""On-device token sampling: greedy, temperature, top-k, top-p, with a per-request key (seed, step).
+
+A sampled row draws argmax(logits / T + Gumbel noise) over the tokens it keeps: a draw from softmax(logits / T)
+restricted to them. The noise is indexed by token id and keyed by (seed, step), so a row draws the same token
+whichever path computed its kept set: the plain path keeps every token and sorts nothing; the limits path
+sorts each row to find its top-k / top-p set (the engine runs it in the full head, only for batches with such
+a row: nfjax/engine/penalties.py)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
 
-# Rows sampled at a time. A row's sort, mask, softmax and draw hold ~9 vocab-sized temporaries: for 1,024 rows of a
-# 128k vocab that was 4.65 GiB of scratch on the H100, more than the ~10% of memory the KV sizing leaves free, and
-# a sampled step at bucket 1,024 ran out of memory. Chunks bound it by the chunk, not by max_seqs.
+# Rows sampled at a time. A row's sort, mask, softmax and draw hold ~9 vocab-sized temporaries (the plain draw ~4):
+# for 1,024 rows of a 128k vocab the sort's were 4.65 GiB of scratch on the H100, more than the ~10% of memory the
+# KV sizing leaves free, and a sampled step at bucket 1,024 ran out of memory. Chunks bound it by the chunk, not
+# by max_seqs.
 SAMPLE_CHUNK = 128
 
 
-def _sample_row(logits: Float[Array, "V"], temperature, top_k, top_p, seed, counter) -> Int[Array, ""]:
-    v = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+def _scaled(logits: Float[Array, "V"], temperature) -> Float[Array, "V"]:
+    return logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+
+
+def _draw(scaled: Float[Array, "V"], keep: Bool[Array, "V"] | bool, seed, counter) -> Int[Array, ""]:
+    """The kept token of largest scaled logit + Gumbel noise (the noise of token j depends on seed, counter, j)."""
+    key = jax.random.fold_in(jax.random.key(seed), counter)
+    noisy = scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)
+    return jnp.argmax(jnp.where(keep, noisy, -jnp.inf))
+
+
+def _plain_row(logits, temperature, seed, counter):
+    return _draw(_scaled(logits, temperature), True, seed, counter)
+
+
+def _limited_row(logits, temperature, top_k, top_p, seed, counter):
+    scaled = _scaled(logits, temperature)
+    v = scaled.shape[-1]
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
     rank = jnp.arange(v)
@@ -22,28 +44,31 @@ def _sample_row(logits: Float[Array, "V"], temperature, top_k, top_p, seed, coun
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     before = jnp.cumsum(probs) - probs                   # mass strictly before each rank
     keep = keep & (before < top_p)                       # the top token always survives
-    key = jax.random.fold_in(jax.random.key(seed), counter)
-    return order[jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))]
+    return _draw(scaled, jnp.zeros(v, bool).at[order].set(keep), seed, counter)
 
 
-def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
-    """`_sample_row` over the rows, `SAMPLE_CHUNK` rows at a time (vmapped within a chunk)."""
-    rows = (logits, temperature, top_k, top_p, seeds, counters)
-    if logits.shape[0] <= SAMPLE_CHUNK:             # no loop at all
-        return jax.vmap(_sample_row)(*rows)
+def _in_chunks(row_fn, *rows):
+    """`row_fn` over the rows, `SAMPLE_CHUNK` rows at a time (vmapped within a chunk)."""
+    if rows[0].shape[0] <= SAMPLE_CHUNK:            # no loop at all
+        return jax.vmap(row_fn)(*rows)
     # a loop of a constant trip count: XLA:GPU runs it without reading its predicate back to the host
-    return jax.lax.map(lambda r: _sample_row(*r), rows, batch_size=SAMPLE_CHUNK)
+    return jax.lax.map(lambda r: row_fn(*r), rows, batch_size=SAMPLE_CHUNK)
 
 
 def sample(logits: Float[Array, "S V"], temperature: Float[Array, "S"], top_k: Int[Array, "S"],
            top_p: Float[Array, "S"], seeds: UInt32[Array, "S"], counters: Int[Array, "S"], *,
-           any_sampled: bool = True) -> Int[Array, "S"]:
-    """Rows with temperature 0 take the argmax. `any_sampled` (static, known on the host from the batch):
-    False compiles the argmax alone, True also the sort for top-k/top-p. It is not a `lax.cond` on the
-    temperatures: XLA:GPU reads a conditional's predicate back to the host, so enqueueing the program would
-    wait for the GPU to reach it, and the host could never run a step ahead (docs/design.md section 2)."""
+           any_sampled: bool = True, limits: bool = True) -> Int[Array, "S"]:
+    """Rows with temperature 0 take the argmax. Two static switches, known on the host from the batch:
+    `any_sampled` False compiles the argmax alone; `limits` False promises no sampled row has a top-k or top-p
+    (they are ignored) and compiles no sort. Neither is a `lax.cond` on the values: XLA:GPU reads a
+    conditional's predicate back to the host, so enqueueing the program would wait for the GPU to reach it, and
+    the host could never run a step ahead (docs/design.md section 2)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not any_sampled:
         return greedy
-    sampled = _sample_rows(logits, temperature, top_k, top_p, seeds, counters).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    if limits:
+        sampled = _in_chunks(_limited_row, logits, temperature, top_k, top_p, seeds, counters)
+    else:
+        sampled = _in_chunks(_plain_row, logits, temperature, seeds, counters)
+    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+

@@ -58,7 +58,9 @@ def head_step(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Ar
     """Samples of the bucket's S rows, padded to `max_seqs` rows: every bucket's embed reads the same shape."""
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled)
+    # top-k / top-p rows run the full head (penalties.needs_full): no sort here
+    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled,
+                 limits=False)
     return jnp.pad(out, (0, max_seqs - out.shape[0]))
 
 

@@ -40,6 +40,17 @@ def test_seeded_sampling_is_batch_invariant_and_seed_dependent(roomy_engine):
     assert other != alone
 
 
+def test_plain_sampled_request_draws_the_same_beside_a_top_p_request(roomy_engine):
+    """A temperature-only request draws in the plain head alone and in the full head beside a top-p request
+    (the batch's head follows its neighbours): the same tokens either way."""
+    sp = SamplingParams(temperature=1.0, seed=4321, max_tokens=10, ignore_eos=True)
+    alone = roomy_engine.generate("plain draw", sp)[0].token_ids
+    beside = roomy_engine.generate(["plain draw", "nucleus"],
+                                   [sp, SamplingParams(temperature=0.8, top_p=0.5, seed=1, max_tokens=10,
+                                                       ignore_eos=True)])
+    assert beside[0].token_ids == alone
+
+
 def test_top_k_one_is_greedy(roomy_engine):
     g = roomy_engine.generate("abc", SamplingParams.greedy(max_tokens=8, ignore_eos=True))[0].token_ids
     k1 = roomy_engine.generate("abc", SamplingParams(temperature=2.0, top_k=1, seed=3, max_tokens=8,

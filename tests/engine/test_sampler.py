@@ -1,8 +1,10 @@
-"""On-device sampling: greedy rows, the static greedy-only path, top-k/top-p limits, per-request keys, and no
-device-predicated conditional in the compiled program (XLA:GPU would make enqueueing it wait for the GPU)."""
+"""On-device sampling: greedy rows, the static greedy-only path, top-k/top-p limits, per-request keys, the plain
+(sort-free) draw against the limits path and against the softmax, and no device-predicated conditional in the
+compiled program (XLA:GPU would make enqueueing it wait for the GPU)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from nfjax.engine.sampler import sample
 
@@ -39,9 +41,35 @@ def test_top_k_one_and_tiny_top_p_are_greedy_and_keys_are_per_request():
 
 def test_compiled_sampler_has_no_conditional():
     args = inputs([1.0] * S)
-    for any_sampled in (False, True):
-        hlo = jax.jit(lambda *a: sample(*a, any_sampled=any_sampled)).lower(*args).compile().as_text()
+    for any_sampled, limits in ((False, True), (True, True), (True, False)):
+        hlo = jax.jit(lambda *a: sample(*a, any_sampled=any_sampled, limits=limits)).lower(*args).compile().as_text()
         assert "conditional(" not in hlo
+
+
+def test_plain_draw_is_the_limits_paths_draw_for_rows_without_limits():
+    """A row without top-k / top-p draws the same token on both paths (the engine runs them in different heads,
+    so a seeded request's tokens must not depend on whether a neighbour has a top-p), over many keys."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 300, 97
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    temp = rng.choice([0.0, 0.5, 1.0, 3.0], rows).astype(np.float32)
+    args = (logits, temp, np.zeros(rows, np.int32), np.ones(rows, np.float32),
+            rng.integers(0, 2**31, rows).astype(np.uint32), rng.integers(0, 1000, rows).astype(np.int32))
+    plain = np.asarray(jax.jit(lambda *a: sample(*a, limits=False))(*args))
+    limited = np.asarray(jax.jit(sample)(*args))
+    np.testing.assert_array_equal(plain, limited)
+    assert len(set(plain[temp > 0].tolist())) > 20                       # draws, not a constant
+
+
+def test_plain_draws_follow_the_softmax():
+    """8,000 draws of one 6-token row (counters 0..7,999): each token's frequency within 0.02 of softmax(l / T)."""
+    n, logits = 8000, np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    for t in (1.0, 0.5):
+        args = (np.tile(logits, (n, 1)), np.full(n, t, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                np.full(n, 11, np.uint32), np.arange(n, dtype=np.int32))
+        got = np.bincount(np.asarray(jax.jit(lambda *a: sample(*a, limits=False))(*args)), minlength=6) / n
+        want = np.exp(logits / t) / np.exp(logits / t).sum()
+        assert np.abs(got - want).max() < 0.02, (t, got, want)
 
 
 def _spec(rows: int, vocab: int):
@@ -79,13 +107,15 @@ def test_rows_in_chunks_draw_as_each_row_alone_within_its_limits():
         assert got[i] in set(order[:max(1, nucleus)].tolist()), i
 
 
-def test_sampled_scratch_is_bounded_by_the_chunk():
+@pytest.mark.parametrize("limits", [True, False])
+def test_sampled_scratch_is_bounded_by_the_chunk(limits):
     """1,024 rows of a 32k vocab: the compiled sampler's scratch stays under two vocab-sized f32 arrays of all rows
-    (the whole-batch sort held ~9: 4.65 GiB at 1,024 x 128k on the H100), and its one loop has a known trip count
-    (XLA:GPU does not read its predicate back to the host)."""
+    (the whole-batch sort held ~9: 4.65 GiB at 1,024 x 128k on the H100; the plain draw unchunked 4), and its one
+    loop has a known trip count (XLA:GPU does not read its predicate back to the host)."""
     import re
     rows, vocab = 1024, 32768
-    c = jax.jit(lambda *a: sample(*a, any_sampled=True)).lower(*_spec(rows, vocab)).compile()
+    c = jax.jit(lambda *a: sample(*a, any_sampled=True, limits=limits)).lower(*_spec(rows, vocab)).compile()
     assert c.memory_analysis().temp_size_in_bytes < 2 * rows * vocab * 4
     hlo = c.as_text()
     assert len(re.findall(r"\bwhile\(", hlo)) == len(re.findall(r"known_trip_count", hlo)) > 0
+    assert ("sort(" in hlo) == limits                                      # the plain draw sorts nothing
