@@ -72,8 +72,7 @@ def stream_latency(engine, ids: list[int], n: int) -> dict:
             cpu.append(time.thread_time())
             tokens += len(out.new_token_ids)
             st = steps[-1] if steps else None
-            recs.append(None if st is None else {"host_ms": st.host_ms, "dispatch_ms": st.dispatch_ms,
-                                                 "wait_ms": st.wait_ms, "step_ms": st.seconds * 1e3})
+            recs.append(st)
     finally:
         gc.callbacks.remove(log)
     gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
@@ -82,10 +81,21 @@ def stream_latency(engine, ids: list[int], n: int) -> dict:
             "itl_ms_mean": statistics.mean(gaps), "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p99": pct(gaps, 0.99),
             "itl_ms_max": max(gaps), "itl_ms": gaps,
             "gc_in_stream": log.within(times[0], times[-1]),
-            # thread_cpu_ms: this thread's CPU time in the gap (near ms: it was busy; far below: it waited, on
-            # the GPU, a lock or the OS); gc: Python's collections inside the gap
+            # A gap holds the next step's launch (its record comes with the next token: `next_launch`) and this
+            # token's step's read and processing (`step`). thread_cpu_ms: this thread's CPU time in the gap (near
+            # ms: it was busy; far below: it waited, on the GPU, a lock or the OS); gc: collections in the gap.
             "worst_gaps": [{"token": i + 2, "ms": gaps[i], "thread_cpu_ms": (cpu[i + 1] - cpu[i]) * 1e3,
-                            "gc": log.within(times[i], times[i + 1]), "step": recs[i + 1]} for i in worst]}
+                            "gc": log.within(times[i], times[i + 1]), "step": _phases(recs[i + 1]),
+                            "next_launch": _phases(recs[i + 2] if i + 2 < len(recs) else None)} for i in worst]}
+
+
+def _phases(rec) -> dict | None:
+    """A step record's host phases (ms)."""
+    if rec is None:
+        return None
+    return {"host_ms": rec.host_ms, "host_cpu_ms": rec.host_cpu_ms, "put_ms": rec.put_ms,
+            "dispatch_ms": rec.dispatch_ms, "wait_ms": rec.wait_ms, "wait_cpu_ms": rec.wait_cpu_ms,
+            "process_ms": rec.process_ms, "step_ms": rec.seconds * 1e3}
 
 
 def pooled_streams(runs: list[dict]) -> dict:
@@ -122,9 +132,12 @@ def nfjax_latency(args, cfg) -> dict:
         runs.append(stream_latency(engine, ids, solo[1]))
         r = runs[-1]
         w = r["worst_gaps"][0]
+        s, nl = w["step"] or {}, w["next_launch"] or {}
         print(f"[nfjax stream {i}] ITL p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms, max "
-              f"{r['itl_ms_max']:.2f} ms (token {w['token']}: thread CPU {w['thread_cpu_ms']:.1f} ms, dispatch "
-              f"{(w['step'] or {}).get('dispatch_ms', 0):.1f} ms, gc {[(c['gen'], round(c['ms'], 1)) for c in w['gc']]})",
+              f"{r['itl_ms_max']:.2f} ms (token {w['token']}: thread CPU {w['thread_cpu_ms']:.1f} ms; next launch "
+              f"{nl.get('host_ms', 0):.1f} ms (CPU {nl.get('host_cpu_ms', 0):.1f}, dispatch "
+              f"{nl.get('dispatch_ms', 0):.1f}); read {s.get('wait_ms', 0):.1f} (CPU {s.get('wait_cpu_ms', 0):.1f}); "
+              f"process {s.get('process_ms', 0):.1f}; gc {[(c['gen'], round(c['ms'], 1)) for c in w['gc']]})",
               flush=True)
     out["stream"] = s = pooled_streams(runs)
     print(f"[nfjax stream, {args.streams} pooled] ITL p50 {s['itl_ms_p50']:.2f} ms, p99 {s['itl_ms_p99']:.2f} ms",

@@ -309,7 +309,7 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then read the previous one's tokens (one step late) and return outputs."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         prev = self._inflight
         slots = {} if prev is None else {sq.req.request_id: i for i, sq in enumerate(prev.batch.seqs) if sq.samples}
         batch = self.batcher.next_batch(slots)
@@ -331,19 +331,23 @@ class Engine:
             if handle is not None:
                 self._launches += 1
                 handle.host_ms = (time.perf_counter() - t0) * 1e3
+                handle.host_cpu_ms = (time.thread_time() - c0) * 1e3
         self._inflight = handle
         if prev is None:
             return []
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         tokens = self.runner.read(prev)
         self._reads += 1
         if self._evicting:
             self._settle_evictions(all_=False)
         logprobs = self.runner.read_logprobs(prev)
-        t2 = time.perf_counter()
-        self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,
-                          prev.dispatch_ms)
-        return self._process(prev, tokens, logprobs)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        rec = self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,
+                                prev.dispatch_ms)
+        outs = self._process(prev, tokens, logprobs)
+        rec.host_cpu_ms, rec.wait_cpu_ms = prev.host_cpu_ms, (c2 - c1) * 1e3
+        rec.process_ms = (time.perf_counter() - t2) * 1e3
+        return outs
 
     def _process(self, handle: StepHandle, tokens, logprobs=None) -> list[RequestOutput]:
         """The step's tokens into its requests (text, stop strings, finishing) and an output per sampled row.

@@ -52,6 +52,7 @@ class StepHandle:
     host_ms: float = 0.0             # host time spent forming and launching it, of which:
     put_ms: float = 0.0              #   copying its inputs to the device
     dispatch_ms: float = 0.0         #   enqueueing its programs
+    host_cpu_ms: float = 0.0         # the engine thread's CPU time in host_ms (near host_ms: busy, not waiting)
 
 
 KV_TRIES, KV_SHRINK = 5, 0.85     # an automatic KV size that does not fit: retried at 85% of the memory each time

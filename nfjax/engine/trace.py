@@ -20,6 +20,11 @@ class StepRecord:
     preempted: int = 0       # requests swapped out to host memory to make room for this step
     prompt_tokens: int = 0   # prompt tokens of the requests admitted in this step
     reused_tokens: int = 0   # of which the prefix cache supplied (not prefilled)
+    # the engine thread's CPU time in host_ms and wait_ms (near them: busy, e.g. spinning; far below: blocked),
+    # and the host time turning its tokens into outputs after the read
+    host_cpu_ms: float = 0.0
+    wait_cpu_ms: float = 0.0
+    process_ms: float = 0.0
 
 
 @dataclass
@@ -27,12 +32,13 @@ class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
     def record(self, batch, seconds: float, host_ms: float = 0.0, wait_ms: float = 0.0, put_ms: float = 0.0,
-               dispatch_ms: float = 0.0) -> None:
+               dispatch_ms: float = 0.0) -> StepRecord:
         dec = batch.num_decode
         tot = batch.num_tokens
-        self.steps.append(StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds,
-                                     host_ms, wait_ms, put_ms, dispatch_ms, len(batch.swap_out),
-                                     batch.prompt_tokens, batch.reused_tokens))
+        rec = StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds, host_ms, wait_ms,
+                         put_ms, dispatch_ms, len(batch.swap_out), batch.prompt_tokens, batch.reused_tokens)
+        self.steps.append(rec)
+        return rec
 
     def summary(self) -> dict:
         n = len(self.steps)
