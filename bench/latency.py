@@ -95,7 +95,8 @@ def _phases(rec) -> dict | None:
         return None
     return {"host_ms": rec.host_ms, "host_cpu_ms": rec.host_cpu_ms, "put_ms": rec.put_ms,
             "dispatch_ms": rec.dispatch_ms, "wait_ms": rec.wait_ms, "wait_cpu_ms": rec.wait_cpu_ms,
-            "process_ms": rec.process_ms, "step_ms": rec.seconds * 1e3}
+            "process_ms": rec.process_ms, "step_ms": rec.seconds * 1e3, "slowest_program": rec.slowest_program,
+            "slowest_program_ms": rec.slowest_program_ms}
 
 
 def pooled_streams(runs: list[dict]) -> dict:
@@ -136,7 +137,8 @@ def nfjax_latency(args, cfg) -> dict:
         print(f"[nfjax stream {i}] ITL p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms, max "
               f"{r['itl_ms_max']:.2f} ms (token {w['token']}: thread CPU {w['thread_cpu_ms']:.1f} ms; next launch "
               f"{nl.get('host_ms', 0):.1f} ms (CPU {nl.get('host_cpu_ms', 0):.1f}, dispatch "
-              f"{nl.get('dispatch_ms', 0):.1f}); read {s.get('wait_ms', 0):.1f} (CPU {s.get('wait_cpu_ms', 0):.1f}); "
+              f"{nl.get('dispatch_ms', 0):.1f}, slowest {nl.get('slowest_program')} "
+              f"{nl.get('slowest_program_ms', 0):.1f}); read {s.get('wait_ms', 0):.1f} (CPU {s.get('wait_cpu_ms', 0):.1f}); "
               f"process {s.get('process_ms', 0):.1f}; gc {[(c['gen'], round(c['ms'], 1)) for c in w['gc']]})",
               flush=True)
     out["stream"] = s = pooled_streams(runs)

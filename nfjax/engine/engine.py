@@ -346,6 +346,7 @@ class Engine:
                                 prev.dispatch_ms)
         outs = self._process(prev, tokens, logprobs)
         rec.host_cpu_ms, rec.wait_cpu_ms = prev.host_cpu_ms, (c2 - c1) * 1e3
+        rec.slowest_program, rec.slowest_program_ms = prev.slowest_program, prev.slowest_program_ms
         rec.process_ms = (time.perf_counter() - t2) * 1e3
         return outs
 

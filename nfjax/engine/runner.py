@@ -53,6 +53,8 @@ class StepHandle:
     put_ms: float = 0.0              #   copying its inputs to the device
     dispatch_ms: float = 0.0         #   enqueueing its programs
     host_cpu_ms: float = 0.0         # the engine thread's CPU time in host_ms (near host_ms: busy, not waiting)
+    slowest_program: str = ""        # the program of the step whose enqueue took longest, and its ms
+    slowest_program_ms: float = 0.0
 
 
 KV_TRIES, KV_SHRINK = 5, 0.85     # an automatic KV size that does not fit: retried at 85% of the memory each time
@@ -95,6 +97,7 @@ class Runner:
         self.penalty_slots = num_penalty_slots(self.max_seqs)
         self.penalty_state = PenaltyState.create(self.penalty_slots, model.cfg.vocab_size, self.replicated)
         self.last_logprobs: Logprobs | None = None      # the latest full head's, on device
+        self.slowest_dispatch: tuple[str, float] = ("", 0.0)    # run_step's slowest program enqueue (name, s)
         self.variants = Variants(sc, sched.token_buckets, tp, graph=layer_graph(model.cfg))
         self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
         g = max(1, min(sc.layers_per_program, model.cfg.num_layers))
@@ -426,7 +429,8 @@ class Runner:
                                 decode_only=batch.num_decode == len(batch.seqs), full=full)
         t2 = time.perf_counter()
         return StepHandle(batch, sampled, t2, self.last_logprobs, put_ms=(t1 - t0) * 1e3,
-                          dispatch_ms=(t2 - t1) * 1e3)
+                          dispatch_ms=(t2 - t1) * 1e3, slowest_program=self.slowest_dispatch[0],
+                          slowest_program_ms=self.slowest_dispatch[1] * 1e3)
 
     def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True,
                  decode_only: bool = False, full: jax.Array | None = None) -> jax.Array:
@@ -439,15 +443,22 @@ class Runner:
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         rest = self._rest_leaves
+        t = time.perf_counter()
         x = self._embed[bucket](rest, self._prev, inp)
+        slowest = ("embed", time.perf_counter() - t)
         for i0, n, prog in self.layer_programs(bucket, label, decode_only):
+            t = time.perf_counter()
             x, self.kv = prog(self._group_args[(i0, n)], self.kv, x, inp.meta, self._layer_ids[i0])
+            slowest = max(slowest, (f"layers{i0}", time.perf_counter() - t), key=lambda s: s[1])
+        t = time.perf_counter()
         if full is None:
             self.last_logprobs = None
             self._prev = self._head[(bucket, any_sampled)](rest, x, inp)
         else:
             self._prev, self.last_logprobs, self.penalty_state = self._full_head[bucket](
                 rest, x, inp, full, self.penalty_state)
+        # the program whose enqueue took longest (the trace's slowest_program: a rare slow dispatch names it)
+        self.slowest_dispatch = max(slowest, ("head", time.perf_counter() - t), key=lambda s: s[1])
         return self._prev
 
     def group_args(self, i0: int, n: int) -> tuple:

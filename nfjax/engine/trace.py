@@ -25,6 +25,8 @@ class StepRecord:
     host_cpu_ms: float = 0.0
     wait_cpu_ms: float = 0.0
     process_ms: float = 0.0
+    slowest_program: str = ""        # the step's program whose enqueue took longest (embed, layers<i>, head)
+    slowest_program_ms: float = 0.0
 
 
 @dataclass
