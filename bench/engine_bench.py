@@ -41,14 +41,14 @@ def step_kind(st) -> str:
 
 
 def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | None = None,
-                 temperature: float = 0.0) -> dict:
+                 temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Every request of `work` through `engine.generate` (exact output lengths; greedy, or sampled at
-    `temperature` with a seed a request) after a short warm-up at the same temperature; total (prompt +
-    generated) tokens/s and the mean step time per step kind."""
+    `temperature` and `top_p` with a seed a request) after a short warm-up with the same sampling; total
+    (prompt + generated) tokens/s and the mean step time per step kind."""
     from nfjax.engine import SamplingParams
 
     def params(i: int, n: int) -> SamplingParams:
-        return SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=n, ignore_eos=True)
     engine.generate([p for p, _ in work[:8]], [params(i, 4) for i in range(len(work[:8]))])
     engine.trace.steps.clear()
     engine.runner.strategy_counts.clear()
@@ -66,7 +66,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     def mean(v, f):
         return sum(f(st) for st in v) / len(v)
     res = {"requests": len(work), "prompt_tokens": prompt, "generated_tokens": gen, "seconds": dt,
-           "temperature": temperature,
+           "temperature": temperature, "top_p": top_p,
            "total_tok_s": tot, "trace": engine.trace.summary(), "steps_by_strategy": dict(engine.runner.strategy_counts),
            "step_ms_by_kind": {k: {"steps": len(v), "mean_ms": mean(v, lambda s: s.seconds * 1e3),
                                    "host_ms": mean(v, lambda s: s.host_ms), "wait_ms": mean(v, lambda s: s.wait_ms),

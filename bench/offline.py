@@ -109,7 +109,7 @@ def engine_run(args, workloads: list[str]) -> dict:
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
-        out["results"][w] = run_workload(engine, work, w, optimal, temperature=args.temperature)
+        out["results"][w] = run_workload(engine, work, w, optimal, temperature=args.temperature, top_p=args.top_p)
     return out
 
 
@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the engine's requests sampled at this temperature, a seed each (default 0: greedy); "
                          "the peers run greedy, so only with --peer none")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="the sampled requests' top-p (default 1: off; below 1 needs --temperature > 0)")
     ap.add_argument("--name", default="offline")
     ap.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)   # child mode
     ap.add_argument("--workload-dir", default=None, help=argparse.SUPPRESS)  # child mode: write the requests here
@@ -207,6 +209,8 @@ def main() -> None:
     if args.temperature < 0 or (args.temperature > 0 and peer_kinds):
         raise SystemExit(f"--temperature: >= 0, and > 0 only with --peer none (the peers run greedy), got "
                          f"{args.temperature} with --peer {args.peer}")
+    if not 0 < args.top_p <= 1 or (args.top_p < 1 and args.temperature <= 0):
+        raise SystemExit(f"--top-p: in (0, 1], and below 1 only with --temperature > 0, got {args.top_p}")
     if args.engine_json:
         with open(args.engine_json, "w") as f:
             json.dump(engine_run(args, workloads), f)

@@ -74,15 +74,18 @@ def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
 
 
 def test_offline_sampled_run_and_its_flag_check(tmp_path):
-    """`--temperature 1 --peer none`: every request sampled (a seed each) at its exact length; with a peer, which
-    runs greedy, the flag is an error naming it."""
+    """`--temperature 1 --top-p 0.9 --peer none`: every request sampled (a seed each) at its exact length; with a
+    peer, which runs greedy, the flag is an error naming it, and so is a top-p without a temperature."""
     env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, "-m", "bench.offline", "--shape", "smoke", "--workloads", "64x16", "--num-requests", "6",
-            "--name", "offline-sampled", "--temperature", "1"]
+            "--name", "offline-sampled", "--temperature", "1", "--top-p", "0.9"]
     bad = subprocess.run(base + ["--peer", "hf"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--temperature" in bad.stderr
+    bad = subprocess.run(base[:-4] + ["--top-p", "0.9", "--peer", "none"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--top-p" in bad.stderr
     p = subprocess.run(base + ["--peer", "none"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     (path,) = tmp_path.glob("offline-sampled-*.json")
     res = json.loads(path.read_text())["data"]["engines"]["engine"]["results"]["64x16"]
-    assert res["temperature"] == 1.0 and res["generated_tokens"] == 6 * 16
+    assert res["temperature"] == 1.0 and res["top_p"] == 0.9 and res["generated_tokens"] == 6 * 16
