@@ -7,9 +7,8 @@ admission to finish (through preemption: the state stays on the device while its
 updates the state with each step's prompt tokens and samples; the host only says, per row, which slot to read
 and write (`FullInput`), and copies that over with the step only when the batch runs the full head.
 
-A batch runs this head when a request in it needs one of these features (`needs_full`), or samples with a
-top-k or top-p (the only head whose sampler sorts rows); otherwise the plain greedy or sampling head runs
-(docs/design.md section 10).
+A batch runs this head when a request in it needs one of these features (`needs_full`); otherwise a plain head
+runs: greedy, sampling, or sampling with top-k / top-p (docs/design.md sections 2 and 10).
 """
 from __future__ import annotations
 
@@ -91,15 +90,13 @@ def banned_ids(params: SamplingParams, eos: tuple[int, ...] | frozenset) -> list
 
 def needs_full(sq) -> bool:
     """Does this scheduled sequence (`batcher.ScheduledSeq`) need the full head? A request with penalties in
-    every step (its counts and prompt flags follow each step); logprobs, min_tokens, top-k and top-p only where
-    it samples."""
+    every step (its counts and prompt flags follow each step); logprobs and min_tokens only where it samples."""
     r = sq.req
     if r.penalized:
         return True
     if not (sq.samples and r.full_when_sampling):
         return False
-    p = r.params
-    return p.logprobs is not None or p.has_limits or r.num_launched_outputs - 1 < p.min_tokens
+    return r.params.logprobs is not None or r.num_launched_outputs - 1 < r.params.min_tokens
 
 
 def full_input(batch, rows: int, slots: int, vocab: int, eos) -> FullInput:

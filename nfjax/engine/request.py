@@ -50,15 +50,14 @@ class Request:
     num_registered: int = 0
     reused: dict = field(default_factory=dict)
     # What the step's head must do for it (set from params; read per step, so plain flags): penalties in every
-    # step, logprobs / min_tokens / a top-k or top-p where it samples (nfjax/engine/penalties.py, `needs_full`)
+    # step, logprobs / min_tokens where it samples (nfjax/engine/penalties.py, `needs_full`)
     penalized: bool = field(init=False, default=False)
     full_when_sampling: bool = field(init=False, default=False)
 
     def __post_init__(self):
         p = self.params
         self.penalized = p.has_penalties
-        self.full_when_sampling = (p.logprobs is not None or p.min_tokens > 0
-                                   or p.has_limits)
+        self.full_when_sampling = p.logprobs is not None or p.min_tokens > 0
     timings: Timings = field(default_factory=Timings)
 
     @property

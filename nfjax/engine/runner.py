@@ -39,8 +39,8 @@ from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-from nfjax.engine.step_programs import (embed_step, full_head_step, head_step, layer_groups, layers_step, on_leaves,
-                                       seed_slot, split_layers)
+from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_step, layer_groups, layers_step,
+                                       on_leaves, seed_slot, split_layers)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Runner:
                             for gs in self._groups.values() for i0, n in gs}
         self.groups = self._groups[SEQUENTIAL]           # (first layer, count) of the plain step's programs
         self._embed: dict[int, object] = {}                  # bucket -> compiled embed program
-        self._head: dict[tuple[int, bool], object] = {}      # (bucket, any_sampled) -> compiled head
+        self._head: dict[tuple[int, str], object] = {}       # (bucket, HEAD_MODES entry) -> compiled head
         self._full_head: dict[int, object] = {}              # bucket -> head with penalties/min_tokens/logprobs
         self._stage: dict[int, object] = {}                  # bucket -> compiled copy into the staged inputs
         self._unpack: dict[int, object] = {}                 # bucket -> the same from one packed int32 vector
@@ -251,9 +251,10 @@ class Runner:
                 submit(self._full_head, b, jax.jit(
                     self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
                     out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
-                for any_sampled in (False, True):      # greedy-only batches skip the draw
-                    submit(self._head, (b, any_sampled), jax.jit(
-                        self._on_rest(partial(head_step, self.rest_gd, any_sampled, self.max_seqs)),
+                for mode in HEAD_MODES:                # greedy batches skip the draw, top-k/top-p-free ones the sort
+                    submit(self._head, (b, mode), jax.jit(
+                        self._on_rest(partial(head_step, self.rest_gd, mode != "greedy", mode == "limits",
+                                              self.max_seqs)),
                         out_shardings=rep).lower(rest, x, inp), xo)
                 submit(self._embed, b, jax.jit(self._on_rest(partial(embed_step, self.rest_gd)),
                                                out_shardings=rep).lower(rest, self._prev, inp), xo)
@@ -426,17 +427,18 @@ class Runner:
         label = self.variants.choose(t, batch.num_tokens, batch.num_decode, self.pinned)
         self.strategy_counts[label] = self.strategy_counts.get(label, 0) + 1
         sampled = self.run_step(t, label, inp, any_sampled=bool((temp > 0).any()),
+                                limits=bool(((temp > 0) & ((top_k > 0) | (top_p < 1))).any()),
                                 decode_only=batch.num_decode == len(batch.seqs), full=full)
         t2 = time.perf_counter()
         return StepHandle(batch, sampled, t2, self.last_logprobs, put_ms=(t1 - t0) * 1e3,
                           dispatch_ms=(t2 - t1) * 1e3, slowest_program=self.slowest_dispatch[0],
                           slowest_program_ms=self.slowest_dispatch[1] * 1e3)
 
-    def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True,
+    def run_step(self, bucket: int, label: str, inp: StepInput, any_sampled: bool = True, limits: bool = True,
                  decode_only: bool = False, full: jax.Array | None = None) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
-        0); `decode_only=True` that every row is a decode (then the programs without the prefill kernel run,
+        0), `limits=False` that no sampled row has a top-k or top-p (then no head sorts); `decode_only=True` that every row is a decode (then the programs without the prefill kernel run,
         where compiled). `full`: the packed `FullInput` of a batch that needs the full head (penalties,
         min_tokens, logprobs); its logprobs are left in `last_logprobs`. Benchmarks call this with synthetic
         inputs."""
@@ -453,7 +455,8 @@ class Runner:
         t = time.perf_counter()
         if full is None:
             self.last_logprobs = None
-            self._prev = self._head[(bucket, any_sampled)](rest, x, inp)
+            mode = "limits" if any_sampled and limits else "sample" if any_sampled else "greedy"
+            self._prev = self._head[(bucket, mode)](rest, x, inp)
         else:
             self._prev, self.last_logprobs, self.penalty_state = self._full_head[bucket](
                 rest, x, inp, full, self.penalty_state)

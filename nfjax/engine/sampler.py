@@ -3,8 +3,8 @@
 A sampled row draws argmax(logits / T + Gumbel noise) over the tokens it keeps: a draw from softmax(logits / T)
 restricted to them. The noise is indexed by token id and keyed by (seed, step), so a row draws the same token
 whichever path computed its kept set: the plain path keeps every token and sorts nothing; the limits path
-sorts each row to find its top-k / top-p set (the engine runs it in the full head, only for batches with such
-a row: nfjax/engine/penalties.py)."""
+sorts each row to find its top-k / top-p set (the engine compiles it as a head of its own and runs it only for
+batches with such a row, and in the full head: nfjax/engine/step_programs.py)."""
 from __future__ import annotations
 
 import jax

@@ -1,8 +1,7 @@
 """Per-request sampling parameters, validated on construction (bad values raise UserError naming the field).
 
-The penalties, `min_tokens`, `logprobs` and top-k / top-p run on the device inside the step
-(nfjax/engine/penalties.py); a batch with a request that needs them runs the step's "full" head (docs/design.md
-section 10)."""
+The penalties, `min_tokens` and `logprobs` run on the device inside the step (nfjax/engine/penalties.py); a batch
+with a request that needs them runs the step's "full" head (docs/design.md section 10)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,12 +58,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Any penalty away from neutral: the request holds a penalty slot (token counts on the device)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def has_limits(self) -> bool:
-        """Sampled with a top-k or a top-p: its sampling steps run the full head, whose sampler sorts each row
-        (the plain head's draws sort nothing: nfjax/engine/sampler.py)."""
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kw) -> "SamplingParams":

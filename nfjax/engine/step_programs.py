@@ -53,14 +53,18 @@ def layers_step(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOption
                          check_vma=not opts.skip_collectives)(layer_states, kv, x, meta, i0)
 
 
-def head_step(rest_gd, any_sampled: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
+# The plain heads compiled per bucket: greedy (argmax only), sample (temperature draws, no sort), limits (a sort
+# per row for top-k / top-p); nfjax/engine/sampler.py
+HEAD_MODES = ("greedy", "sample", "limits")
+
+
+def head_step(rest_gd, any_sampled: bool, limits: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
           inp: StepInput) -> Int[Array, "M"]:
     """Samples of the bucket's S rows, padded to `max_seqs` rows: every bucket's embed reads the same shape."""
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    # top-k / top-p rows run the full head (penalties.needs_full): no sort here
     out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled,
-                 limits=False)
+                 limits=limits)
     return jnp.pad(out, (0, max_seqs - out.shape[0]))
 
 

@@ -41,8 +41,8 @@ def test_seeded_sampling_is_batch_invariant_and_seed_dependent(roomy_engine):
 
 
 def test_plain_sampled_request_draws_the_same_beside_a_top_p_request(roomy_engine):
-    """A temperature-only request draws in the plain head alone and in the full head beside a top-p request
-    (the batch's head follows its neighbours): the same tokens either way."""
+    """A temperature-only request draws in the sampling head alone and in the sorting (top-k / top-p) head
+    beside a top-p request (the batch's head follows its neighbours): the same tokens either way."""
     sp = SamplingParams(temperature=1.0, seed=4321, max_tokens=10, ignore_eos=True)
     alone = roomy_engine.generate("plain draw", sp)[0].token_ids
     beside = roomy_engine.generate(["plain draw", "nucleus"],
@@ -150,8 +150,8 @@ def test_step_inputs_staged_in_the_same_buffers():
     seen: dict[int, set] = {}
     run_step = eng.runner.run_step
 
-    def spy(bucket, label, inp, any_sampled=True, decode_only=False, full=None):
-        out = run_step(bucket, label, inp, any_sampled, decode_only, full)
+    def spy(bucket, label, inp, **kw):
+        out = run_step(bucket, label, inp, **kw)
         staged = jax.tree.leaves(eng.runner._staged[bucket])
         assert [a.dtype for a in staged] == [a.dtype for a in jax.tree.leaves(inp)]
         seen.setdefault(bucket, set()).add(tuple(a.unsafe_buffer_pointer() for a in staged))

@@ -96,7 +96,7 @@ def test_no_program_copies_a_k_array(runner):
     k_bytes = runner.kv.k.nbytes
     assert k_bytes == 64 << 20
     progs = compiled_programs(runner)
-    assert {"layers(16, 'sequential')", "decode_layers(16, 'sequential')", "head(64, True)", "full_head64",
+    assert {"layers(16, 'sequential')", "decode_layers(16, 'sequential')", "head(64, 'limits')", "full_head64",
             "_swap_in"} <= set(progs)
     bad = [why for name, prog in progs.items() for why in check_no_cache_copy(name, prog, k_bytes)]
     assert not bad, bad
