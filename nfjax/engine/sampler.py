@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, UInt32
+from jaxtyping import Array, Float, Int, UInt32
 
 
 # Rows sampled at a time. A row's sort, mask, softmax and draw hold ~9 vocab-sized temporaries (the plain draw ~4):
@@ -23,15 +23,14 @@ def _scaled(logits: Float[Array, "V"], temperature) -> Float[Array, "V"]:
     return logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
 
 
-def _draw(scaled: Float[Array, "V"], keep: Bool[Array, "V"] | bool, seed, counter) -> Int[Array, ""]:
-    """The kept token of largest scaled logit + Gumbel noise (the noise of token j depends on seed, counter, j)."""
-    key = jax.random.fold_in(jax.random.key(seed), counter)
-    noisy = scaled + jax.random.gumbel(key, scaled.shape, jnp.float32)
-    return jnp.argmax(jnp.where(keep, noisy, -jnp.inf))
+def _noise(scaled: Float[Array, "V"], seed, counter) -> Float[Array, "V"]:
+    """Gumbel noise, token j's from (seed, counter, j)."""
+    return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), counter), scaled.shape, jnp.float32)
 
 
 def _plain_row(logits, temperature, seed, counter):
-    return _draw(_scaled(logits, temperature), True, seed, counter)
+    scaled = _scaled(logits, temperature)
+    return jnp.argmax(scaled + _noise(scaled, seed, counter))
 
 
 def _limited_row(logits, temperature, top_k, top_p, seed, counter):
@@ -44,7 +43,9 @@ def _limited_row(logits, temperature, top_k, top_p, seed, counter):
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     before = jnp.cumsum(probs) - probs                   # mass strictly before each rank
     keep = keep & (before < top_p)                       # the top token always survives
-    return _draw(scaled, jnp.zeros(v, bool).at[order].set(keep), seed, counter)
+    # the plain row's draw over the kept ranks: token order[r] carries its own noise (a gather, not a scatter)
+    noisy = sorted_logits + _noise(scaled, seed, counter)[order]
+    return order[jnp.argmax(jnp.where(keep, noisy, -jnp.inf))]
 
 
 def _in_chunks(row_fn, *rows):
