@@ -71,8 +71,7 @@ def stream_latency(engine, ids: list[int], n: int) -> dict:
             times.append(time.perf_counter())
             cpu.append(time.thread_time())
             tokens += len(out.new_token_ids)
-            st = steps[-1] if steps else None
-            recs.append(st)
+            recs.append(steps[-1] if steps else None)
     finally:
         gc.callbacks.remove(log)
     gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]

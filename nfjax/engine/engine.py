@@ -342,11 +342,8 @@ class Engine:
             self._settle_evictions(all_=False)
         logprobs = self.runner.read_logprobs(prev)
         t2, c2 = time.perf_counter(), time.thread_time()
-        rec = self.trace.record(prev.batch, t2 - prev.launched_at, prev.host_ms, (t2 - t1) * 1e3, prev.put_ms,
-                                prev.dispatch_ms)
+        rec = self.trace.record(prev, t2 - prev.launched_at, (t2 - t1) * 1e3, (c2 - c1) * 1e3)
         outs = self._process(prev, tokens, logprobs)
-        rec.host_cpu_ms, rec.wait_cpu_ms = prev.host_cpu_ms, (c2 - c1) * 1e3
-        rec.slowest_program, rec.slowest_program_ms = prev.slowest_program, prev.slowest_program_ms
         rec.process_ms = (time.perf_counter() - t2) * 1e3
         return outs
 

@@ -39,8 +39,8 @@ from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_step, layer_groups, layers_step,
-                                       on_leaves, seed_slot, split_layers)
+from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_mode, head_step, layer_groups,
+                                       layers_step, on_leaves, seed_slot, split_layers)
 
 
 @dataclass
@@ -253,8 +253,7 @@ class Runner:
                     out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
                 for mode in HEAD_MODES:                # greedy batches skip the draw, top-k/top-p-free ones the sort
                     submit(self._head, (b, mode), jax.jit(
-                        self._on_rest(partial(head_step, self.rest_gd, mode != "greedy", mode == "limits",
-                                              self.max_seqs)),
+                        self._on_rest(partial(head_step, self.rest_gd, mode, self.max_seqs)),
                         out_shardings=rep).lower(rest, x, inp), xo)
                 submit(self._embed, b, jax.jit(self._on_rest(partial(embed_step, self.rest_gd)),
                                                out_shardings=rep).lower(rest, self._prev, inp), xo)
@@ -438,8 +437,8 @@ class Runner:
                  decode_only: bool = False, full: jax.Array | None = None) -> jax.Array:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
-        0), `limits=False` that no sampled row has a top-k or top-p (then no head sorts); `decode_only=True` that every row is a decode (then the programs without the prefill kernel run,
-        where compiled). `full`: the packed `FullInput` of a batch that needs the full head (penalties,
+        0), `limits=False` that no sampled row has a top-k or top-p (then no head sorts); `decode_only=True`
+        that every row is a decode (then the programs without the prefill kernel run, where compiled). `full`: the packed `FullInput` of a batch that needs the full head (penalties,
         min_tokens, logprobs); its logprobs are left in `last_logprobs`. Benchmarks call this with synthetic
         inputs."""
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
@@ -455,8 +454,7 @@ class Runner:
         t = time.perf_counter()
         if full is None:
             self.last_logprobs = None
-            mode = "limits" if any_sampled and limits else "sample" if any_sampled else "greedy"
-            self._prev = self._head[(bucket, mode)](rest, x, inp)
+            self._prev = self._head[(bucket, head_mode(any_sampled, limits))](rest, x, inp)
         else:
             self._prev, self.last_logprobs, self.penalty_state = self._full_head[bucket](
                 rest, x, inp, full, self.penalty_state)

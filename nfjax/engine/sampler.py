@@ -72,4 +72,3 @@ def sample(logits: Float[Array, "S V"], temperature: Float[Array, "S"], top_k: I
     else:
         sampled = _in_chunks(_plain_row, logits, temperature, seeds, counters)
     return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
-

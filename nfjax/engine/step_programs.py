@@ -58,13 +58,19 @@ def layers_step(layer_gd, layer_specs, mesh: Mesh, layer_fn, opts: ForwardOption
 HEAD_MODES = ("greedy", "sample", "limits")
 
 
-def head_step(rest_gd, any_sampled: bool, limits: bool, max_seqs: int, rest_state, x: Float[Array, "T D"],
+def head_mode(any_sampled: bool, limits: bool) -> str:
+    """The plain head a batch runs: `any_sampled` some row has temperature > 0, `limits` some such row a top-k
+    or top-p."""
+    return ("limits" if limits else "sample") if any_sampled else "greedy"
+
+
+def head_step(rest_gd, mode: str, max_seqs: int, rest_state, x: Float[Array, "T D"],
           inp: StepInput) -> Int[Array, "M"]:
     """Samples of the bucket's S rows, padded to `max_seqs` rows: every bucket's embed reads the same shape."""
     model = nnx.merge(rest_gd, rest_state)
     logits = model.logits(model.norm(x[inp.meta.logits_index]))      # the norm is per row: only S rows
-    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, any_sampled=any_sampled,
-                 limits=limits)
+    out = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters,
+                 any_sampled=mode != "greedy", limits=mode == "limits")
     return jnp.pad(out, (0, max_seqs - out.shape[0]))
 
 

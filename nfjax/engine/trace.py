@@ -33,12 +33,15 @@ class StepRecord:
 class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(self, batch, seconds: float, host_ms: float = 0.0, wait_ms: float = 0.0, put_ms: float = 0.0,
-               dispatch_ms: float = 0.0) -> StepRecord:
+    def record(self, handle, seconds: float, wait_ms: float = 0.0, wait_cpu_ms: float = 0.0) -> StepRecord:
+        """A read step: its batch and launch times from its `runner.StepHandle`, the read's from the caller."""
+        batch = handle.batch
         dec = batch.num_decode
         tot = batch.num_tokens
-        rec = StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds, host_ms, wait_ms,
-                         put_ms, dispatch_ms, len(batch.swap_out), batch.prompt_tokens, batch.reused_tokens)
+        rec = StepRecord(batch.bucket, dec, tot - dec, batch.bucket - tot, len(batch.seqs), seconds, handle.host_ms,
+                         wait_ms, handle.put_ms, handle.dispatch_ms, len(batch.swap_out), batch.prompt_tokens,
+                         batch.reused_tokens, host_cpu_ms=handle.host_cpu_ms, wait_cpu_ms=wait_cpu_ms,
+                         slowest_program=handle.slowest_program, slowest_program_ms=handle.slowest_program_ms)
         self.steps.append(rec)
         return rec
 
