@@ -125,12 +125,14 @@ class OffloadEngine:
     def close(self) -> None:
         """Stop the I/O threads and remove the disk tier's files."""
         ex = getattr(self, "executor", None)
-        if ex is not None:
-            ex.close()
-        if getattr(self, "trace", None) is not None:
-            self.trace.close()
-        if self.disk is not None:
-            self.disk.close()
+        try:
+            if ex is not None:
+                ex.close()
+            if getattr(self, "trace", None) is not None:
+                self.trace.close()
+        finally:
+            if self.disk is not None:
+                self.disk.close()
 
     def __enter__(self):
         return self

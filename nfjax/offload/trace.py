@@ -33,6 +33,7 @@ class Trace:
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
         self._last_end = 0.0
+        self.error: Exception | None = None      # the first program the watcher failed to wait on
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="nfjax-offload-trace")
         self._watcher.start()
         self.t0 = time.perf_counter()
@@ -57,19 +58,26 @@ class Trace:
             if item is None:
                 return
             label, outputs, dispatched = item
-            jax.block_until_ready(outputs)
+            try:
+                _wait(outputs)
+            except Exception as e:   # noqa: BLE001 - raised by flush(); the watcher goes on, so flush returns
+                self.error = self.error or e
             end = time.perf_counter()
             self.add("compute", label, max(dispatched, self._last_end), end)
             self._last_end = end
             self._q.task_done()
 
     def flush(self) -> None:
-        """Wait until every dispatched computation has been timed."""
+        """Wait until every dispatched computation has been timed; raise what a program raised."""
         self._q.join()
+        if self.error is not None:
+            raise self.error
 
     def close(self) -> None:
-        self.flush()
-        self._q.put(None)
+        try:
+            self.flush()
+        finally:
+            self._q.put(None)
 
     def busy(self, lane: str) -> float:
         return sum(e.end - e.start for e in self.events if e.lane == lane)
@@ -77,6 +85,18 @@ class Trace:
     def to_json(self) -> list[dict]:
         return [dict(lane=e.lane, label=e.label, start_ms=e.start * 1e3, end_ms=e.end * 1e3)
                 for e in sorted(self.events, key=lambda e: e.start)]
+
+
+def _wait(outputs) -> None:
+    """Wait for each output. An output a later program consumed (a donated cache) has been deleted: its
+    program ran before that consumer, so it counts as ended when the watcher reaches it."""
+    for leaf in jax.tree_util.tree_leaves(outputs):
+        if not (hasattr(leaf, "is_deleted") and leaf.is_deleted()):
+            try:
+                leaf.block_until_ready()
+            except Exception:        # noqa: BLE001 - deleted between the check and the wait
+                if not leaf.is_deleted():
+                    raise
 
 
 def plot(events: list[dict], path, title: str = "", window: tuple[float, float] | None = None) -> str | None:
