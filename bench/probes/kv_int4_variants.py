@@ -35,6 +35,8 @@ Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop'
   cal+fp8 | cals+fp8     fp8 per token after the calibrated centering (and scaling)
   fp8 | fp8e5            float8 e4m3 / e5m2, one scale per token and kv head (kv_quant's rule: amax / max,
                          rounded up to bfloat16)
+  rfp8 | rfp8e5          the same after the Hadamard rotation along D (int4's: q.k and the outputs unchanged),
+                         rotated back after
   fp8pP | fp8e5pP        the same with one scale per page of P and kv head (from the complete page's amax)
   SCHEME@rP              SCHEME on the complete pages of P positions, the page still filling read exactly (a
                          full-precision residual of up to P - 1 positions, as the per-page schemes have)
@@ -86,11 +88,11 @@ def parse_scheme(s: str) -> dict:
     m = re.fullmatch(r"(cal|cals(\d*))\+(fp8|fp8e5)", s)
     if m:
         return {"kind": "calfp8", "fmt": m[3], "alpha": _alpha(m[1], m[2])}
-    m = re.fullmatch(r"(fp8|fp8e5)(?:p(\d+))?(?:/(.+))?", s)
-    if m and (m[2] or not m[3]):
-        return {"kind": "fp8", "fmt": m[1], "page": int(m[2]) if m[2] else None,
-                "partial": parse_scheme(m[3]) if m[3] else None}
-    raise SystemExit(f"scheme {s!r}: want exact|bf16|rotN|plainN[bB]|[r]kiviP|pcP+rotN|cal+rotN|fp8[e5][pP]")
+    m = re.fullmatch(r"(r?)(fp8|fp8e5)(?:p(\d+))?(?:/(.+))?", s)
+    if m and (m[3] or not m[4]) and not (m[1] and m[3]):
+        return {"kind": "fp8", "fmt": m[2], "rot": m[1] == "r", "page": int(m[3]) if m[3] else None,
+                "partial": parse_scheme(m[4]) if m[4] else None}
+    raise SystemExit(f"scheme {s!r}: want exact|bf16|rotN|plainN[bB]|[r]kiviP|pcP+rotN|cal+rotN|fp8[e5][pP]|rfp8[e5]")
 
 
 def _alpha(name: str, digits: str | None) -> float:
@@ -172,7 +174,8 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
         y = (x - mu) / sd
         return _fp8(y, spec["fmt"], jnp.max(jnp.abs(y), -1, keepdims=True)) * sd + mu
     if k == "fp8" and spec["page"] is None:
-        return _fp8(x, spec["fmt"], jnp.max(jnp.abs(x), -1, keepdims=True))
+        xr = rot(x)
+        return rot(_fp8(xr, spec["fmt"], jnp.max(jnp.abs(xr), -1, keepdims=True)))
     # per-page schemes: [S, W / P, P, KH, D]; a page is quantized once complete, read exactly before
     s, w, kh, d = x.shape
     p = spec["page"]
