@@ -91,11 +91,14 @@ def _wait(outputs) -> None:
     """Wait for each output. An output a later program consumed (a donated cache) has been deleted: its
     program ran before that consumer, so it counts as ended when the watcher reaches it."""
     for leaf in jax.tree_util.tree_leaves(outputs):
-        if not (hasattr(leaf, "is_deleted") and leaf.is_deleted()):
+        if not hasattr(leaf, "block_until_ready"):
+            continue
+        deleted = getattr(leaf, "is_deleted", lambda: False)
+        if not deleted():
             try:
                 leaf.block_until_ready()
             except Exception:        # noqa: BLE001 - deleted between the check and the wait
-                if not leaf.is_deleted():
+                if not deleted():
                     raise
 
 
