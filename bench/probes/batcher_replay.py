@@ -32,7 +32,7 @@ from bench.workloads import parse
 from nfjax.config import BatcherConfig, CacheConfig, EngineConfig, ModelConfig
 from nfjax.engine.batcher import Batcher
 from nfjax.engine.builder import GPU_BUCKETS
-from nfjax.engine.request import Request, Status
+from nfjax.engine.request import Request
 from nfjax.engine.sampling_params import SamplingParams
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,7 @@ The penalties, `min_tokens` and `logprobs` run on the device inside the step (nf
 with a request that needs them runs the step's "full" head (docs/design.md section 10)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nfjax.errors import UserError
 

@@ -9,7 +9,6 @@ on the CPU a while loop costs nothing to bound at run time; on the GPU this path
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int

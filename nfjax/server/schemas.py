@@ -16,7 +16,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       ValidationError, model_validator)
 from pydantic_core import PydanticCustomError
 
-from nfjax.server.errors import APIError, bad
+from nfjax.server.errors import bad
 
 MAX_N = 16                  # choices per prompt (n) and candidates per prompt (best_of)
 MAX_LOGPROBS = 20           # alternatives per token (completions `logprobs`, chat `top_logprobs`)

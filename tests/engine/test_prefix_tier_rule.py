@@ -2,7 +2,6 @@
 whose rate makes loading slower than recompute gives no hits (and is not written) but the same tokens; with a
 fast tier the hits come back. The counters the bench's progress lines print hold real values, and the host tier
 runs from pinned_host arrays where asked (the CPU backend has the memory kind)."""
-import jax
 import numpy as np
 import pytest
 
@@ -10,7 +9,7 @@ from nfjax.kv.host_pool import PoolRow
 from nfjax.kv.tiers import HostTier, PrefixStats, PrefixTiers, TierRates, flops_per_token
 from nfjax.models.random_init import LLAMA3_8B
 from tests.engine.conftest import make_engine
-from tests.engine.test_prefix_cache import PS, ROW, SCHED, _cache, assert_no_leaks, converse
+from tests.engine.test_prefix_cache import ROW, SCHED, _cache, assert_no_leaks, converse
 from tests.kv.test_prefix_allocator import DictTier, h
 
 

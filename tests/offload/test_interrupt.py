@@ -4,7 +4,6 @@ killed by SIGKILL (no chance to clean up) leaves its folder, and the next run re
 zig-zag schedule a layer's weights load while the layer before computes."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -6,7 +6,6 @@ engine. One server for the module.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from dataclasses import dataclass
 
 import httpx
