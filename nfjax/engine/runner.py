@@ -438,9 +438,9 @@ class Runner:
         """Launch one step (embed, every layer, head) of the compiled variant `label`; returns the samples on
         device (they also feed the next step). `any_sampled=False` promises every row is greedy (temperature
         0), `limits=False` that no sampled row has a top-k or top-p (then no head sorts); `decode_only=True`
-        that every row is a decode (then the programs without the prefill kernel run, where compiled). `full`: the packed `FullInput` of a batch that needs the full head (penalties,
-        min_tokens, logprobs); its logprobs are left in `last_logprobs`. Benchmarks call this with synthetic
-        inputs."""
+        that every row is a decode (then the programs without the prefill kernel run, where compiled). `full`:
+        the packed `FullInput` of a batch that needs the full head (penalties, min_tokens, logprobs); its
+        logprobs are left in `last_logprobs`. Benchmarks call this with synthetic inputs."""
         if self.stable_inputs and inp is not self._staged[bucket]:     # a caller's own device inputs
             inp = self._staged[bucket] = self._stage[bucket](self._staged[bucket], inp)
         rest = self._rest_leaves
