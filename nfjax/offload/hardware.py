@@ -14,12 +14,15 @@
   h2d_threads_bytes, d2h_threads_bytes   recorded, not used by the cost model: 4 threads (the I/O pool's size)
                   each moving one 64 MB numpy array at once, numpy -> device and device -> numpy (do pageable
                   copies from several threads add up? the KV stores of a prefill run so)
-  h2d_pinned_bytes pinned_host JAX array -> device (the host tier's weights; None where the memory kind is absent)
+  h2d_pinned_bytes pinned_host JAX arrays -> device, four 64 MB arrays put together and waited for, as a layer's
+                  weights move (each tensor its own copy, all in flight at once; one array alone measured 41 GB/s
+                  on an H100 host where a layer's 1.2 GB moved at 52); None where the memory kind is absent
   d2h_bytes       device -> host numpy
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
                   page cache (posix_fadvise DONTNEED) and read back with np.load
   cpu_attn_bytes  KV bytes a second that decode attention on the CPU reads (nfjax/offload/cpu_attention.py, the
-                  function the runtime runs, on a [4, 512, 8, 64] block)
+                  function the runtime runs, on a [8, 1024, 16, 128] block: larger than a last-level cache, as the
+                  runtime's blocks are; a small block ran 2.5x faster than OPT-30B's blocks did)
   dispatch_s      the fixed cost of one layer program call: the offload layer program of a tiny OPT layer (hidden
                   64, two sequences, one token: its compute is negligible), called and waited on
   transfer_s      the fixed cost of one transfer on an I/O thread: a 1 KB device_put submitted and waited for
@@ -47,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class HardwareProfile:
     d2h_threads_bytes: float | None = None
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
-    #                                        h2d of one array)
+    #                                        h2d of one array; version 2: pinned h2d of one array, CPU
+    #                                        attention on a 4 MB block through one XLA program)
 
     def __post_init__(self):
         object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
@@ -187,8 +191,9 @@ def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
                  max_reps=20)
     pinned = None
     try:
-        p = jax.device_put(host, SingleDeviceSharding(device, memory_kind="pinned_host"))
-        pinned = _rate(nbytes, lambda: jax.device_put(p, on).block_until_ready(), max_reps=20)
+        ps = [jax.device_put(np.roll(host, i), SingleDeviceSharding(device, memory_kind="pinned_host"))
+              for i in range(4)]
+        pinned = _rate(4 * nbytes, lambda: jax.block_until_ready([jax.device_put(p, on) for p in ps]), max_reps=10)
     except Exception:          # noqa: BLE001 - a backend without the pinned_host memory kind: not measured
         pinned = None
     d = jax.device_put(host, on)

@@ -55,6 +55,48 @@ def test_cpu_attention_matches_numpy(t):
                            cpu_attention(q, (k, v), positions, d ** -0.5, 1.0), atol=1e-3)
 
 
+
+@pytest.mark.parametrize("chunks", [(64,), None])
+def test_cpu_attention_pieces_combine_to_the_whole(chunks, monkeypatch):
+    """A block attended in chunks (a row's queries ending in different chunks, one row whose first query's chunk
+    holds nothing past it) equals the numpy reference; in 64-position chunks, the chunks wholly past a row's last
+    query are never read."""
+    import nfjax.offload.cpu_attention as ca
+    if chunks:
+        monkeypatch.setattr(ca, "CHUNKS", chunks)
+    rng = np.random.default_rng(1)
+    b, t, s, h, kh, d = 2, 3, 400, 4, 2, 16
+    q = rng.standard_normal((b * t, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kh, d)).astype(np.float32)
+    positions = np.array([[3, 130, 131], [200, 255, 256]], np.int32)
+    want = reference(q, k, v, positions, d ** -0.5)
+    np.testing.assert_allclose(cpu_attention(q, (k, v), positions, d ** -0.5), want, rtol=2e-5, atol=2e-5)
+    if chunks:
+        k[:, 320:], v[:, 320:] = np.nan, np.nan
+        np.testing.assert_allclose(cpu_attention(q, (k, v), positions, d ** -0.5), want, rtol=2e-5,
+                                   atol=2e-5)
+
+
+def test_cpu_attention_int4_block_matches_the_device_function(monkeypatch):
+    """The int4 (rotated) format in pieces equals `dense_attention` over the whole block, the device's function."""
+    import jax.numpy as jnp
+
+    import nfjax.offload.cpu_attention as ca
+    from nfjax.offload.compute import BatchKV, dense_attention
+    from pallas_kernels import kv_quant
+    monkeypatch.setattr(ca, "CHUNKS", (64,))
+    rng = np.random.default_rng(2)
+    b, s, h, kh, d = 2, 200, 8, 2, 64
+    k = jnp.asarray(rng.standard_normal((b, s, kh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, s, kh, d)), jnp.bfloat16)
+    arrays = tuple(np.asarray(a) for a in kv_quant.quantize_kv("int4", k, v))
+    q = rng.standard_normal((b, h, d)).astype(np.float32)
+    positions = np.array([[150], [199]], np.int32)
+    want = dense_attention(jnp.asarray(q), BatchKV(arrays), jnp.asarray(positions), d ** -0.5)
+    np.testing.assert_allclose(cpu_attention(q, arrays, positions, d ** -0.5), np.asarray(want), rtol=1e-4,
+                               atol=1e-4)
+
 POLICIES = {
     # one batch a block (the CPU's attention in series); Top-K at 99.99%: every score kept, through the sparse path
     "kv-cpu-topk100": Policy(gpu_batch_size=4, num_gpu_batches=1, cache=Split(0, 100, 0), cpu_attention=True,
