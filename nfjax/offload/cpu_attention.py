@@ -9,12 +9,13 @@ the new rows and the attention output cross the bus (per sequence and layer: H x
 block.
 
 The CPU work is split into pieces run on a thread pool of one thread a core: each sequence's live positions in
-chunks of 64 to 256 (`CHUNKS`; the last one shorter; flash-decoding: each piece gives its softmax max, sum and weighted values, combined here), so
-that the cores share a block and a piece's K/V stays in cache. One XLA CPU program over a whole block runs on one
-core (measured: 0.75 GB/s of KV on 2 cores and on 16 alike). Chunks past a sequence's last query are not read.
-Top-K sparse attention needs each row's scores whole, so it splits by sequence only. A piece is the same math the
-device runs (`dense_attention`'s scores, mask and f32 softmax; the int4 format dequantized), compiled for JAX's
-CPU backend.
+chunks of 64 or 128 (`CHUNKS`; the last one shorter; flash-decoding: each piece gives its softmax max, sum and
+weighted values, combined here), so that the cores share a block and a piece's K/V stays in cache. Chunks past a
+sequence's last query are not read. An unquantized block's pieces are numpy (BLAS matmuls, casts and exponentials
+outside the GIL: 7.4 GB/s of KV on one core, 12.6 on two); an int4 block's are one XLA CPU program each, the same
+dequantization and rotation the device runs, but XLA CPU programs do not run at once (one program over a whole
+block ran at 0.75 GB/s on 2 cores and on 16 alike; its pieces at 2.6 GB/s on 16). Top-K sparse attention needs
+each row's scores whole, so it splits by sequence only, through `dense_attention` (the device's function).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from jaxtyping import Array, Float, Int
 from nfjax.offload.compute import BatchKV, dense_attention
 from pallas_kernels import MASK_VALUE, kv_quant
 
-CHUNKS = (256, 128, 64)   # positions a piece attends over: the longest giving two pieces a thread (few MB each)
+CHUNKS = (128, 64)    # positions a piece attends over: the longer giving two pieces a thread (a few MB each)
 
 
 @partial(jax.jit, static_argnums=(3, 4))
@@ -78,7 +79,27 @@ def _sequence(q, arrays, positions, i: int, scale: float, topk: float) -> np.nda
     return np.asarray(_attend(*args, scale, topk))
 
 
+def _numpy_piece(q: np.ndarray, arrays: tuple, positions: np.ndarray, i: int, start: int, size: int,
+                 scale: float) -> tuple:
+    """`_piece` in numpy for an unquantized block (K, V [B, S, KH, D]): its matmuls run in BLAS and its casts and
+    exponentials outside the GIL, so the pieces of a pool run at once (one XLA CPU program at a time did not)."""
+    k, v = (a[i, start:start + size].astype(np.float32) for a in arrays[:2])        # [C, KH, D]
+    c, kh, d = k.shape
+    t, h = q.shape[:2]
+    g = h // kh
+    qg = q.astype(np.float32).reshape(t, kh, g, d).transpose(1, 0, 2, 3).reshape(kh, t * g, d)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(kh, t, g, c) * np.float32(scale)
+    ok = start + np.arange(c)[None, :] <= positions[i][:, None]                         # [T, C]
+    scores = np.where(ok[None, :, None], scores, np.float32(MASK_VALUE))
+    m = scores.max(-1)
+    p = np.exp(scores - m[..., None])
+    out = np.matmul(p.reshape(kh, t * g, c), v.transpose(1, 0, 2)).reshape(kh, t, g, d)
+    return m.transpose(1, 0, 2), p.sum(-1).transpose(1, 0, 2), out.transpose(1, 0, 2, 3)
+
+
 def _chunk(q, arrays, positions, i: int, start: int, size: int, scale: float) -> tuple:
+    if len(arrays) == 2:
+        return _numpy_piece(q, arrays, positions, i, start, size, scale)
     cpu = cpu_device()
     args = jax.device_put((q, tuple(a[i:i + 1, start:start + size] for a in arrays), positions[i],
                            np.int32(start)), cpu)
