@@ -56,14 +56,14 @@ def test_cpu_attention_matches_numpy(t):
 
 
 
-@pytest.mark.parametrize("chunks", [(64,), None])
+@pytest.mark.parametrize("chunks", [64, None])
 def test_cpu_attention_pieces_combine_to_the_whole(chunks, monkeypatch):
     """A block attended in chunks (a row's queries ending in different chunks, one row whose first query's chunk
     holds nothing past it) equals the numpy reference; in 64-position chunks, the chunks wholly past a row's last
     query are never read."""
     import nfjax.offload.cpu_attention as ca
     if chunks:
-        monkeypatch.setattr(ca, "CHUNKS", chunks)
+        monkeypatch.setattr(ca, "chunk_positions", lambda k: chunks)
     rng = np.random.default_rng(1)
     b, t, s, h, kh, d = 2, 3, 400, 4, 2, 16
     q = rng.standard_normal((b * t, h, d)).astype(np.float32)
@@ -85,7 +85,7 @@ def test_cpu_attention_int4_block_matches_the_device_function(monkeypatch):
     import nfjax.offload.cpu_attention as ca
     from nfjax.offload.compute import BatchKV, dense_attention
     from pallas_kernels import kv_quant
-    monkeypatch.setattr(ca, "CHUNKS", (64,))
+    monkeypatch.setattr(ca, "chunk_positions", lambda k: 64)
     rng = np.random.default_rng(2)
     b, s, h, kh, d = 2, 200, 8, 2, 64
     k = jnp.asarray(rng.standard_normal((b, s, kh, d)), jnp.bfloat16)
@@ -147,3 +147,14 @@ def test_cpu_attention_over_the_int4_cache(tmp_path):
             got.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=8,
                                                                                          ignore_eos=True))])
     assert got[0] == got[1]
+
+
+def test_chunk_positions_hold_about_piece_bytes_of_k():
+    from nfjax.offload.cpu_attention import PIECE_BYTES, chunk_positions
+    assert chunk_positions(np.zeros((1, 1, 56, 128), np.float16)) == 256          # OPT-30B: 14 KB a position
+    assert chunk_positions(np.zeros((1, 1, 16, 128), np.float16)) == 1024
+    assert chunk_positions(np.zeros((1, 1, 64, 256), np.float32)) == 64           # never below 64
+    for kh in (1, 3, 8, 40):
+        row = kh * 128 * 2
+        c = chunk_positions(np.zeros((1, 1, kh, 128), np.float16))
+        assert c * row <= max(PIECE_BYTES, 64 * row) and (c == 64 or 2 * c * row > PIECE_BYTES)
