@@ -22,7 +22,7 @@ import numpy as np
 from nfjax.config import ModelConfig
 from nfjax.offload.compress import compressible, packed_bytes
 from nfjax.offload.policy import Policy, PolicyError
-from nfjax.offload.store import index_tiers, weight_tiers
+from nfjax.offload.store import index_tiers, kv_tiers, weight_tiers
 from pallas_kernels import kv_quant
 
 GB = 1e9
@@ -73,12 +73,12 @@ def needs(cfg: ModelConfig, policy: Policy, max_len: int) -> list[Need]:
                         3 * off + sum(n for n, tt in zip(sizes, tiers) if tt != "gpu")))
     kv_block = bs * max_len * cfg.num_kv_heads * (
         kv_quant.token_head_bytes("int4", cfg.head_dim, None) if policy.compress_cache else 2 * cfg.head_dim * item)
-    kv_tiers = index_tiers(L * nb, policy.cache)
+    kv_where = kv_tiers(L, nb, policy.cache)
     for t in ("gpu", "cpu", "disk"):
-        n = kv_tiers.count(t)
+        n = kv_where.count(t)
         if n:
             out.append(Need(t, f"KV cache ({n} of {L * nb} layer x batch blocks)", n * kv_block))
-    if any(t != "gpu" for t in kv_tiers):
+    if any(t != "gpu" for t in kv_where):
         out.append(Need("gpu", "2 KV blocks loaded", 2 * kv_block))
     act = bs * max_len * d * item
     for t in ("gpu", "cpu", "disk"):

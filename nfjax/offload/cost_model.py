@@ -41,7 +41,7 @@ from nfjax.config import ModelConfig
 from nfjax.offload import budget
 from nfjax.offload.hardware import HardwareProfile
 from nfjax.offload.policy import Policy, Split
-from nfjax.offload.store import index_tiers, weight_tiers
+from nfjax.offload.store import index_tiers, kv_tiers, weight_tiers
 from pallas_kernels import kv_quant
 
 FRACS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -242,7 +242,7 @@ def fractions(cfg: ModelConfig, policy: Policy) -> dict[str, float]:
     total = float(sum(sizes))
     fr = {f"w{t[0]}": sum(n for n, x in zip(sizes, wt) if x == t) / total for t in ("gpu", "cpu", "disk")}
     n_kv = cfg.num_layers * policy.num_gpu_batches
-    kt = index_tiers(n_kv, policy.cache)
+    kt = kv_tiers(cfg.num_layers, policy.num_gpu_batches, policy.cache)
     at = index_tiers(policy.num_gpu_batches, policy.activations)
     for t in ("gpu", "cpu", "disk"):
         fr[f"c{t[0]}"] = kt.count(t) / n_kv

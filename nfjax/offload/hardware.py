@@ -14,9 +14,10 @@
   h2d_threads_bytes, d2h_threads_bytes   recorded, not used by the cost model: 4 threads (the I/O pool's size)
                   each moving one 64 MB numpy array at once, numpy -> device and device -> numpy (do pageable
                   copies from several threads add up? the KV stores of a prefill run so)
-  h2d_pinned_bytes pinned_host JAX arrays -> device, four 64 MB arrays put together and waited for, as a layer's
-                  weights move (each tensor its own copy, all in flight at once; one array alone measured 41 GB/s
-                  on an H100 host where a layer's 1.2 GB moved at 52); None where the memory kind is absent
+  h2d_pinned_bytes pinned_host JAX arrays -> device, four 256 MB arrays put together and waited for, as a layer's
+                  weights move (each tensor its own copy, all in flight at once; on the H100 host one 64 MB array
+                  moved at 40 GB/s, four at 47, OPT-30B's six layer matrices (1.2 GB) at 51: probe
+                  bench/probes/offload_io_rates.py); None where the memory kind is absent
   d2h_bytes       device -> host numpy
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
                   page cache (posix_fadvise DONTNEED) and read back with np.load
@@ -50,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class HardwareProfile:
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
     #                                        h2d of one array; version 2: pinned h2d of one array, CPU
-    #                                        attention on a 4 MB block through one XLA program)
+    #                                        attention on a 4 MB block through one XLA program; version 3: pinned
+    #                                        h2d of four 64 MB arrays, CPU attention in XLA pieces)
 
     def __post_init__(self):
         object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
@@ -191,9 +193,11 @@ def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
                  max_reps=20)
     pinned = None
     try:
-        ps = [jax.device_put(np.roll(host, i), SingleDeviceSharding(device, memory_kind="pinned_host"))
+        big = np.tile(host, 1 if device.platform == "cpu" else 4)          # 256 MB a tensor on a GPU
+        ps = [jax.device_put(np.roll(big, i), SingleDeviceSharding(device, memory_kind="pinned_host"))
               for i in range(4)]
-        pinned = _rate(4 * nbytes, lambda: jax.block_until_ready([jax.device_put(p, on) for p in ps]), max_reps=10)
+        pinned = _rate(4 * big.nbytes, lambda: jax.block_until_ready([jax.device_put(p, on) for p in ps]),
+                       max_reps=10)
     except Exception:          # noqa: BLE001 - a backend without the pinned_host memory kind: not measured
         pinned = None
     d = jax.device_put(host, on)

@@ -24,7 +24,7 @@ import numpy as np
 from nfjax.offload.cpu_attention import cpu_attention
 
 from nfjax.offload.policy import Policy
-from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers
+from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers, kv_tiers
 from pallas_kernels import kv_quant
 
 
@@ -49,7 +49,7 @@ class KVStore:
     def __init__(self, policy: Policy, tiers: Tiers, num_layers: int, shape: tuple, dtype):
         nb = policy.num_gpu_batches
         self.nb, self.tiers = nb, tiers
-        self.where = index_tiers(num_layers * nb, policy.cache)
+        self.where = kv_tiers(num_layers, nb, policy.cache)
         self.blocks: dict[tuple[int, int], tuple] = {}
         self.pending: dict = {}            # (j, k) -> the store of its newest rows (an I/O thread's future)
         specs = kv_arrays(policy, shape, dtype)

@@ -53,6 +53,16 @@ def index_tiers(n: int, split: Split) -> list[str]:
     return [tier_of((i + 0.5) / n, split) for i in range(n)]
 
 
+def kv_tiers(num_layers: int, num_batches: int, split: Split) -> list[str]:
+    """The tier of each (layer j, batch k) KV block, at index j * num_batches + k: `index_tiers`' counts, dealt
+    batch by batch so that every layer holds the same mix (to within one block). The cost model is linear in the
+    tiers' fractions, i.e. it prices each layer at the average mix; dealt layer by layer (the first layers all on
+    the GPU, the last all off it), a pass's layers are unlike and the slow ones set the pace (the H100 grid's LP
+    policy, 4 x 8 with 35% of its KV on the GPU, decoded no faster than 4 x 8 with none there)."""
+    flat = index_tiers(num_layers * num_batches, split)
+    return [flat[k * num_layers + j] for j in range(num_layers) for k in range(num_batches)]
+
+
 # ---- the disk tier's folder ------------------------------------------------------------------------------------
 def remove_stale(root: Path) -> list[Path]:
     """Remove the folders that runs killed before they could clean up (SIGKILL, power loss) left in `root`: only

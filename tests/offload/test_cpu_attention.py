@@ -128,8 +128,8 @@ def test_tokens_equal_the_paged_engine_with_attention_on_the_cpu(name, tmp_path)
 
 
 def _kv_tiers(pol, layers):
-    from nfjax.offload.store import index_tiers
-    return index_tiers(layers * pol.num_gpu_batches, pol.cache)
+    from nfjax.offload.store import kv_tiers
+    return kv_tiers(layers, pol.num_gpu_batches, pol.cache)
 
 
 def test_cpu_attention_over_the_int4_cache(tmp_path):

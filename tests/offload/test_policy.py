@@ -103,3 +103,18 @@ def test_generate_offload_flag_errors(tmp_path, capsys):
     assert "weights" in err and "100" in err and "Traceback" not in err
     assert cli.main(["generate", "--offload", str(tmp_path / "none.json"), "hi"]) == 2
     assert "no such policy file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers,batches,split", [(48, 8, Split(35.15625, 52.86, 11.98)), (48, 2, Split(25, 75, 0)),
+                                                  (2, 3, Split(30, 30, 40)), (5, 1, Split(50, 50, 0)),
+                                                  (7, 4, Split(0, 100, 0))])
+def test_kv_blocks_give_every_layer_the_same_mix(layers, batches, split):
+    """The KV blocks' tiers: the counts `index_tiers` gives (what the cost model and the budget count), dealt so that
+    each layer's count in each tier differs from any other layer's by at most one."""
+    from nfjax.offload.store import index_tiers, kv_tiers
+    got = kv_tiers(layers, batches, split)
+    flat = index_tiers(layers * batches, split)
+    assert sorted(got) == sorted(flat)
+    for t in ("gpu", "cpu", "disk"):
+        per_layer = [got[j * batches:(j + 1) * batches].count(t) for j in range(layers)]
+        assert max(per_layer) - min(per_layer) <= 1, (t, per_layer)
