@@ -6,7 +6,7 @@ Why: at top-p 0.9 the engine's limits head costs ~21% of 1024/512 throughput on 
 few bits at a time: each pass tries `DIGITS` candidate thresholds at once (the known high bits with each value of
 the next `RADIX_BITS`) and keeps the largest whose running count or mass from the top still reaches the target,
 so a 32-bit key takes 8 passes and a row index of a 128k vocabulary 5; a pass is a compare-and-sum over the row.
-Measured on the H100 (bench/NOTES.md 21): 10-35% slower than the sort (1,024 rows: sort 18.0 ms, "column" 19.8,
+Measured on the H100 (docs/design.md section 2): 10-35% slower than the sort (1,024 rows: sort 18.0 ms, "column" 19.8,
 "siblings" 24.2), so it stays out of the engine. Two ways to write a pass, `FORMS`: "column" sums a [V, DIGITS] compare along V
 (XLA:GPU's column reduction reads each key once for all digits); "siblings" writes DIGITS sums of one operand
 (one pass if XLA:GPU fuses sibling reductions). On the CPU both materialize their compares (~1 GiB at 128 rows
