@@ -44,25 +44,34 @@ def _attend(q, arrays, positions, scale: float, topk: float):
     return dense_attention(q, BatchKV(tuple(arrays)), positions, scale, topk)
 
 
+def _partial_softmax(xp, q, k, v, positions, start, scale: float) -> tuple:
+    """q [T, H, D], k / v [C, KH, D] (float32) at positions [start, start + C), with numpy or jax.numpy as `xp` ->
+    (max, sum) [T, KH, G] and the unnormalized output [T, KH, G, D] (a chunk with none of a row's positions gives
+    that row max = MASK_VALUE, which the combination weighs by exp(MASK_VALUE - max) = 0). The matmuls take K and V
+    in their stored layout, so numpy hands them to BLAS without a copy."""
+    c, kh, d = k.shape
+    t, h = q.shape[:2]
+    g = h // kh
+    qg = q.reshape(t, kh, g, d).transpose(1, 0, 2, 3).reshape(kh, t * g, d)
+    scores = xp.matmul(qg, k.transpose(1, 2, 0)).reshape(kh, t, g, c) * xp.float32(scale)
+    ok = start + xp.arange(c)[None, :] <= positions[:, None]                           # [T, C]
+    scores = xp.where(ok[None, :, None], scores, xp.float32(MASK_VALUE))
+    m = scores.max(-1)
+    p = xp.exp(scores - m[..., None])
+    out = xp.matmul(p.reshape(kh, t * g, c), v.transpose(1, 0, 2)).reshape(kh, t, g, d)
+    return m.transpose(1, 0, 2), p.sum(-1).transpose(1, 0, 2), out.transpose(1, 0, 2, 3)
+
+
 @partial(jax.jit, static_argnums=(4,))
 def _piece(q: Float[Array, "T H D"], arrays: tuple, positions: Int[Array, "T"], start: Int[Array, ""],
            scale: float) -> tuple:
-    """One sequence's queries over positions [start, start + C) of its block (arrays [1, C, KH, ...]) -> (max,
-    sum) [T, KH, G] and the unnormalized output [T, KH, G, D], float32 (a chunk with none of a row's positions
-    gives that row max = MASK_VALUE, which the combination weighs by exp(MASK_VALUE - max) = 0)."""
+    """One sequence's queries over positions [start, start + C) of its block (arrays [1, C, KH, ...], any format
+    `BatchKV` reads: dequantized and, where stored rotated, the queries rotated) -> `_partial_softmax`'s."""
     kv = BatchKV(tuple(arrays))
     k, v = kv.dense()
     if kv_quant.rotates(kv.kv_dtype):
         q = kv_quant.rotate(q)
-    _, c, kh, d = k.shape
-    t, h = q.shape[:2]
-    qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,skd->tkgs", qg, k[0]) * scale
-    ok = start + jnp.arange(c)[None, :] <= positions[:, None]                      # [T, C]
-    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
-    m = scores.max(-1)
-    p = jnp.exp(scores - m[..., None])
-    return m, p.sum(-1), jnp.einsum("tkgs,skd->tkgd", p, v[0])
+    return _partial_softmax(jnp, q.astype(jnp.float32), k[0], v[0], positions, start, scale)
 
 
 THREADS = max(1, os.cpu_count() or 1)
@@ -89,17 +98,7 @@ def _numpy_piece(q: np.ndarray, arrays: tuple, positions: np.ndarray, i: int, st
     """`_piece` in numpy for an unquantized block (K, V [B, S, KH, D]): its matmuls run in BLAS and its casts and
     exponentials outside the GIL, so the pieces of a pool run at once (one XLA CPU program at a time did not)."""
     k, v = (a[i, start:start + size].astype(np.float32) for a in arrays[:2])        # [C, KH, D]
-    c, kh, d = k.shape
-    t, h = q.shape[:2]
-    g = h // kh
-    qg = q.astype(np.float32).reshape(t, kh, g, d).transpose(1, 0, 2, 3).reshape(kh, t * g, d)
-    scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(kh, t, g, c) * np.float32(scale)
-    ok = start + np.arange(c)[None, :] <= positions[i][:, None]                         # [T, C]
-    scores = np.where(ok[None, :, None], scores, np.float32(MASK_VALUE))
-    m = scores.max(-1)
-    p = np.exp(scores - m[..., None])
-    out = np.matmul(p.reshape(kh, t * g, c), v.transpose(1, 0, 2)).reshape(kh, t, g, d)
-    return m.transpose(1, 0, 2), p.sum(-1).transpose(1, 0, 2), out.transpose(1, 0, 2, 3)
+    return _partial_softmax(np, q.astype(np.float32), k, v, positions[i], start, scale)
 
 
 def _chunk(q, arrays, positions, i: int, start: int, size: int, scale: float) -> tuple:
