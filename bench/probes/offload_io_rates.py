@@ -13,7 +13,6 @@ usage: python -m bench.probes.offload_io_rates [--blocks 8] [--name offload_io_r
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from bench.common import print_table, write_results
-from nfjax.offload.hardware import _rate
+from nfjax.offload.hardware import _rate, drop_cached
 
 LAYER = [(7168, 7168)] * 4 + [(7168, 28672), (28672, 7168)]      # OPT-30B: q, k, v, out, fc1, fc2
 KV_BLOCK = (4, 544, 56, 128)                                       # OPT-30B, 4 sequences of 512 + 32 positions
@@ -63,11 +62,7 @@ def disk_rates(dev, folder: Path, blocks: int) -> dict:
 
     def drop():
         for i in range(blocks):
-            fd = os.open(folder / f"kv{i}.npy", os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_cached(folder / f"kv{i}.npy")
 
     out = {}
     with ThreadPoolExecutor(4) as pool:

@@ -223,6 +223,15 @@ def _threaded(device, nbytes: int, threads: int = 4) -> tuple[float, float]:
     return up, down
 
 
+def drop_cached(path: Path) -> None:
+    """Drop a file's pages from the page cache, so that its next read is the disk's."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f".nfjax-hw-{os.getpid()}.npy"
@@ -235,11 +244,7 @@ def _disk(folder: Path, nbytes: int) -> tuple[float, float]:
                 os.fsync(f.fileno())
 
         def read():
-            fd = os.open(path, os.O_RDONLY)
-            try:                        # out of the page cache, so the read is the disk's
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_cached(path)
             np.load(path)
         w = _rate(nbytes, write, max_reps=5)          # (also leaves the file the reads read)
         return _rate(nbytes, read, max_reps=5), w
