@@ -73,8 +73,9 @@ def main(argv=None) -> int:
         pol = fg.make_policy(parse_policy(spec), args)
         res = fg.run_policy(cfg, pol, args, trace=True, label=spec)
         pred = fm.predicted(cfg, res["policy"], args, hw)
-        stats = pass_stats(res.pop("events"), cfg.num_layers * pol.num_gpu_batches)
-        data[spec] = {"run": res, "passes": stats, "predicted": pred}
+        events = res.pop("events")
+        stats = pass_stats(events, cfg.num_layers * pol.num_gpu_batches)
+        data[spec] = {"run": res, "passes": stats, "predicted": pred, "events": events}
         for i, st in enumerate(stats):
             phase = "prefill" if i == 0 else "decode"
             lanes = pred["predicted_lanes"][phase]
