@@ -14,10 +14,13 @@ of seven lanes, each summed over the block's batches:
              blocks held off the device, as `KVStore.load` moves them whole, activations held off the device) at
              the link's rate (a pinned buffer's DMA), and the pinned weights' per-transfer cost
   h2d_stage  the pageable copies' host side: a numpy (or disk-read) array crosses through a staging buffer, at
-             the measured numpy -> device rate (its K and V pair, as a KV block moves), with each transfer's
+             the measured numpy -> device rate (a KV block's K and V pair at the block's size), with each transfer's
              fixed cost. The I/O threads run it beside the pinned weights' DMA (a pinned weight does not wait for
-             a KV block's staging), so the link and the staging are two lanes, not one sum
-  d2h        device -> host: the KV rows a computation wrote, activations
+             a KV block's staging), so the link and the staging are two lanes, not one sum. KV blocks load one
+             at a time, so a disk-held block's file read is in this lane too, before its staging (the LP's
+             first pick balanced a disk lane against this one and ran at the sum: 60 ms a layer, modelled 41)
+  d2h        device -> host: the KV rows a computation wrote (a prefill's through pinned memory where the
+             policy's host memory is pinned: `hw.kv_store_rate`), activations
   disk read  weights, KV blocks and activations read from the disk tier
   disk write the KV rows and activations written to it
 
@@ -158,6 +161,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     act = {"prefill": bs * t_pre * d * item, "decode": bs * d * item}
     qo = 2 * bs * h * hd * item                                  # q down and the attention output up (cpu attn)
     h2d, d2h = hw.h2d_bytes, hw.d2h_bytes                       # pageable: numpy arrays (staged), device -> numpy
+    stage = hw.stage_rate(kv_blk)                                # a KV block's K and V pair, at its size
     link = hw.link_h2d()                                         # every host -> device byte crosses the link
     pinned_w = host_memory == "pinned" and bool(hw.h2d_pinned_bytes)
     rd, wr = hw.disk_read_bytes, hw.disk_write_bytes
@@ -176,6 +180,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     lanes = {}
     for phase, tq in (("prefill", t_pre), ("decode", 1)):
         delegate = cpu_attention and phase == "decode"
+        store = hw.kv_store_rate(host_memory, rows[phase])         # the rows' device -> host rate
         comp = lin(nb * (gemm(bs * tq) + hw.dispatch_s))
         unpack = lin(0, wc=dec_unpack, wd=dec_unpack)
         cpu_lane = lin(0)
@@ -193,12 +198,14 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         else:
             att = lin(nb * attn_gpu(tq))
             kv_in = lin(0, cc=nb * kv_blk / link, cd=nb * kv_blk / link)
-            kv_stage = lin(0, cc=nb * (kv_blk / h2d + io), cd=nb * (kv_blk / h2d + io))
-            kv_out = lin(0, cc=nb * (rows[phase] / d2h + io), cd=nb * (rows[phase] / d2h + io))
+            # one KV load in flight (the next batch's, while this one computes), and a disk-held block's is its
+            # file's read and then its staging, on one I/O thread: the two in series, not two lanes
+            kv_stage = lin(0, cc=nb * (kv_blk / stage + io), cd=nb * (kv_blk / rd + kv_blk / stage + io))
+            kv_out = lin(0, cc=nb * (rows[phase] / store + io), cd=nb * (rows[phase] / store + io))
         if schedule == "row_by_row":        # (schedule.py `_row_by_row`: x stays on the device, no activations move)
             w_in = lin(0, wc=(w_store / link if pinned_w else w_store / h2d) + io, wd=w_store / rd + w_store / h2d + io)
-            kv_ser = lin(0) if delegate else lin(0, cc=kv_blk / h2d + rows[phase] / d2h + 2 * io,
-                                                  cd=kv_blk / rd + kv_blk / h2d + rows[phase] / d2h + 2 * io)
+            kv_ser = lin(0) if delegate else lin(0, cc=kv_blk / stage + rows[phase] / store + 2 * io,
+                                                  cd=kv_blk / rd + kv_blk / stage + rows[phase] / store + 2 * io)
             att_one = lin(attn_gpu(tq), cc=cpu + hw.dispatch_s - attn_gpu(tq),
                           cd=cpu + hw.dispatch_s - attn_gpu(tq)) if delegate else lin(attn_gpu(tq))
             one = add(lin(gemm(bs * tq) + hw.dispatch_s), att_one, lin(0, wc=dec_unpack, wd=dec_unpack), w_in, kv_ser)

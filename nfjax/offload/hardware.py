@@ -10,6 +10,9 @@
                   at ~3 TB/s 0.7 ms, against tens of us of dispatch; CPU device: 32 MB)
   h2d_bytes       host numpy -> device as `KVStore.load` moves a KV block: its K and V arrays (64 MB each) put
                   together and waited for (bytes/s; pageable memory: the copy through a staging buffer)
+  h2d_curve       [[pair bytes, bytes/s], ...]: the same K and V pair put at 1/2, 1, 2 and 4 times that size (on
+                  the H200 host a pair of 31 MB moved at 8.8 GB/s, of 250 MB at 14: bench/probes/kv_store_rates.py);
+                  the cost model stages a KV block at its size's rate (`stage_rate`)
   h2d_one_bytes   one 64 MB numpy array put and waited for (the rate before: the record of what a lone copy gets)
   h2d_threads_bytes, d2h_threads_bytes   recorded, not used by the cost model: 4 threads (the I/O pool's size)
                   each moving one 64 MB numpy array at once, numpy -> device and device -> numpy (do pageable
@@ -19,6 +22,9 @@
                   moved at 40 GB/s, four at 47, OPT-30B's six layer matrices (1.2 GB) at 51: probe
                   bench/probes/offload_io_rates.py); None where the memory kind is absent
   d2h_bytes       device -> host numpy
+  d2h_pinned_bytes device -> host as `KVStore.store_rows` stores a large block of rows with pinned host memory: the
+                  K and V pair (64 MB each) put into pinned_host memory (a DMA), then copied into numpy arrays;
+                  None where the memory kind is absent
   disk_read_bytes, disk_write_bytes   a 64 MB file in the offload folder: written with fsync, dropped from the
                   page cache (posix_fadvise DONTNEED) and read back with np.load
   cpu_attn_bytes  KV bytes a second that decode attention on the CPU reads (nfjax/offload/cpu_attention.py, the
@@ -51,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -75,33 +81,41 @@ class HardwareProfile:
     h2d_one_bytes: float | None = None
     h2d_threads_bytes: float | None = None
     d2h_threads_bytes: float | None = None
+    d2h_pinned_bytes: float | None = None
+    h2d_curve: tuple = ()                  # ((K and V pair bytes, bytes/s), ...) ascending
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
     #                                        h2d of one array; version 2: pinned h2d of one array, CPU
     #                                        attention on a 4 MB block through one XLA program; version 3: pinned
-    #                                        h2d of four 64 MB arrays, CPU attention in XLA pieces)
+    #                                        h2d of four 64 MB arrays, CPU attention in XLA pieces; version 4: no
+    #                                        pinned device->host, no h2d_curve)
 
     def __post_init__(self):
         object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
+        object.__setattr__(self, "h2d_curve", tuple(tuple(p) for p in self.h2d_curve))
 
     def gemm_rate(self, tokens: float) -> float:
         """The matmul rate at `tokens` rows: the measured curve, linear in log(tokens) between its points and flat
         beyond them (`gemm_flops` where none was measured)."""
-        pts = [(t, r) for t, r in self.gemm_curve if t > 0 and r > 0]
-        if not pts:
-            return self.gemm_flops
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
-            if tokens <= t1:
-                a = math.log(tokens / t0) / math.log(t1 / t0)
-                return r0 + a * (r1 - r0)
-        return pts[-1][1]
+        return _on_curve(self.gemm_curve, tokens, self.gemm_flops)
+
+    def stage_rate(self, nbytes: float) -> float:
+        """The rate a numpy K and V pair of `nbytes` in all is put at: `h2d_curve` as `gemm_rate` reads its curve
+        (`h2d_bytes` where none was measured)."""
+        return _on_curve(self.h2d_curve, nbytes, self.h2d_bytes)
 
     def link_h2d(self) -> float:
         """The host->device link's rate: a pinned buffer's DMA (every byte crosses the link, pageable or not); the
         pageable rate where pinned memory was not measured."""
         return self.h2d_pinned_bytes or self.h2d_bytes
+
+    def kv_store_rate(self, host_memory: str, nbytes: float) -> float:
+        """The rate a KV block's rows come down at: through pinned memory where the runtime takes that way
+        (`KVStore.store_rows`: pinned host memory, rows of `PINNED_STORE_BYTES` or more), else numpy's."""
+        from nfjax.offload.store import PINNED_STORE_BYTES
+        if host_memory == "pinned" and self.d2h_pinned_bytes and nbytes >= PINNED_STORE_BYTES:
+            return self.d2h_pinned_bytes
+        return self.d2h_bytes
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,11 +136,26 @@ class HardwareProfile:
                 f"{f' ({curve})' if curve else ''}, memory {self.hbm_bytes / g:.1f} GB/s, host->device "
                 f"{self.h2d_bytes / g:.2f} (one array {(self.h2d_one_bytes or 0) / g:.2f}, pinned "
                 f"{(self.h2d_pinned_bytes or 0) / g:.2f}, 4 threads {(self.h2d_threads_bytes or 0) / g:.2f}) GB/s, "
-                f"device->host {self.d2h_bytes / g:.2f} (4 threads {(self.d2h_threads_bytes or 0) / g:.2f}) GB/s, disk "
+                f"device->host {self.d2h_bytes / g:.2f} (4 threads {(self.d2h_threads_bytes or 0) / g:.2f}, pinned "
+                f"{(self.d2h_pinned_bytes or 0) / g:.2f}) GB/s, disk "
                 f"read {self.disk_read_bytes / g:.2f} / write {self.disk_write_bytes / g:.2f} GB/s, CPU attention "
                 f"{self.cpu_attn_bytes / g:.2f} GB/s of KV (+{self.cpu_attn_fixed_s * 1e6:.0f} us a call), layer "
                 f"call {self.dispatch_s * 1e6:.0f} us, transfer {self.transfer_s * 1e6:.0f} us, pass "
                 f"{self.pass_s * 1e6:.0f} us")
+
+
+def _on_curve(curve: tuple, x: float, default: float) -> float:
+    """The curve's value at x: linear in log(x) between its points, flat beyond them; `default` without points."""
+    pts = [(t, r) for t, r in curve if t > 0 and r > 0]
+    if not pts:
+        return default
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+        if x <= t1:
+            a = math.log(x / t0) / math.log(t1 / t0)
+            return r0 + a * (r1 - r0)
+    return pts[-1][1]
 
 
 def _rate(work: float, fn, budget: float = BUDGET_S, max_reps: int = 50) -> float:
@@ -180,9 +209,9 @@ def _hbm(device) -> float:
     return _rate(2 * 4 * n, lambda: f(a).block_until_ready())
 
 
-def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
+def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float, float | None]:
     """(numpy -> device as a KV block's K and V pair, numpy -> device of one array, pinned -> device, device ->
-    numpy), bytes/s."""
+    numpy, device -> pinned -> numpy as a K and V pair), bytes/s."""
     import jax
     from jax.sharding import SingleDeviceSharding
     host = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
@@ -203,7 +232,31 @@ def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float]:
     d = jax.device_put(host, on)
     # np.array copies: on a CPU device np.asarray may alias the buffer and time nothing
     d2h = _rate(nbytes, lambda: np.array(d), max_reps=20)
-    return pair, one, pinned, d2h
+    d2h_pinned = None
+    if pinned is not None:
+        pair_d, outs = (d, jax.device_put(host2, on)), (np.empty_like(host), np.empty_like(host2))
+        pin = SingleDeviceSharding(device, memory_kind="pinned_host")
+
+        def store():
+            for o, h in zip(outs, jax.device_put(pair_d, pin)):
+                o[:] = np.asarray(h)
+        d2h_pinned = _rate(2 * nbytes, store, max_reps=20)
+    return pair, one, pinned, d2h, d2h_pinned
+
+
+def _stage_curve(device, nbytes: int) -> tuple:
+    """((pair bytes, bytes/s), ...): a numpy K and V pair put and waited for at 1/2, 1, 2 and 4 x `nbytes` each."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    on = SingleDeviceSharding(device)
+    out = []
+    for scale in (0.5, 1, 2, 4):
+        n = int(nbytes * scale)
+        pair = (np.full(n, 1, np.uint8), np.full(n, 2, np.uint8))
+        out.append((2 * n, _rate(2 * n, lambda: jax.block_until_ready([jax.device_put(a, on) for a in pair]),
+                                 max_reps=10)))
+        del pair
+    return tuple(out)
 
 
 def _threaded(device, nbytes: int, threads: int = 4) -> tuple[float, float]:
@@ -332,7 +385,8 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     device = device or jax.devices()[0]
     small = device.platform == "cpu"
     nbytes = (16 if small else 64) * 2 ** 20
-    h2d, h2d_one, pinned, d2h = _transfers(device, nbytes)
+    h2d, h2d_one, pinned, d2h, d2h_pinned = _transfers(device, nbytes)
+    h2d_curve = _stage_curve(device, nbytes)
     h2d_par, d2h_par = _threaded(device, nbytes)
     from nfjax.offload.engine import default_offload_dir
     rd, wr = _disk(Path(disk_dir) if disk_dir else default_offload_dir(), nbytes)
@@ -341,7 +395,7 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
     return HardwareProfile(
         device_kind=str(device.device_kind), host=socket.gethostname(), gemm_flops=gemm, gemm_curve=curve,
         hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_one_bytes=h2d_one, h2d_pinned_bytes=pinned, d2h_bytes=d2h,
-        h2d_threads_bytes=h2d_par, d2h_threads_bytes=d2h_par,
+        h2d_threads_bytes=h2d_par, d2h_threads_bytes=d2h_par, d2h_pinned_bytes=d2h_pinned, h2d_curve=h2d_curve,
         disk_read_bytes=rd,
         disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch,
         transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),

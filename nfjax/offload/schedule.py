@@ -24,7 +24,7 @@ import numpy as np
 from nfjax.offload.cpu_attention import cpu_attention
 
 from nfjax.offload.policy import Policy
-from nfjax.offload.store import Tiers, WeightStore, check_interrupt, index_tiers, kv_tiers
+from nfjax.offload.store import PINNED_STORE_BYTES, Tiers, WeightStore, check_interrupt, index_tiers, kv_tiers
 from pallas_kernels import kv_quant
 
 
@@ -87,6 +87,8 @@ class KVStore:
     def store_rows(self, j: int, k: int, rows, positions: np.ndarray) -> None:
         """The rows a computation wrote (at `positions` [B, T]) into the host or disk copy."""
         idx = (np.arange(positions.shape[0])[:, None], positions)
+        if self.tiers.pinned and sum(r.nbytes for r in rows) >= PINNED_STORE_BYTES:
+            rows = jax.device_put(tuple(rows), self.tiers.host_sharding)
         for buf, r in zip(self.blocks[(j, k)], rows):
             buf[idx] = np.asarray(r)
 

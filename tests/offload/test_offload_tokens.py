@@ -113,3 +113,23 @@ def test_placed_weights_serve_a_policy_placing_alike():
     other = same.replace(weights=Split(0, 100, 0))
     with OffloadEngine.from_model(model("opt"), tokenizer("opt"), other, max_model_len=MAX_LEN, weights_from=a) as c:
         assert c.weights.layers is not a.weights.layers and c.weights.bytes_by_tier()["gpu"] == 0
+
+
+def test_stores_through_pinned_memory_keep_the_tokens(monkeypatch, tmp_path):
+    """Every KV store through pinned host memory (the runtime's way for a prefill's rows; here the threshold is 0 so
+    decode rows go that way too), host- and disk-held blocks: the paged engine's tokens."""
+    from nfjax.offload import schedule
+    calls = []
+    real = schedule.jax.device_put
+
+    def spy(x, sharding=None, *a, **kw):
+        if getattr(sharding, "memory_kind", None) == "pinned_host" and isinstance(x, tuple):
+            calls.append(len(x))
+        return real(x, sharding, *a, **kw)
+    monkeypatch.setattr(schedule, "PINNED_STORE_BYTES", 0)
+    monkeypatch.setattr(schedule.jax, "device_put", spy)
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 50, 50), offload_dir=str(tmp_path))
+    with OffloadEngine.from_model(model("opt"), tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+        outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+    assert calls, "no store went through pinned memory"
+    assert tuple(tuple(o.token_ids) for o in outs) == engine_tokens("opt")
