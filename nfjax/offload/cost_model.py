@@ -9,7 +9,8 @@ of seven lanes, each summed over the block's batches:
              memory bandwidth), per batch), attention (the runtime's dense masked attention over the whole block
              of S positions), one program dispatch a batch, 4-bit weights decompressed once a layer
   cpu        under `cpu_attention`, the decode attention of CPU-held KV on the CPU thread (with one batch a block
-             it is in series with the device, so it is counted in `compute` instead)
+             it is in series with the device, so it is counted in `compute` instead), at the rate of the threads
+             its block's pieces keep busy (`hw.cpu_attention_s`: a one-sequence block runs on ~3 of them)
   h2d        the host -> device link: every byte that crosses it (weights in host memory or read from disk, KV
              blocks held off the device, as `KVStore.load` moves them whole, activations held off the device) at
              the link's rate (a pinned buffer's DMA), and the pinned weights' per-transfer cost
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from nfjax.config import ModelConfig
 from nfjax.offload import budget
 from nfjax.offload.hardware import HardwareProfile
+from nfjax.offload.cpu_attention import piece_count
 from nfjax.offload.policy import Policy, Split
 from nfjax.offload.store import index_tiers, kv_tiers, weight_tiers
 from pallas_kernels import kv_quant
@@ -187,7 +189,9 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         if delegate:       # CPU-held blocks: two programs around the CPU's attention (the new rows and q down, the
             #                output up; no block crosses), on the CPU thread while the device runs the next batch's
             #                first program; with one batch a block, in series with the device
-            cpu = kv_blk / hw.cpu_attn_bytes + hw.cpu_attn_fixed_s + (rows[phase] + qo / 2) / d2h + qo / 2 / h2d
+            pieces = None if compress_cache else piece_count(bs, s, kh * hd * item)
+            cpu = (hw.cpu_attention_s(kv_blk, pieces) + hw.cpu_attn_fixed_s + (rows[phase] + qo / 2) / d2h
+                   + qo / 2 / h2d)
             if nb > 1:
                 att = lin(nb * attn_gpu(tq), cc=nb * (hw.dispatch_s - attn_gpu(tq)),
                           cd=nb * (hw.dispatch_s - attn_gpu(tq)))

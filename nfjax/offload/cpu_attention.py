@@ -128,8 +128,18 @@ def chunk_positions(k: np.ndarray) -> int:
     """Positions a piece attends over: the power of two (>= 64) nearest below `PIECE_BYTES` of K. Python's part of
     a piece holds the GIL, so pieces must be large; on the H100 host this beat pieces sized to keep every core
     busy (OPT-30B, 2 sequences: 6 pieces of 256 positions 6.0 GB/s, 18 of 64 3.6 GB/s)."""
-    row = k.nbytes // (k.shape[0] * k.shape[1])
-    return max(64, 2 ** int(np.log2(max(1, PIECE_BYTES // row))))
+    return piece_positions(k.nbytes // (k.shape[0] * k.shape[1]))
+
+
+def piece_positions(row_bytes: int) -> int:
+    """`chunk_positions` for K of `row_bytes` a position."""
+    return max(64, 2 ** int(np.log2(max(1, PIECE_BYTES // row_bytes))))
+
+
+def piece_count(batch: int, live: int, row_bytes: int) -> int:
+    """Pieces `cpu_attention` splits a block of `batch` sequences of `live` positions into (K of `row_bytes` a
+    position): the number of threads it can keep busy."""
+    return batch * -(-live // piece_positions(row_bytes))
 
 
 def cpu_attention(q: Float[Array, "BT H D"] | np.ndarray, arrays: tuple, positions: Int[Array, "B T"] | np.ndarray,
@@ -155,11 +165,16 @@ def cpu_attention(q: Float[Array, "BT H D"] | np.ndarray, arrays: tuple, positio
     return np.concatenate(rows).astype(q.dtype)
 
 
-def cpu_attention_bench(rate, dtype="bfloat16") -> float:
-    """KV bytes a second `cpu_attention` reads, on a decode-shaped block [8, 1024, 16, 128] of 8 sequences at
-    their last position (64 MB in bfloat16: larger than a CPU's last-level cache, as the runtime's blocks are)."""
+BENCH_BLOCK = (8, 1024, 16, 128)          # cpu_attention_bench's K and V: sequences, positions, KV heads, head_dim
+
+
+def cpu_attention_bench(rate, dtype="bfloat16", sequences: int | None = None) -> float:
+    """KV bytes a second `cpu_attention` reads, on a decode-shaped block `BENCH_BLOCK` of 8 sequences (or
+    `sequences`) at their last position (64 MB in bfloat16: larger than a CPU's last-level cache, as the
+    runtime's blocks are)."""
     dt = np.dtype(jax.numpy.dtype(dtype))
-    b, s, kh, h, d = 8, 1024, 16, 32, 128
+    (b, s, kh, d), h = BENCH_BLOCK, 32
+    b = sequences or b
     rng = np.random.default_rng(0)
     k = rng.standard_normal((b, s, kh, d), np.float32).astype(dt)
     v = rng.standard_normal((b, s, kh, d), np.float32).astype(dt)

@@ -34,6 +34,13 @@
                   64, two sequences, one token: its compute is negligible), called and waited on
   transfer_s      the fixed cost of one transfer on an I/O thread: a 1 KB device_put submitted and waited for
   cpu_attn_fixed_s the fixed cost of one `cpu_attention` call (a 16-position block)
+  cpu_threads, cpu_attn_pieces   the CPU attention pool's threads and the pieces the bench block splits into (one a
+                  sequence): `cpu_attention_s` takes the bench's rate as that many threads' and a smaller block as
+                  running on fewer (on the H100 host one sequence's block of OPT-30B, 3 pieces, took ~8 ms a call
+                  against the 2.9 of the bench's rate)
+  cpu_attn_sat_bytes the same bench over 2 x cpu_threads sequences (a piece for every thread, twice): the most
+                  a call gets however many pieces it has (OPT-30B blocks of 24 and 96 pieces ran at 6.4 and
+                  8.7 GB/s on the H100 host, where 16 threads at the 8-piece bench's rate a thread would be 10.9)
   pass_s          the host's cost of one generated token's pass outside the layer programs (embedding, head,
                   sampling, the engine's bookkeeping): an OffloadEngine on that tiny one-layer model, all on the
                   device, one sequence: (time of 9 tokens - time of 1) / 8, less one layer call
@@ -57,7 +64,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,15 @@ class HardwareProfile:
     d2h_threads_bytes: float | None = None
     d2h_pinned_bytes: float | None = None
     h2d_curve: tuple = ()                  # ((K and V pair bytes, bytes/s), ...) ascending
+    cpu_threads: int | None = None
+    cpu_attn_pieces: int | None = None
+    cpu_attn_sat_bytes: float | None = None
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
     #                                        h2d of one array; version 2: pinned h2d of one array, CPU
     #                                        attention on a 4 MB block through one XLA program; version 3: pinned
     #                                        h2d of four 64 MB arrays, CPU attention in XLA pieces; version 4: no
-    #                                        pinned device->host, no h2d_curve)
+    #                                        pinned device->host, no h2d_curve; version 5: no cpu_threads)
 
     def __post_init__(self):
         object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
@@ -116,6 +126,15 @@ class HardwareProfile:
         if host_memory == "pinned" and self.d2h_pinned_bytes and nbytes >= PINNED_STORE_BYTES:
             return self.d2h_pinned_bytes
         return self.d2h_bytes
+
+    def cpu_attention_s(self, nbytes: float, pieces: int | None) -> float:
+        """Seconds `cpu_attention` takes over `nbytes` of KV split into `pieces`: each thread at the bench's rate
+        over its threads, min(pieces, threads) of them at once (the bench's rate where the split is unknown)."""
+        if not (self.cpu_threads and self.cpu_attn_pieces and pieces):
+            return nbytes / self.cpu_attn_bytes
+        per_thread = self.cpu_attn_bytes / min(self.cpu_attn_pieces, self.cpu_threads)
+        rate = per_thread * min(pieces, self.cpu_threads)
+        return nbytes / min(rate, self.cpu_attn_sat_bytes or rate)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -310,6 +329,17 @@ def _cpu_attention(dtype) -> float:
     return cpu_attention_bench(_rate, dtype)
 
 
+def _cpu_split() -> dict:
+    from nfjax.offload.cpu_attention import BENCH_BLOCK, THREADS, piece_count
+    b, s, kh, d = BENCH_BLOCK
+    return dict(cpu_threads=THREADS, cpu_attn_pieces=piece_count(b, s, kh * d * 2))
+
+
+def _cpu_attention_saturated(dtype) -> float:
+    from nfjax.offload.cpu_attention import THREADS, cpu_attention_bench
+    return cpu_attention_bench(_rate, dtype, sequences=2 * THREADS)
+
+
 def _tiny_model():
     from nfjax.config import ModelConfig
     from nfjax.models.random_init import random_model
@@ -397,7 +427,8 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
         hbm_bytes=_hbm(device), h2d_bytes=h2d, h2d_one_bytes=h2d_one, h2d_pinned_bytes=pinned, d2h_bytes=d2h,
         h2d_threads_bytes=h2d_par, d2h_threads_bytes=d2h_par, d2h_pinned_bytes=d2h_pinned, h2d_curve=h2d_curve,
         disk_read_bytes=rd,
-        disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch,
+        disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch, **_cpu_split(),
+        cpu_attn_sat_bytes=_cpu_attention_saturated(dtype),
         transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version=PROFILE_VERSION)
 
