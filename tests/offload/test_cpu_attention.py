@@ -158,3 +158,23 @@ def test_chunk_positions_hold_about_piece_bytes_of_k():
         row = kh * 128 * 2
         c = chunk_positions(np.zeros((1, 1, kh, 128), np.float16))
         assert c * row <= max(PIECE_BYTES, 64 * row) and (c == 64 or 2 * c * row > PIECE_BYTES)
+
+
+def test_piece_count_is_the_split_cpu_attention_makes(monkeypatch):
+    """`piece_count` (what the cost model reads) counts the pieces `cpu_attention` runs, for a block whose rows are
+    all live."""
+    from nfjax.offload import cpu_attention as ca
+    seen = []
+    real = ca._chunk
+
+    def spy(q, arrays, positions, i, start, size, scale):
+        seen.append((i, start))
+        return real(q, arrays, positions, i, start, size, scale)
+    monkeypatch.setattr(ca, "_chunk", spy)
+    monkeypatch.setattr(ca, "PIECE_BYTES", 4 * 1024)             # 64 positions of 4 KV heads x 16 (f32) a piece
+    b, s, kh, d = 3, 200, 4, 16
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((b, s, kh, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((b, 2 * kh, d)).astype(np.float32)
+    ca.cpu_attention(q, (k, v), np.full((b, 1), s - 1, np.int32), d ** -0.5)
+    assert len(seen) == ca.piece_count(b, s, kh * d * 4) == 3 * 4

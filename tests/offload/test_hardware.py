@@ -64,3 +64,45 @@ def test_profile_curve_and_rates():
     assert dataclasses.replace(p, h2d_pinned_bytes=None).link_h2d() == 1.0
     assert hardware.HardwareProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
     assert hardware.HardwareProfile("t", "t", 4.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0, 0.0).gemm_rate(7) == 4.0
+
+
+def _prof(**kw) -> hardware.HardwareProfile:
+    base = dict(gemm_flops=4.0, hbm_bytes=1.0, h2d_bytes=2.0, h2d_pinned_bytes=8.0, d2h_bytes=1.0,
+                disk_read_bytes=1.0, disk_write_bytes=1.0, cpu_attn_bytes=8.0, dispatch_s=0.0)
+    return hardware.HardwareProfile("t", "t", **{**base, **kw})
+
+
+def test_stage_rate_follows_the_curve_of_pair_sizes():
+    p = _prof(h2d_curve=[[100, 10.0], [400, 20.0]])
+    assert p.stage_rate(50) == 10.0 and p.stage_rate(1000) == 20.0 and math.isclose(p.stage_rate(200), 15.0)
+    assert _prof().stage_rate(200) == 2.0                          # no curve: the pair rate
+    assert hardware.HardwareProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+def test_kv_store_rate_is_the_pinned_way_only_where_the_runtime_takes_it():
+    from nfjax.offload.store import PINNED_STORE_BYTES
+    p = _prof(d2h_pinned_bytes=6.0)
+    assert p.kv_store_rate("pinned", PINNED_STORE_BYTES) == 6.0
+    assert p.kv_store_rate("pinned", PINNED_STORE_BYTES - 1) == 1.0          # small rows: numpy's way
+    assert p.kv_store_rate("numpy", 10 * PINNED_STORE_BYTES) == 1.0
+    assert _prof().kv_store_rate("pinned", 10 * PINNED_STORE_BYTES) == 1.0   # not measured: numpy's
+
+
+def test_cpu_attention_runs_at_the_threads_its_pieces_keep_busy():
+    """The bench's 8 pieces ran at 8 GB/s: 1 a thread. Three pieces get 3, 12 pieces on 16 threads 12, capped by the
+    saturated bench's rate; a profile without the split reads the bench's rate for any block."""
+    p = _prof(cpu_threads=16, cpu_attn_pieces=8, cpu_attn_sat_bytes=10.0)
+    assert math.isclose(p.cpu_attention_s(30.0, 3), 10.0)
+    assert math.isclose(p.cpu_attention_s(30.0, 12), 3.0)
+    assert math.isclose(p.cpu_attention_s(30.0, 100), 3.0)
+    assert math.isclose(p.cpu_attention_s(30.0, None), 30.0 / 8.0)
+    assert math.isclose(_prof().cpu_attention_s(30.0, 3), 30.0 / 8.0)
+
+
+def test_measured_profile_records_the_cpu_split_and_pinned_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("NFJAX_CACHE", str(tmp_path / "cache"))
+    prof = hardware.measure(dtype="float32", disk_dir=tmp_path / "disk")
+    from nfjax.offload.cpu_attention import THREADS
+    assert prof.cpu_threads == THREADS and prof.cpu_attn_pieces == 8 and prof.cpu_attn_sat_bytes > 0
+    sizes = [b for b, _ in prof.h2d_curve]
+    assert len(sizes) == 4 and sizes == sorted(sizes) and all(r > 0 for _, r in prof.h2d_curve)

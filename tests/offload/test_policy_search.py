@@ -159,3 +159,16 @@ def test_row_by_row_is_a_serial_sum():
     assert pr.out_tok_s < pz.out_tok_s
     p4 = predict(CFG, rbr.replace(num_gpu_batches=4), WL, HW)
     assert p4.decode_layer_s == pytest.approx(2 * pr.decode_layer_s)
+
+
+def test_a_disk_held_kv_block_is_read_then_staged_in_one_lane():
+    """KV blocks load one at a time, and a disk-held one is its file's read and then its staging (one I/O task):
+    the staging lane of a block on disk holds both, so disk never looks like a free parallel lane."""
+    on_cpu = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(100, 0, 0), cache=Split(0, 100, 0))
+    on_disk = on_cpu.replace(cache=Split(0, 0, 100))
+    s = -(-(WL.prompt_len + WL.gen_len) // 16) * 16                # the block's positions, padded as loaded
+    blk = 2 * s * CFG.num_kv_heads * 2 * CFG.head_dim * (2 if CFG.dtype == "bfloat16" else 4)
+    for ph in ("prefill", "decode"):
+        cpu, disk = predict(CFG, on_cpu, WL, HW).lanes[ph], predict(CFG, on_disk, WL, HW).lanes[ph]
+        assert disk["h2d_stage"] - cpu["h2d_stage"] == pytest.approx(2 * blk / HW.disk_read_bytes, rel=0.05)
+        assert disk["h2d_stage"] > disk["disk_read"]
