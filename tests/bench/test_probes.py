@@ -89,3 +89,24 @@ def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_ru
             "--variants", "before=--fcfs --no-defer --no-shorten --buckets 16,64,256;now=--buckets 16,64,256"])
     out = capsys.readouterr().out
     assert "sharegpt  before" in out and "sharegpt  now" in out
+
+
+def test_pass_trace_counts_each_lane_once_per_pass():
+    """offload_pass_trace: passes split at every `per_pass`-th computation; a lane's busy time is the union of its
+    spans within the pass (two I/O threads loading at once count once), clipped to the pass."""
+    import pytest
+    from bench.probes.offload_pass_trace import parse_policy, pass_stats
+    ev = [dict(lane="load cache", label="a", start_ms=0.0, end_ms=4.0),
+          dict(lane="load cache", label="b", start_ms=2.0, end_ms=6.0),      # overlaps a: union 0-6
+          dict(lane="compute", label="L0 B0", start_ms=5.0, end_ms=8.0),
+          dict(lane="compute", label="L0 B0 unpack", start_ms=8.0, end_ms=9.0),   # not a pass's computation
+          dict(lane="compute", label="L0 B1", start_ms=8.0, end_ms=10.0),
+          dict(lane="load cache", label="c", start_ms=9.0, end_ms=12.0),     # 1 ms in pass 0, 2 in pass 1
+          dict(lane="compute", label="L0 B0", start_ms=12.0, end_ms=13.0),
+          dict(lane="compute", label="L0 B1", start_ms=13.0, end_ms=15.0)]
+    p0, p1 = pass_stats(ev, 2)
+    assert p0["wall_ms"] == 10.0 and p0["load_cache_ms"] == 7.0 and p0["compute_ms"] == 5.0
+    assert p1["wall_ms"] == 5.0 and p1["load_cache_ms"] == 2.0 and p1["compute_ms"] == 3.0
+    assert parse_policy("16x2:25/75/0")["cache"] == (25.0, 75.0, 0.0)
+    with pytest.raises(SystemExit, match="BSxNB"):
+        parse_policy("16x2")
