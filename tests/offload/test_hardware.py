@@ -24,6 +24,10 @@ def test_measure_caches_per_machine_and_remeasures_on_request(tmp_path, monkeypa
     tokens = [t for t, _ in prof.gemm_curve]
     assert len(tokens) >= 2 and tokens == sorted(tokens) and prof.gemm_flops == max(r for _, r in prof.gemm_curve)
     assert prof.h2d_one_bytes > 0 and prof.version == hardware.PROFILE_VERSION
+    from nfjax.offload.cpu_attention import THREADS
+    assert prof.cpu_threads == THREADS and prof.cpu_attn_pieces == 8 and prof.cpu_attn_sat_bytes > 0
+    sizes = [b for b, _ in prof.h2d_curve]
+    assert len(sizes) == 4 and sizes == sorted(sizes) and all(r > 0 for _, r in prof.h2d_curve)
     assert list((tmp_path / "disk").iterdir()) == []            # the disk probe's file is gone
     path = hardware.cache_path(dev.device_kind)
     assert path.is_file() and "measured" in lines[0]
@@ -97,12 +101,3 @@ def test_cpu_attention_runs_at_the_threads_its_pieces_keep_busy():
     assert math.isclose(p.cpu_attention_s(30.0, 100), 3.0)
     assert math.isclose(p.cpu_attention_s(30.0, None), 30.0 / 8.0)
     assert math.isclose(_prof().cpu_attention_s(30.0, 3), 30.0 / 8.0)
-
-
-def test_measured_profile_records_the_cpu_split_and_pinned_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("NFJAX_CACHE", str(tmp_path / "cache"))
-    prof = hardware.measure(dtype="float32", disk_dir=tmp_path / "disk")
-    from nfjax.offload.cpu_attention import THREADS
-    assert prof.cpu_threads == THREADS and prof.cpu_attn_pieces == 8 and prof.cpu_attn_sat_bytes > 0
-    sizes = [b for b, _ in prof.h2d_curve]
-    assert len(sizes) == 4 and sizes == sorted(sizes) and all(r > 0 for _, r in prof.h2d_curve)
