@@ -179,6 +179,7 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | No
     n = policy.block_size
     prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(n)]
     import gc
+    _reset_peak_rss()
     last = _PLACED.pop("engine", None)
     if last is not None and same_placement(last.policy, policy):
         (rest_gd, layer_gd), rest_state, source = _PLACED["gds"], None, None
@@ -242,8 +243,34 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | No
         eng.close()
 
 
+def _reset_peak_rss() -> None:
+    """Start this process's peak-RSS count again (Linux: 5 into clear_refs), so that each run records its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def host_fits(cfg, policy, args, runs: dict) -> str | None:
+    """Why a policy would not fit this host's memory, or None: its host tier's bytes plus the most any run so far
+    held beyond its own host tier (peak RSS: 20-37 GB on the H100 host, bench/NOTES.md 22.4), against 95% of the
+    machine's memory. A run killed for memory would end the command and lose the policies after it."""
+    import psutil
+
+    from nfjax.offload import budget
+    over = [r["host_peak_rss_gb"] * 1e9 - r["tier_bytes"].get("cpu", 0) for r in runs.values()
+            if r.get("host_peak_rss_gb")]
+    tier = sum(n.bytes for n in budget.needs(cfg, policy, args.prompt_len + args.gen_len) if n.tier == "cpu")
+    need, total = tier + max(over, default=0.0), psutil.virtual_memory().total
+    if need > 0.95 * total:
+        return (f"host memory: {tier / 1e9:.0f} GB in its host tier + {max(over, default=0) / 1e9:.0f} GB held "
+                f"beyond the tier by an earlier run > 95% of the machine's {total / 1e9:.0f} GB")
+    return None
+
+
 def _peak_rss_gb() -> float | None:
-    """This process's peak resident host memory so far (Linux VmHWM), GB: what the policies' host tiers cost."""
+    """This process's peak resident host memory since the run began (Linux VmHWM), GB."""
     try:
         with open("/proc/self/status") as f:
             return next(int(x.split()[1]) * 1024 / 1e9 for x in f if x.startswith("VmHWM:"))
@@ -371,6 +398,11 @@ def main(argv=None) -> int:
                 skipped[name] = f"--budget-s: its run predicted {est:.0f} s, {left:.0f} s left"
                 print(f"[skip {name}: {skipped[name]}]", flush=True)
                 continue
+        why = host_fits(cfg, pol, args, runs)
+        if why:
+            skipped[name] = why
+            print(f"[skip {name}: {why}]", flush=True)
+            continue
         try:
             runs[name] = run_policy(cfg, pol, args, hw=hw, label=name,       # the budget is checked before placing
                                     passes=args.policy_gen_len)
@@ -609,9 +641,14 @@ def _model_summary(cfg, args, hw, runs: dict, lp: dict | None, summary: dict, da
         orig = runs.get(ab["policy"], {}).get("policy")
         runs_all = [*runs.values(), *(r for r in (ab["on"], ab["off"]) if r["policy"] != orig)]
     elif args.cpu_attention_ab:
-        off_gpu = {k: v for k, v in runs.items() if v["policy"]["cache"]["gpu"] < 100}
-        if off_gpu:
-            name = max(off_gpu, key=lambda k: off_gpu[k]["out_tok_s"])
+        off_gpu = sorted((k for k, v in runs.items() if v["policy"]["cache"]["gpu"] < 100),
+                         key=lambda k: -runs[k]["out_tok_s"])
+        # the fastest such run whose flip fits the host (CPU attention holds more host memory: 22.3's A/B was killed)
+        why = {k: host_fits(cfg, Policy.from_json(runs[k]["policy"]).replace(
+            cpu_attention=not runs[k]["policy"]["cpu_attention"]), args, runs) for k in off_gpu}
+        fits = [k for k in off_gpu if not why[k]]
+        if fits:
+            name = fits[0]
             pol = Policy.from_json(runs[name]["policy"])
             flipped = run_policy(cfg, pol.replace(cpu_attention=not pol.cpu_attention), args, hw=hw,
                                  passes=args.policy_gen_len, label=f"{name} cpu_attention flipped")
@@ -619,6 +656,9 @@ def _model_summary(cfg, args, hw, runs: dict, lp: dict | None, summary: dict, da
             summary["cpu_attention_speedup"] = on["out_tok_s"] / off["out_tok_s"]
             data["cpu_attention_ab"] = {"policy": name, "on": on, "off": off}
             runs_all = [*runs.values(), flipped]
+        elif off_gpu:
+            data["cpu_attention_ab"] = f"no flip fits: {why[off_gpu[0]]}"
+            runs_all = list(runs.values())
         else:
             data["cpu_attention_ab"] = "no run holds KV off the GPU"
             runs_all = list(runs.values())

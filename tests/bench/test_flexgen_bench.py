@@ -175,3 +175,23 @@ def test_rowbyrow_baseline_is_uncompressed(monkeypatch):
     fg._baselines(None, args, template.to_json(), ["pinned"])
     (pol,) = seen
     assert pol.schedule == "row_by_row" and not pol.compress_weights and not pol.compress_cache
+
+
+def test_host_guard_counts_what_earlier_runs_held_beyond_their_tier():
+    """`host_fits`: a small policy fits this machine; the same policy after a run that held more than the machine
+    beyond its own host tier is skipped, the reason naming both parts."""
+    import argparse
+
+    import psutil
+
+    from bench.flexgen import host_fits
+    from bench.setup import model_config
+    from nfjax.offload import Policy, Split
+    args = argparse.Namespace(shape="opt-smoke", layers=None, prompt_len=32, gen_len=4, dtype=None)
+    cfg = model_config(args)
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0, 100, 0), cache=Split(0, 100, 0))
+    assert host_fits(cfg, pol, args, {}) is None
+    total_gb = psutil.virtual_memory().total / 1e9
+    runs = {"big": {"host_peak_rss_gb": 2 * total_gb, "tier_bytes": {"cpu": 1e9}}}
+    why = host_fits(cfg, pol, args, runs)
+    assert why and "host memory" in why and "held beyond the tier" in why
