@@ -64,6 +64,12 @@ def time_fn(fn: Callable, *args, iters: int = 20, reps: int = 5, warmup: int = 2
             "reps": reps}
 
 
+def best_seconds(fn: Callable, reps: int = 5) -> float:
+    """The fastest of `reps` single calls of `fn` after one warm-up call (`time_fn` one call a sample), seconds:
+    for probes whose calls synchronize themselves (a transfer waited for, a host copy)."""
+    return time_fn(fn, iters=1, reps=reps, warmup=1)["min_s"]
+
+
 def measure_copy_bandwidth(nbytes: int = 2 << 30, **kw) -> dict:
     """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (random uint32 data,
     two buffers rotated)."""

@@ -181,12 +181,13 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | No
     import gc
     _reset_peak_rss()
     last = _PLACED.pop("engine", None)
-    if last is not None and same_placement(last.policy, policy):
-        (rest_gd, layer_gd), rest_state, source = _PLACED["gds"], None, None
-        gc.collect()                                 # the last run's blocks, held by reference cycles
-    else:
+    reuse = last is not None and same_placement(last.policy, policy)
+    if not reuse:
         last = None                                  # freed before the new placement (one fits, not two)
-        gc.collect()                                 # the engine's reference cycles hold its host arrays
+    gc.collect()                                     # the last engine's reference cycles hold its host arrays
+    if reuse:
+        (rest_gd, layer_gd), rest_state, source = _PLACED["gds"], None, None
+    else:
         rest_gd, rest_state, layer_gd, source = random_parts(cfg)
         _PLACED["gds"] = (rest_gd, layer_gd)
     topk = policy.attention_topk / 100
@@ -262,9 +263,9 @@ def host_fits(cfg, policy, args, runs: dict) -> str | None:
     over = [r["host_peak_rss_gb"] * 1e9 - r["tier_bytes"].get("cpu", 0) for r in runs.values()
             if r.get("host_peak_rss_gb")]
     tier = sum(n.bytes for n in budget.needs(cfg, policy, args.prompt_len + args.gen_len) if n.tier == "cpu")
-    need, total = tier + max(over, default=0.0), psutil.virtual_memory().total
-    if need > 0.95 * total:
-        return (f"host memory: {tier / 1e9:.0f} GB in its host tier + {max(over, default=0) / 1e9:.0f} GB held "
+    held, total = max(over, default=0.0), psutil.virtual_memory().total
+    if tier + held > 0.95 * total:
+        return (f"host memory: {tier / 1e9:.0f} GB in its host tier + {held / 1e9:.0f} GB held "
                 f"beyond the tier by an earlier run > 95% of the machine's {total / 1e9:.0f} GB")
     return None
 

@@ -17,26 +17,15 @@ usage: python -m bench.probes.kv_store_rates [--sizes-mb 31,125,250] [--name kv_
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from bench.common import print_table, write_results
+from bench.common import best_seconds, print_table, write_results
 
 HEADS, HEAD_DIM, POSITIONS = 56, 128, 544            # OPT-30B's KV heads; a block of 512 + 32 positions
-
-
-def _best(fn, reps: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def store_ways(dev, rows: tuple, bufs: tuple) -> dict:
@@ -73,7 +62,7 @@ def store_ways(dev, rows: tuple, bufs: tuple) -> dict:
     out = {}
     for name, fn in (("serial", serial), ("async", started), ("pinned", pinned), ("split4", split4)):
         try:
-            out[name] = _best(fn)
+            out[name] = best_seconds(fn)
         except Exception as e:  # noqa: BLE001 - a way the backend lacks (no pinned_host on CPU): reported, not timed
             print(f"[{name}: {e!r}]")
     return out
@@ -99,7 +88,7 @@ def main(argv=None) -> int:
         rows = jax.block_until_ready(tuple(jax.device_put(r, on) for r in rows_np))
         store = store_ways(dev, rows, bufs)
         assert all(np.array_equal(b[:, :args.prompt_len], r) for b, r in zip(bufs, rows_np)), "a store lost rows"
-        load = _best(lambda: jax.block_until_ready(tuple(jax.device_put(b, on) for b in bufs)))
+        load = best_seconds(lambda: jax.block_until_ready(tuple(jax.device_put(b, on) for b in bufs)))
         nbytes_store, nbytes_load = sum(r.nbytes for r in rows_np), sum(b.nbytes for b in bufs)
         row = {"sequences": bs, "block MB (K+V)": nbytes_load / 1e6,
                **{f"store {k} GB/s": nbytes_store / v / 1e9 for k, v in store.items()},

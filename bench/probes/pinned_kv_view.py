@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import time
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
+
+from bench.common import best_seconds
 
 
 def view(a: jax.Array) -> np.ndarray:
     """A writable numpy view of a pinned_host array's buffer (bfloat16 as uint16)."""
     ptr = a.unsafe_buffer_pointer()
     return np.ctypeslib.as_array((ctypes.c_uint16 * a.size).from_address(ptr)).reshape(a.shape)
-
-
-def _best(fn, reps=5):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def main(argv=None) -> int:
@@ -51,8 +42,9 @@ def main(argv=None) -> int:
     print("second write reached the device:", bool(np.count_nonzero(back.view(np.uint16)) == 0))
     nb = blk.nbytes
     host = np.zeros(shape, ml_dtypes.bfloat16)
-    print(f"load pinned block {nb / 1e6:.0f} MB: {nb / _best(lambda: jax.device_put(blk, on).block_until_ready()) / 1e9:.1f} GB/s;"
-          f" numpy block {nb / _best(lambda: jax.device_put(host, on).block_until_ready()) / 1e9:.1f} GB/s")
+    pinned_s = best_seconds(lambda: jax.device_put(blk, on).block_until_ready())
+    numpy_s = best_seconds(lambda: jax.device_put(host, on).block_until_ready())
+    print(f"load pinned block {nb / 1e6:.0f} MB: {nb / pinned_s / 1e9:.1f} GB/s; numpy block {nb / numpy_s / 1e9:.1f} GB/s")
     rows = jax.device_put(np.ones((args.sequences, 512, 56, 128), ml_dtypes.bfloat16), on)
 
     def store_pinned():
@@ -62,7 +54,7 @@ def main(argv=None) -> int:
     def store_numpy():
         host[:, :512] = np.asarray(rows)
     for name, fn in (("pinned DMA + memcpy", store_pinned), ("numpy (pageable)", store_numpy)):
-        print(f"store rows {rows.nbytes / 1e6:.0f} MB {name}: {rows.nbytes / _best(fn) / 1e9:.1f} GB/s")
+        print(f"store rows {rows.nbytes / 1e6:.0f} MB {name}: {rows.nbytes / best_seconds(fn) / 1e9:.1f} GB/s")
     print("stored rows reached the device:", bool((np.asarray(jax.device_put(blk, on))[:, :512] == 1).all()))
     return 0
 
