@@ -239,6 +239,7 @@ def run_policy(cfg, policy, args, trace: bool = False, hw=None, passes: int | No
             eng.trace.flush()
             res["events"] = eng.trace.to_json()
         res["host_peak_rss_gb"] = _peak_rss_gb()
+        res["host_rss_parts_gb"] = _rss_parts_gb()
         return res
     finally:
         eng.close()
@@ -277,6 +278,16 @@ def _peak_rss_gb() -> float | None:
             return next(int(x.split()[1]) * 1024 / 1e9 for x in f if x.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return None
+
+
+def _rss_parts_gb() -> dict:
+    """This process's resident memory now by kind (Linux RssAnon, RssFile, RssShmem; pinned host buffers show as
+    shared memory), GB: where the bytes beyond the host tier are (bench/NOTES.md 22.4)."""
+    try:
+        with open("/proc/self/status") as f:
+            return {x.split(":")[0]: int(x.split()[1]) * 1024 / 1e9 for x in f if x.startswith("Rss")}
+    except OSError:
+        return {}
 
 
 def overlap_stats(events: list[dict]) -> dict:

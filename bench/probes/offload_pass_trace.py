@@ -7,8 +7,10 @@ disk, decoded at 59-81 ms a layer against 41.
 
 usage: python -m bench.probes.offload_pass_trace [--policies 16x2:25/75/0,4x8:35.2/52.6/12.2]
          [--hardware bench/results/flexgen-grid-p0-<date>.json] [--name offload_pass_trace]
-A policy is BSxNB:GPU/CPU/DISK, the KV cache's split in percent; weights all in pinned host memory, activations on
-the GPU (the #25 grid's kind).
+A policy is BSxNB:GPU/CPU/DISK[+ca], the KV cache's split in percent (+ca: attention of CPU-held KV on the CPU);
+weights all in pinned host memory, activations on the GPU (the #25 grid's kind). Each lane's mean event (ms, and
+MB a KV load) is recorded beside the pass table, and the file is written after every policy (a run killed for
+memory keeps the ones before it).
 """
 from __future__ import annotations
 
@@ -19,21 +21,32 @@ from bench.setup import add_bench_args, model_config
 
 
 def parse_policy(spec: str) -> dict:
-    """'16x2:25/75/0' -> the fields `bench.flexgen.make_policy` takes."""
+    """'16x2:25/75/0' (or '16x2:25/75/0+ca') -> the fields `bench.flexgen.make_policy` takes."""
+    ca = spec.endswith("+ca")
     try:
-        size, kv = spec.split(":")
+        size, kv = spec.removesuffix("+ca").split(":")
         bs, nb = (int(x) for x in size.lower().split("x"))
         g, c, d = (float(x) for x in kv.split("/"))
     except ValueError:
-        raise SystemExit(f"--policies: BSxNB:GPU/CPU/DISK (e.g. 16x2:25/75/0), got {spec!r}") from None
+        raise SystemExit(f"--policies: BSxNB:GPU/CPU/DISK[+ca] (e.g. 16x2:25/75/0), got {spec!r}") from None
     return dict(gpu_batch_size=bs, num_gpu_batches=nb, weights=(0, 100, 0), cache=(g, c, d),
-                activations=(100, 0, 0))
+                activations=(100, 0, 0), cpu_attention=ca)
+
+
+def lane_means(events: list[dict]) -> dict:
+    """Each lane's event count and mean ms (a CPU-attended step's two programs are two compute events)."""
+    out: dict = {}
+    for e in events:
+        n, ms = out.get(e["lane"], (0, 0.0))
+        out[e["lane"]] = (n + 1, ms + e["end_ms"] - e["start_ms"])
+    return {lane: {"events": n, "mean_ms": ms / n} for lane, (n, ms) in out.items()}
 
 
 def pass_stats(events: list[dict], per_pass: int) -> list[dict]:
     """Each pass (`per_pass` compute events), from the end of the pass before (the first: from the first event):
     its wall ms and every lane's busy ms within it (the union of its spans: concurrent I/O threads count once)."""
-    comp = [e for e in events if e["lane"] == "compute" and "unpack" not in e["label"]]
+    comp = [e for e in events if e["lane"] == "compute" and "unpack" not in e["label"]
+            and not e["label"].endswith(" pre")]             # one event a (layer, batch) step
     ends = [min(e["start_ms"] for e in events)] + [comp[i * per_pass - 1]["end_ms"] for i in range(1, len(comp) // per_pass + 1)]
     out = []
     for a, b in zip(ends, ends[1:]):
@@ -75,7 +88,8 @@ def main(argv=None) -> int:
         pred = fm.predicted(cfg, res["policy"], args, hw)
         events = res.pop("events")
         stats = pass_stats(events, cfg.num_layers * pol.num_gpu_batches)
-        data[spec] = {"run": res, "passes": stats, "predicted": pred, "events": events}
+        data[spec] = {"run": res, "passes": stats, "predicted": pred, "lane_means": lane_means(events),
+                      "events": events}
         for i, st in enumerate(stats):
             phase = "prefill" if i == 0 else "decode"
             lanes = pred["predicted_lanes"][phase]
@@ -83,10 +97,13 @@ def main(argv=None) -> int:
                          "model ms/L": 1e3 * max(lanes.values()),
                          **{k[:-3] + " ms/L": v / cfg.num_layers for k, v in st.items() if k != "wall_ms"},
                          **{f"model {k}": 1e3 * v for k, v in lanes.items() if v}})
+        summary = {f"{r['policy']}_pass{r['pass']}_wall_ms_per_layer": r["wall ms/L"] for r in rows}
+        path = write_results(args.name, summary, {"hardware": hw.to_json(), "runs": data})
+        print(f"[{spec}: {data[spec]['lane_means']}; peak RSS {res.get('host_peak_rss_gb')} GB, "
+              f"{res.get('host_rss_parts_gb')}]", flush=True)
     heads = list(dict.fromkeys(k for r in rows for k in r))
     print_table(heads, [[r.get(h, "") for h in heads] for r in rows])
-    summary = {f"{r['policy']}_pass{r['pass']}_wall_ms_per_layer": r["wall ms/L"] for r in rows}
-    print(write_results(args.name, summary, {"hardware": hw.to_json(), "runs": data}))
+    print(path)
     return 0
 
 

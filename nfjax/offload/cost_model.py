@@ -13,13 +13,16 @@ of seven lanes, each summed over the block's batches:
              its block's pieces keep busy (`hw.cpu_attention_s`: a one-sequence block runs on ~3 of them)
   h2d        the host -> device link: every byte that crosses it (weights in host memory or read from disk, KV
              blocks held off the device, as `KVStore.load` moves them whole, activations held off the device) at
-             the link's rate (a pinned buffer's DMA), and the pinned weights' per-transfer cost
+             the link's rate (a pinned buffer's DMA), and the pinned weights' and KV blocks' per-transfer cost
   h2d_stage  the pageable copies' host side: a numpy (or disk-read) array crosses through a staging buffer, at
              the measured numpy -> device rate (a KV block's K and V pair at the block's size), with each transfer's
              fixed cost. The I/O threads run it beside the pinned weights' DMA (a pinned weight does not wait for
              a KV block's staging), so the link and the staging are two lanes, not one sum. KV blocks load one
              at a time, so a disk-held block's file read is in this lane too, before its staging (the LP's
-             first pick balanced a disk lane against this one and ran at the sum: 60 ms a layer, modelled 41)
+             first pick balanced a disk lane against this one and ran at the sum: 60 ms a layer, modelled 41).
+             Under host memory "pinned" a host-held KV block is a pinned array whose load is a DMA (the h2d lane's):
+             only disk-held blocks are staged. (Staged host blocks ran 1.3-3.5x slower than alone while a weight's
+             DMA was in flight, small blocks the most: bench/NOTES.md 23; not modelled for host memory "numpy".)
   d2h        device -> host: the KV rows a computation wrote (a prefill's through pinned memory where the
              policy's host memory is pinned: `hw.kv_store_rate`), activations
   disk read  weights, KV blocks and activations read from the disk tier
@@ -166,6 +169,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
     stage = hw.stage_rate(kv_blk)                                # a KV block's K and V pair, at its size
     link = hw.link_h2d()                                         # every host -> device byte crosses the link
     pinned_w = host_memory == "pinned" and bool(hw.h2d_pinned_bytes)
+    pinned_kv = pinned_w                                         # host-held KV blocks are pinned arrays too
     rd, wr = hw.disk_read_bytes, hw.disk_write_bytes
     params = w_dense / item                                      # a layer's parameters (matmuls dominate)
     dec_unpack = (w_store + w_dense) / hw.hbm_bytes if compress_weights else 0.0
@@ -201,14 +205,18 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
             kv_in, kv_stage, kv_out = lin(0), lin(0), lin(0)
         else:
             att = lin(nb * attn_gpu(tq))
-            kv_in = lin(0, cc=nb * kv_blk / link, cd=nb * kv_blk / link)
+            # a host-held block under pinned host memory is a pinned array: its load is a DMA on the link (no
+            # staging); a numpy or disk-held block is staged
+            kv_in = lin(0, cc=nb * (kv_blk / link + (io if pinned_kv else 0.0)), cd=nb * kv_blk / link)
             # one KV load in flight (the next batch's, while this one computes), and a disk-held block's is its
             # file's read and then its staging, on one I/O thread: the two in series, not two lanes
-            kv_stage = lin(0, cc=nb * (kv_blk / stage + io), cd=nb * (kv_blk / rd + kv_blk / stage + io))
+            kv_stage = lin(0, cc=0.0 if pinned_kv else nb * (kv_blk / stage + io),
+                           cd=nb * (kv_blk / rd + kv_blk / stage + io))
             kv_out = lin(0, cc=nb * (rows[phase] / store + io), cd=nb * (rows[phase] / store + io))
         if schedule == "row_by_row":        # (schedule.py `_row_by_row`: x stays on the device, no activations move)
             w_in = lin(0, wc=(w_store / link if pinned_w else w_store / h2d) + io, wd=w_store / rd + w_store / h2d + io)
-            kv_ser = lin(0) if delegate else lin(0, cc=kv_blk / stage + rows[phase] / store + 2 * io,
+            kv_host = kv_blk / link if pinned_kv else kv_blk / stage
+            kv_ser = lin(0) if delegate else lin(0, cc=kv_host + rows[phase] / store + 2 * io,
                                                   cd=kv_blk / rd + kv_blk / stage + rows[phase] / store + 2 * io)
             att_one = lin(attn_gpu(tq), cc=cpu + hw.dispatch_s - attn_gpu(tq),
                           cd=cpu + hw.dispatch_s - attn_gpu(tq)) if delegate else lin(attn_gpu(tq))

@@ -10,7 +10,7 @@
                   at ~3 TB/s 0.7 ms, against tens of us of dispatch; CPU device: 32 MB)
   h2d_bytes       host numpy -> device as `KVStore.load` moves a KV block: its K and V arrays (64 MB each) put
                   together and waited for (bytes/s; pageable memory: the copy through a staging buffer)
-  h2d_curve       [[pair bytes, bytes/s], ...]: the same K and V pair put at 1/2, 1, 2 and 4 times that size (on
+  h2d_curve       [[pair bytes, bytes/s], ...]: the same K and V pair put at 1/8 to 4 times that size (on
                   the H200 host a pair of 31 MB moved at 8.8 GB/s, of 250 MB at 14: bench/probes/kv_store_rates.py);
                   the cost model stages a KV block at its size's rate (`stage_rate`)
   h2d_one_bytes   one 64 MB numpy array put and waited for (the rate before: the record of what a lone copy gets)
@@ -41,6 +41,9 @@
   cpu_attn_sat_bytes the same bench over 2 x cpu_threads sequences (a piece for every thread, twice): the most
                   a call gets however many pieces it has (OPT-30B blocks of 24 and 96 pieces ran at 6.4 and
                   8.7 GB/s on the H100 host, where 16 threads at the 8-piece bench's rate a thread would be 10.9)
+  cpu_attn_one_bytes the same bench over one sequence (one piece, one thread): a thread's rate while few run (on
+                  the H100 host 0.73 GB/s a thread with 3 pieces at once, where the 8-piece bench gave 0.42: its threads
+                  already shared the memory bandwidth)
   pass_s          the host's cost of one generated token's pass outside the layer programs (embedding, head,
                   sampling, the engine's bookkeeping): an OffloadEngine on that tiny one-layer model, all on the
                   device, one sequence: (time of 9 tokens - time of 1) / 8, less one layer call
@@ -64,7 +67,7 @@ from pathlib import Path
 import numpy as np
 
 BUDGET_S = 0.3             # each rate is timed for about this long (after a warm-up)
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,15 @@ class HardwareProfile:
     cpu_threads: int | None = None
     cpu_attn_pieces: int | None = None
     cpu_attn_sat_bytes: float | None = None
+    cpu_attn_one_bytes: float | None = None
     version: int = 0                       # PROFILE_VERSION when measured; a cached profile of an older one is
     #                                        measured again (version 1: one 2048-square GEMM, a 256 MB f32 scaling,
     #                                        h2d of one array; version 2: pinned h2d of one array, CPU
     #                                        attention on a 4 MB block through one XLA program; version 3: pinned
     #                                        h2d of four 64 MB arrays, CPU attention in XLA pieces; version 4: no
-    #                                        pinned device->host, no h2d_curve; version 5: no cpu_threads)
+    #                                        pinned device->host, no h2d_curve; version 5: no cpu_threads;
+    #                                        version 6: h2d_curve from 1/2 the size only, no
+    #                                        cpu_attn_one_bytes)
 
     def __post_init__(self):
         object.__setattr__(self, "gemm_curve", tuple(tuple(p) for p in self.gemm_curve))
@@ -128,11 +134,12 @@ class HardwareProfile:
         return self.d2h_bytes
 
     def cpu_attention_s(self, nbytes: float, pieces: int | None) -> float:
-        """Seconds `cpu_attention` takes over `nbytes` of KV split into `pieces`: each thread at the bench's rate
-        over its threads, min(pieces, threads) of them at once (the bench's rate where the split is unknown)."""
+        """Seconds `cpu_attention` takes over `nbytes` of KV split into `pieces`: min(pieces, threads) threads at
+        once, each at the one-piece bench's rate (before profile v7: the 8-piece bench's over its threads), capped
+        by the saturated bench (the bench's rate where the split is unknown)."""
         if not (self.cpu_threads and self.cpu_attn_pieces and pieces):
             return nbytes / self.cpu_attn_bytes
-        per_thread = self.cpu_attn_bytes / min(self.cpu_attn_pieces, self.cpu_threads)
+        per_thread = self.cpu_attn_one_bytes or self.cpu_attn_bytes / min(self.cpu_attn_pieces, self.cpu_threads)
         rate = per_thread * min(pieces, self.cpu_threads)
         return nbytes / min(rate, self.cpu_attn_sat_bytes or rate)
 
@@ -264,12 +271,13 @@ def _transfers(device, nbytes: int) -> tuple[float, float, float | None, float, 
 
 
 def _stage_curve(device, nbytes: int) -> tuple:
-    """((pair bytes, bytes/s), ...): a numpy K and V pair put and waited for at 1/2, 1, 2 and 4 x `nbytes` each."""
+    """((pair bytes, bytes/s), ...): a numpy K and V pair put and waited for at 1/8 to 4 x `nbytes` each (a
+    one-sequence OPT-30B block is a pair of 16 MB)."""
     import jax
     from jax.sharding import SingleDeviceSharding
     on = SingleDeviceSharding(device)
     out = []
-    for scale in (0.5, 1, 2, 4):
+    for scale in (0.125, 0.25, 0.5, 1, 2, 4):
         n = int(nbytes * scale)
         pair = (np.full(n, 1, np.uint8), np.full(n, 2, np.uint8))
         out.append((2 * n, _rate(2 * n, lambda: jax.block_until_ready([jax.device_put(a, on) for a in pair]),
@@ -338,6 +346,11 @@ def _cpu_split() -> dict:
 def _cpu_attention_saturated(dtype) -> float:
     from nfjax.offload.cpu_attention import THREADS, cpu_attention_bench
     return cpu_attention_bench(_rate, dtype, sequences=2 * THREADS)
+
+
+def _cpu_attention_one(dtype) -> float:
+    from nfjax.offload.cpu_attention import cpu_attention_bench
+    return cpu_attention_bench(_rate, dtype, sequences=1)
 
 
 def _tiny_model():
@@ -428,7 +441,7 @@ def measure_now(device=None, dtype: str = "bfloat16", disk_dir: Path | None = No
         h2d_threads_bytes=h2d_par, d2h_threads_bytes=d2h_par, d2h_pinned_bytes=d2h_pinned, h2d_curve=h2d_curve,
         disk_read_bytes=rd,
         disk_write_bytes=wr, cpu_attn_bytes=_cpu_attention(dtype), dispatch_s=dispatch, **_cpu_split(),
-        cpu_attn_sat_bytes=_cpu_attention_saturated(dtype),
+        cpu_attn_sat_bytes=_cpu_attention_saturated(dtype), cpu_attn_one_bytes=_cpu_attention_one(dtype),
         transfer_s=_transfer(device), cpu_attn_fixed_s=_cpu_attention_fixed(), pass_s=_pass(dispatch),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version=PROFILE_VERSION)
 

@@ -50,7 +50,8 @@ class KVStore:
         nb = policy.num_gpu_batches
         self.nb, self.tiers = nb, tiers
         self.where = kv_tiers(num_layers, nb, policy.cache)
-        self.blocks: dict[tuple[int, int], tuple] = {}
+        self.blocks: dict[tuple[int, int], tuple] = {}     # numpy (views of pinned arrays), device or memmap
+        self.pinned: dict[tuple[int, int], tuple] = {}     # host blocks' pinned JAX arrays, loaded by DMA
         self.pending: dict = {}            # (j, k) -> the store of its newest rows (an I/O thread's future)
         specs = kv_arrays(policy, shape, dtype)
         for j in range(num_layers):
@@ -59,7 +60,9 @@ class KVStore:
                 if t == "gpu":
                     self.blocks[(j, k)] = tuple(jax.device_put(np.zeros(s, d), tiers.on_device) for s, d in specs)
                 elif t == "cpu":
-                    self.blocks[(j, k)] = tuple(np.zeros(s, d) for s, d in specs)
+                    pinned, self.blocks[(j, k)] = zip(*(tiers.host_block(s, d) for s, d in specs))
+                    if pinned[0] is not None:
+                        self.pinned[(j, k)] = pinned
                 else:
                     self.blocks[(j, k)] = tuple(tiers.disk.memmap(f"kv{j}-{k}-{n}", s, d)
                                                 for n, (s, d) in enumerate(specs))
@@ -73,6 +76,7 @@ class KVStore:
             return arrays
         if self.tier(j, k) == "disk":         # read the file now, here (a device array must not alias the map)
             arrays = tuple(np.array(a) for a in arrays)
+        arrays = self.pinned.get((j, k), arrays)
         out = tuple(self.tiers.to_device(a) for a in arrays)
         jax.block_until_ready(out)
         return out
@@ -93,7 +97,10 @@ class KVStore:
             buf[idx] = np.asarray(r)
 
     def close(self) -> None:
+        for key, arrays in self.pinned.items():
+            self.tiers.give_back(zip(arrays, self.blocks[key]))
         self.blocks.clear()
+        self.pinned.clear()
 
 
 class ActStore:

@@ -3,8 +3,11 @@ live, and the transfers between a tier and the device.
 
   * gpu: device arrays, resident.
   * cpu: host memory. Weights as JAX arrays in the `pinned_host` memory kind (policy host_memory "pinned": a
-    device_put to the device memory kind is an asynchronous DMA) or as numpy arrays ("numpy"); the KV cache and
-    activations as numpy buffers (the KV rows of each step are written into them in place).
+    device_put to the device memory kind is an asynchronous DMA) or as numpy arrays ("numpy"); activations as
+    numpy buffers; KV blocks as numpy buffers the rows of each step are written into in place, under "pinned"
+    the buffers of `pinned_host` JAX arrays seen through numpy (`pinned_zeros`): a block's load is then a DMA
+    (H100 host: 47 GB/s against 4-8 for a numpy block's staged copy, which a weight's DMA in flight slowed 3x more:
+    bench/NOTES.md 23).
   * disk: one .npy file per tensor in the run's folder (`DiskFolder`), read by the I/O threads (np.load) and
     put on the device; KV blocks are memory-mapped .npy files whose new rows are written in place.
 
@@ -15,6 +18,7 @@ and activations by batch, each in the tier where the middle of its index falls.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import secrets
@@ -170,6 +174,17 @@ class DiskFolder:
 PINNED_STORE_BYTES = 1 << 20
 
 
+def pinned_zeros(shape: tuple, dtype, sharding) -> tuple[jax.Array, np.ndarray]:
+    """A zeroed `pinned_host` array and a writable numpy view of its buffer (the view keeps the array alive).
+    Writes through the view reach the device on the array's next device_put. Never read the array through
+    np.asarray: JAX caches that copy, and it would not see later writes."""
+    arr = jax.device_put(np.zeros(shape, dtype), sharding)
+    arr.block_until_ready()
+    buf = (ctypes.c_uint8 * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
+    buf._owner = arr
+    return arr, np.ctypeslib.as_array(buf).view(np.dtype(dtype)).reshape(shape)
+
+
 class Tiers:
     """The device, the host memory kind, the disk folder, and moving arrays between them."""
 
@@ -179,9 +194,29 @@ class Tiers:
         self.pinned = policy.host_memory == "pinned"
         self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host") if self.pinned else None
         self.disk = disk
+        self._free: dict[tuple, list] = {}       # (shape, dtype) -> pinned KV arrays a closed KVStore gave back
 
     def to_device(self, x) -> jax.Array:
         return jax.device_put(x, self.on_device)
+
+    def host_block(self, shape: tuple, dtype) -> tuple[jax.Array | None, np.ndarray]:
+        """A KV array in host memory: (its pinned JAX array, a numpy view of it) under host_memory "pinned", else
+        (None, a zeroed numpy array). A pinned one is a block given back by the last call of this shape where there
+        is one (pinning and zeroing a 24 GB cache took seconds a call): its rows beyond those this call writes
+        hold an earlier call's values, finite and masked by position as zeros are. A new shape frees the blocks
+        kept for others."""
+        if not self.pinned:
+            return None, np.zeros(shape, dtype)
+        key = (tuple(shape), np.dtype(dtype))
+        if self._free.get(key):
+            return self._free[key].pop()
+        self._free = {k: v for k, v in self._free.items() if k == key}
+        return pinned_zeros(shape, dtype, self.host_sharding)
+
+    def give_back(self, blocks) -> None:
+        """(pinned array, view) pairs of a closed KV cache, for the next call's `host_block`."""
+        for arr, view in blocks:
+            self._free.setdefault((view.shape, view.dtype), []).append((arr, view))
 
     def to_host_weight(self, x):
         """A weight into host memory: pinned JAX array or numpy."""

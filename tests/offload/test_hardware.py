@@ -26,8 +26,9 @@ def test_measure_caches_per_machine_and_remeasures_on_request(tmp_path, monkeypa
     assert prof.h2d_one_bytes > 0 and prof.version == hardware.PROFILE_VERSION
     from nfjax.offload.cpu_attention import THREADS
     assert prof.cpu_threads == THREADS and prof.cpu_attn_pieces == 8 and prof.cpu_attn_sat_bytes > 0
+    assert prof.cpu_attn_one_bytes > 0
     sizes = [b for b, _ in prof.h2d_curve]
-    assert len(sizes) == 4 and sizes == sorted(sizes) and all(r > 0 for _, r in prof.h2d_curve)
+    assert len(sizes) == 6 and sizes == sorted(sizes) and all(r > 0 for _, r in prof.h2d_curve)
     assert list((tmp_path / "disk").iterdir()) == []            # the disk probe's file is gone
     path = hardware.cache_path(dev.device_kind)
     assert path.is_file() and "measured" in lines[0]
@@ -101,3 +102,12 @@ def test_cpu_attention_runs_at_the_threads_its_pieces_keep_busy():
     assert math.isclose(p.cpu_attention_s(30.0, 100), 3.0)
     assert math.isclose(p.cpu_attention_s(30.0, None), 30.0 / 8.0)
     assert math.isclose(_prof().cpu_attention_s(30.0, 3), 30.0 / 8.0)
+
+
+def test_cpu_attention_threads_run_at_the_one_piece_rate_where_measured():
+    """Profile v7: a thread runs at the one-piece bench's rate (2 GB/s here, where the 8-piece bench's 8 over 8
+    threads gave 1), so 3 pieces get 6; many pieces are still capped by the saturated bench."""
+    p = _prof(cpu_threads=16, cpu_attn_pieces=8, cpu_attn_sat_bytes=10.0, cpu_attn_one_bytes=2.0)
+    assert math.isclose(p.cpu_attention_s(30.0, 3), 5.0)
+    assert math.isclose(p.cpu_attention_s(30.0, 12), 3.0)
+    assert hardware.HardwareProfile.from_json(json.loads(json.dumps(p.to_json()))) == p

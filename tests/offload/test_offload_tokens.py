@@ -133,3 +133,76 @@ def test_stores_through_pinned_memory_keep_the_tokens(monkeypatch, tmp_path):
         outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
     assert calls, "no store went through pinned memory"
     assert tuple(tuple(o.token_ids) for o in outs) == engine_tokens("opt")
+
+
+def test_host_kv_blocks_are_pinned_arrays_loaded_from_their_numpy_views(monkeypatch, tmp_path):
+    """Under host memory "pinned" every host-held KV block is a pinned_host array whose buffer the rows are written
+    into through numpy, and its loads put that array (a DMA on a GPU), not a numpy copy: the paged engine's
+    tokens. Under "numpy" the blocks stay numpy arrays."""
+    from nfjax.offload import schedule
+    seen = {}
+    real = schedule.KVStore.load
+
+    def spy(self, j, k):
+        if self.tier(j, k) == "cpu":
+            seen.setdefault(self.tiers.pinned, set()).add((j, k) in self.pinned)
+            if (j, k) in self.pinned:
+                for a, view in zip(self.pinned[(j, k)], self.blocks[(j, k)]):
+                    assert a.sharding.memory_kind == "pinned_host"
+                    assert view.ctypes.data == a.unsafe_buffer_pointer()
+        return real(self, j, k)
+    monkeypatch.setattr(schedule.KVStore, "load", spy)
+    for mem in ("pinned", "numpy"):
+        pol = Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 100, 0), host_memory=mem)
+        with OffloadEngine.from_model(model("opt"), tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+            outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+        assert tuple(tuple(o.token_ids) for o in outs) == engine_tokens("opt"), mem
+    assert seen == {True: {True}, False: {False}}
+
+
+def test_a_pinned_view_writes_reach_the_next_put_and_keep_the_array_alive():
+    import gc
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from nfjax.offload.store import pinned_zeros
+    dev = jax.devices()[0]
+    on = SingleDeviceSharding(dev)
+    arr, view = pinned_zeros((3, 4), np.float32, SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    view[1, 2] = 7.0
+    assert float(np.asarray(jax.device_put(arr, on))[1, 2]) == 7.0
+    view[1, 2] = 9.0                                     # a second write: not a cached copy
+    assert float(np.asarray(jax.device_put(arr, on))[1, 2]) == 9.0
+    ptr = arr.unsafe_buffer_pointer()
+    del arr
+    gc.collect()
+    assert view.ctypes.data == ptr and float(view[1, 2]) == 9.0      # the view holds the array
+
+
+def test_pinned_kv_blocks_are_reused_by_the_next_call_of_the_same_shape():
+    """A second generate of the same shapes takes the first call's pinned blocks back (no new pinning), and its
+    tokens are the paged engine's although the blocks hold the first call's rows; a new shape frees them."""
+    from nfjax.offload import schedule
+    made, alive = [], []
+    real = schedule.KVStore.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        made.append({id(x) for arrays in self.pinned.values() for x in arrays})
+        alive.extend(x for arrays in self.pinned.values() for x in arrays)     # ids stay unique while held
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 100, 0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schedule.KVStore, "__init__", spy)
+        with OffloadEngine.from_model(model("opt"), tokenizer("opt"), pol, max_model_len=MAX_LEN) as eng:
+            calls = []
+            for _ in range(2):
+                outs = eng.generate(PROMPTS, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+                assert tuple(tuple(o.token_ids) for o in outs) == engine_tokens("opt")
+                calls.append(set().union(*made))
+                made.clear()
+            eng.generate([PROMPTS[0][:2]], SamplingParams.greedy(max_tokens=1, ignore_eos=True))
+            calls.append(set().union(*made))
+            pooled = {id(a) for arrays in eng.tiers._free.values() for a, _ in arrays}
+    assert calls[0] and calls[1] == calls[0]
+    assert pooled and pooled <= calls[2] and not pooled & calls[0]     # the earlier shapes' blocks were let go

@@ -164,7 +164,8 @@ def test_row_by_row_is_a_serial_sum():
 def test_a_disk_held_kv_block_is_read_then_staged_in_one_lane():
     """KV blocks load one at a time, and a disk-held one is its file's read and then its staging (one I/O task):
     the staging lane of a block on disk holds both, so disk never looks like a free parallel lane."""
-    on_cpu = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(100, 0, 0), cache=Split(0, 100, 0))
+    on_cpu = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(100, 0, 0), cache=Split(0, 100, 0),
+                    host_memory="numpy")                    # a host-held block staged too (pinned: a DMA)
     on_disk = on_cpu.replace(cache=Split(0, 0, 100))
     s = -(-(WL.prompt_len + WL.gen_len) // 16) * 16                # the block's positions, padded as loaded
     blk = 2 * s * CFG.num_kv_heads * 2 * CFG.head_dim * (2 if CFG.dtype == "bfloat16" else 4)
@@ -172,3 +173,18 @@ def test_a_disk_held_kv_block_is_read_then_staged_in_one_lane():
         cpu, disk = predict(CFG, on_cpu, WL, HW).lanes[ph], predict(CFG, on_disk, WL, HW).lanes[ph]
         assert disk["h2d_stage"] - cpu["h2d_stage"] == pytest.approx(2 * blk / HW.disk_read_bytes, rel=0.05)
         assert disk["h2d_stage"] > disk["disk_read"]
+
+
+def test_a_pinned_host_kv_block_loads_on_the_link_not_through_staging():
+    """Under host memory "pinned" a host-held KV block is a pinned array (KVStore): its load is a DMA, priced on
+    the link with a transfer's fixed cost and nothing in the staging lane; under "numpy" it is staged."""
+    hw = HW.__class__(**{**HW.to_json(), "transfer_s": 1e-4})
+    pinned = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(100, 0, 0), cache=Split(0, 100, 0))
+    numpy_ = pinned.replace(host_memory="numpy")
+    s = -(-(WL.prompt_len + WL.gen_len) // 16) * 16
+    blk = 2 * s * CFG.num_kv_heads * 2 * CFG.head_dim * (2 if CFG.dtype == "bfloat16" else 4)
+    for ph in ("prefill", "decode"):
+        p, n = predict(CFG, pinned, WL, hw).lanes[ph], predict(CFG, numpy_, WL, hw).lanes[ph]
+        assert p["h2d_stage"] == 0.0 and n["h2d_stage"] == pytest.approx(2 * (blk / hw.h2d_bytes + 1e-4))
+        assert p["h2d"] - n["h2d"] == pytest.approx(2 * 1e-4)
+        assert p["h2d"] == pytest.approx(2 * (blk / hw.link_h2d() + 1e-4))
