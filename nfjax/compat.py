@@ -74,3 +74,10 @@ def pinned_host_sharding(sharding):
         return s
     except Exception:  # noqa: BLE001 - no such memory kind here
         return None
+
+
+def backends_started() -> bool:
+    """Whether JAX's backends (the GPU client) exist yet: settings read at their start (XLA_PJRT_* variables)
+    no longer apply after."""
+    from jax._src import xla_bridge
+    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: True)())

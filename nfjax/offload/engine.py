@@ -11,6 +11,7 @@ Not served here (a UserError naming the field): penalties, min_tokens, logprobs.
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -306,6 +307,7 @@ def from_flags(args, progress: bool = False) -> OffloadEngine:
     if (getattr(args, "tp", None) or 1) > 1:
         raise UserError("--tp with --offload: offload mode runs on one device")
     caps = {f: getattr(args, f, None) for f in ("gpu_memory_gb", "cpu_memory_gb", "disk_gb", "offload_dir")}
+    budget.size_pinned_pool(caps["cpu_memory_gb"], log=lambda m: print(f"[offload] {m}", file=sys.stderr))
     max_len = getattr(args, "max_model_len", None)
     if args.offload != "auto":
         policy = Policy.load(args.offload)
