@@ -124,8 +124,11 @@ class OffloadEngine:
         return cls.from_model(model, load_tokenizer(path, token_ids_only=True), policy, **kw)
 
     def close(self) -> None:
-        """Stop the I/O threads and remove the disk tier's files."""
+        """Stop the I/O threads, let go of the pinned KV blocks kept for the next call, and remove the disk tier's
+        files."""
         ex = getattr(self, "executor", None)
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.drop_kept()
         try:
             if ex is not None:
                 ex.close()

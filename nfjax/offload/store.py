@@ -213,6 +213,10 @@ class Tiers:
         self._free = {k: v for k, v in self._free.items() if k == key}
         return pinned_zeros(shape, dtype, self.host_sharding)
 
+    def drop_kept(self) -> None:
+        """Free the blocks kept for a next call (the engine's close: the pinned pool then reuses their memory)."""
+        self._free = {}
+
     def give_back(self, blocks) -> None:
         """(pinned array, view) pairs of a closed KV cache, for the next call's `host_block`."""
         for arr, view in blocks:
