@@ -121,11 +121,31 @@ class LayerCost:
     def throughput(self, fr) -> float:
         return self.block * self.gen_len / self.total_time(fr)
 
+    def total_time_by_layer(self, frs: list) -> float:
+        """`total_time` with each layer at its own fractions (`layer_fractions`): the sum of each layer's longest
+        lane, not the longest of the averaged lanes (the runtime puts a policy's disk blocks in its last layers,
+        and a layer with them waits for their reads)."""
+        pre = sum(max(value(e, fr) for e in self.prefill.values()) for fr in frs)
+        dec = sum(max(value(e, fr) for e in self.decode.values()) for fr in frs)
+        return pre + self.fixed_prefill + (self.gen_len - 1) * (dec + self.fixed_decode)
+
     def tier_bytes(self, fr) -> dict[str, float]:
         out = {t: value(e, fr) for t, e in self.memory.items()}
         if fr["cg"] < 1 - 1e-9:
             out["gpu"] += self.kv_buffer
         return out
+
+
+def queue_wait_s(cfg: ModelConfig, hw: HardwareProfile) -> float:
+    """How long a small host -> device copy waits when a layer's weights are crossing: the device takes host copies
+    in order, so it waits out the rest of the weight tensor in flight, on average half of a tensor drawn by its
+    bytes (sum s^2 / (2 sum s) at the link's rate: 3.0 ms for OPT-30B's layer on an H100 host). Traced: a CPU
+    attention step's output upload, 3-6 ms a step more than its attention; a 16 MB staged KV block, 13 ms with a
+    weight in flight against 3.7 without (bench/NOTES.md 23)."""
+    _, shapes = budget.layer_shapes(cfg)
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    sizes = [math.prod(x) * item for x in shapes]
+    return sum(x * x for x in sizes) / (2 * sum(sizes)) / hw.link_h2d()
 
 
 def _by_what(ns: list, tier: str, prefix: str) -> int:
@@ -134,10 +154,13 @@ def _by_what(ns: list, tier: str, prefix: str) -> int:
 
 def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: HardwareProfile,
                compress_weights: bool = False, compress_cache: bool = False, cpu_attention: bool = False,
-               host_memory: str = "pinned", schedule: str = "zigzag") -> LayerCost:
+               host_memory: str = "pinned", schedule: str = "zigzag", weights_off: float = 1.0) -> LayerCost:
     """The lanes of one layer of a pass (see the module's docstring). `schedule="row_by_row"`: the baseline, every
     batch in turn fetching the layer's weights, loading its KV block, computing and storing its rows, nothing
-    overlapping: one lane, "serial", their sum (not used by the search; the bench's baseline records it)."""
+    overlapping: one lane, "serial", their sum (not used by the search; the bench's baseline records it).
+    `weights_off`: the share of a layer's weight bytes off the GPU, the chance a small host -> device copy finds a
+    weight's DMA ahead of it (`queue_wait_s`; a product of placements, so the LP takes 1, its worst case, and
+    `predict` the policy's own)."""
     item = 2 if cfg.dtype == "bfloat16" else 4
     L, d, v = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     h, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -183,6 +206,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
         return max(flops / hw.gemm_flops, traffic / hw.hbm_bytes)
 
     io = hw.transfer_s                                           # each transfer's fixed cost (an I/O thread's)
+    wait = weights_off * queue_wait_s(cfg, hw)
     lanes = {}
     for phase, tq in (("prefill", t_pre), ("decode", 1)):
         delegate = cpu_attention and phase == "decode"
@@ -195,7 +219,7 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
             #                first program; with one batch a block, in series with the device
             pieces = None if compress_cache else piece_count(bs, s, kh * hd * item)
             cpu = (hw.cpu_attention_s(kv_blk, pieces) + hw.cpu_attn_fixed_s + (rows[phase] + qo / 2) / d2h
-                   + qo / 2 / h2d)
+                   + qo / 2 / h2d + wait)                      # the output's copy up queues behind the weights
             if nb > 1:
                 att = lin(nb * attn_gpu(tq), cc=nb * (hw.dispatch_s - attn_gpu(tq)),
                           cd=nb * (hw.dispatch_s - attn_gpu(tq)))
@@ -210,8 +234,8 @@ def layer_cost(cfg: ModelConfig, bs: int, nb: int, workload: Workload, hw: Hardw
             kv_in = lin(0, cc=nb * (kv_blk / link + (io if pinned_kv else 0.0)), cd=nb * kv_blk / link)
             # one KV load in flight (the next batch's, while this one computes), and a disk-held block's is its
             # file's read and then its staging, on one I/O thread: the two in series, not two lanes
-            kv_stage = lin(0, cc=0.0 if pinned_kv else nb * (kv_blk / stage + io),
-                           cd=nb * (kv_blk / rd + kv_blk / stage + io))
+            kv_stage = lin(0, cc=0.0 if pinned_kv else nb * (kv_blk / stage + io + wait),
+                           cd=nb * (kv_blk / rd + kv_blk / stage + io + wait))
             kv_out = lin(0, cc=nb * (rows[phase] / store + io), cd=nb * (rows[phase] / store + io))
         if schedule == "row_by_row":        # (schedule.py `_row_by_row`: x stays on the device, no activations move)
             w_in = lin(0, wc=(w_store / link if pinned_w else w_store / h2d) + io, wd=w_store / rd + w_store / h2d + io)
@@ -280,16 +304,34 @@ class Prediction:
     fractions: dict
 
 
+def layer_fractions(cfg: ModelConfig, policy: Policy) -> list[dict[str, float]]:
+    """`fractions` layer by layer: the weights' and activations' are every layer's, the KV cache's are the layer's
+    own blocks' (`kv_tiers` numbers them layer by layer, so a split puts whole layers in one tier)."""
+    base = fractions(cfg, policy)
+    nb = policy.num_gpu_batches
+    kt = kv_tiers(cfg.num_layers, nb, policy.cache)
+    out = []
+    for j in range(cfg.num_layers):
+        mine = kt[j * nb:(j + 1) * nb]
+        out.append(base | {f"c{t[0]}": mine.count(t) / nb for t in ("gpu", "cpu", "disk")})
+    return out
+
+
 def predict(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> Prediction:
-    """The cost model's throughput and per-lane times for a policy, at the placement the runtime gives it."""
+    """The cost model's throughput and per-lane times for a policy, at the placement the runtime gives it, layer by
+    layer (`LayerCost.total_time_by_layer`); the lanes and layer times reported are the layers' means."""
     fr = fractions(cfg, policy)
+    frs = layer_fractions(cfg, policy)
     c = cost_of(cfg, policy, workload, hw)
-    lanes = {ph: {k: value(e, fr) for k, e in (c.prefill if ph == "prefill" else c.decode).items()}
-             for ph in ("prefill", "decode")}
-    return Prediction(c.throughput(fr), c.total_time(fr), c.phase_time("prefill", fr), c.phase_time("decode", fr),
-                      lanes, c.tier_bytes(fr), fr)
+    lanes = {ph: {k: sum(value(e, f) for f in frs) / len(frs) for k, e in
+                  (c.prefill if ph == "prefill" else c.decode).items()} for ph in ("prefill", "decode")}
+    per = {ph: sum(c.phase_time(ph, f) for f in frs) / len(frs) for ph in ("prefill", "decode")}
+    secs = c.total_time_by_layer(frs)
+    return Prediction(c.block * c.gen_len / secs, secs, per["prefill"], per["decode"], lanes, c.tier_bytes(fr), fr)
 
 
 def cost_of(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> LayerCost:
+    fr = fractions(cfg, policy)
     return layer_cost(cfg, policy.gpu_batch_size, policy.num_gpu_batches, workload, hw, policy.compress_weights,
-                      policy.compress_cache, policy.cpu_attention, policy.host_memory, policy.schedule)
+                      policy.compress_cache, policy.cpu_attention, policy.host_memory, policy.schedule,
+                      weights_off=fr["wc"] + fr["wd"])

@@ -13,7 +13,9 @@ is an LP (pulp: HiGHS where highspy is installed, else CBC). The two KV blocks t
 (budget.py) exist only when some block is off the GPU: the LP is solved with them counted, and, where the whole
 KV cache could fit on the GPU, once more with the cache pinned there without them. The runtime places whole
 tensors and whole (layer, batch) blocks, so the LP's fractions are rounded to the neighbouring realizable
-placements; each is checked by `budget.check` and scored by the cost model, and the best that fits wins.
+placements; each is checked by `budget.check` and scored by the cost model layer by layer (`predict`: a layer
+holding disk blocks waits for their reads, which the LP's averaged lanes spread over every layer), and the best
+that fits wins.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from nfjax.config import ModelConfig
 from nfjax.offload import budget
-from nfjax.offload.cost_model import FRACS, KINDS, LayerCost, Workload, fractions, layer_cost, value
+from nfjax.offload.cost_model import FRACS, KINDS, LayerCost, Workload, layer_cost, predict, value
 from nfjax.offload.hardware import HardwareProfile
 from nfjax.offload.policy import Policy, PolicyError, Split
 
@@ -193,8 +195,6 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
     base = base or Policy()
     best, errors = None, []
     for sol in sols[:REALIZE_TOP]:
-        cost = layer_cost(cfg, sol.bs, sol.nb, workload, hw, compress_weights, compress_cache, sol.cpu_attention,
-                          host_memory)
         for splits in roundings(cfg, sol):
             pol = base.replace(gpu_batch_size=sol.bs, num_gpu_batches=sol.nb, compress_weights=compress_weights,
                                compress_cache=compress_cache, cpu_attention=sol.cpu_attention,
@@ -204,7 +204,7 @@ def search(cfg: ModelConfig, workload: Workload, hw: HardwareProfile, caps: dict
             except PolicyError as e:
                 errors.append(str(e))
                 continue
-            tok_s = cost.throughput(fractions(cfg, pol))
+            tok_s = predict(cfg, pol, workload, hw).out_tok_s       # layer by layer, the policy's own wait
             if best is None or tok_s > best[1]:
                 best = (pol, tok_s, sol)
     if best is None:
