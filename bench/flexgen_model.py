@@ -73,7 +73,7 @@ def auto_grid(cfg, args, hw, limits, n: int, make_policy) -> dict:
     scored.sort(key=lambda x: -x[0])
     if len(scored) <= n:
         return {name: pol for _, name, pol in scored}
-    picks = sorted({round(i * (len(scored) - 1) / (n - 1)) for i in range(n)})
+    picks = sorted({round(i * (len(scored) - 1) / max(1, n - 1)) for i in range(n)})     # n = 1: the top one
     return {scored[i][1]: scored[i][2] for i in picks}
 
 

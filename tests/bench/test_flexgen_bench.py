@@ -195,3 +195,29 @@ def test_host_guard_counts_what_earlier_runs_held_beyond_their_tier():
     runs = {"big": {"host_peak_rss_gb": 2 * total_gb, "tier_bytes": {"cpu": 1e9}}}
     why = host_fits(cfg, pol, args, runs)
     assert why and "host memory" in why and "held beyond the tier" in why
+
+
+def test_auto_grid_spreads_over_the_ranking_and_one_is_the_top():
+    """`--grid auto --grid-size N`: N feasible policies spread over the cost model's ranking, the top predicted
+    first; N = 1 is the top one alone (it divided by zero)."""
+    from types import SimpleNamespace
+
+    from bench import flexgen as fg
+    from bench import flexgen_model as fm
+    from nfjax.offload.cost_model import predict
+    from nfjax.offload.hardware import HardwareProfile
+    from nfjax.models.random_init import SHAPES
+    cfg = SHAPES["opt-30b"]
+    hw = HardwareProfile("t", "t", gemm_flops=7e14, hbm_bytes=2e12, h2d_bytes=8e9, h2d_pinned_bytes=5e10,
+                         d2h_bytes=4e9, disk_read_bytes=1.5e9, disk_write_bytes=1e9, cpu_attn_bytes=8e9,
+                         dispatch_s=1e-4)
+    args = SimpleNamespace(prompt_len=512, gen_len=32, max_block=32, gpu_memory_gb=16.0, cpu_memory_gb=80.0,
+                           disk_gb=None, offload_dir=None)
+    limits = {"gpu": 16e9, "cpu": 80e9, "disk": None}
+    wl = fm.workload(args)
+    one = fm.auto_grid(cfg, args, hw, limits, 1, fg.make_policy)
+    four = fm.auto_grid(cfg, args, hw, limits, 4, fg.make_policy)
+    assert len(one) == 1 and len(four) == 4 and next(iter(one)) in four
+    tok = {k: predict(cfg, p, wl, hw).out_tok_s for k, p in four.items()}
+    top = next(iter(one))
+    assert tok[top] == max(tok.values()) and len(set(tok.values())) == 4
