@@ -29,7 +29,7 @@ GB = 1e9
 # Without a cpu_memory_gb cap, a policy may plan this share of the host's available memory: the process holds more
 # than the tiers' bytes (on the H100 host, OPT-30B, session 20: peak RSS 100.8 GB with 80.7 GB in the host tier,
 # 120.0 GB with 83.2 GB and CPU attention; two runs planned at 107 GB of a 128 GiB host were killed for memory).
-# Session 21 (bench/NOTES.md 23): XLA's pinned host pool had grown to its 64 GiB default limit (RssShmem 69.8 GB
+# Session 21 (docs/design.md section 11): XLA's pinned host pool had grown to its 64 GiB default limit (RssShmem 69.8 GB
 # for 59.2 GB of pinned weights), ~6 GB of the process is the runtime's own, and CPU attention's threads held
 # ~16 GB more.
 HOST_HEADROOM = 0.7

@@ -22,7 +22,7 @@ of seven lanes, each summed over the block's batches:
              first pick balanced a disk lane against this one and ran at the sum: 60 ms a layer, modelled 41).
              Under host memory "pinned" a host-held KV block is a pinned array whose load is a DMA (the h2d lane's):
              only disk-held blocks are staged. (Staged host blocks ran 1.3-3.5x slower than alone while a weight's
-             DMA was in flight, small blocks the most: bench/NOTES.md 23; not modelled for host memory "numpy".)
+             DMA was in flight, small blocks the most: docs/design.md section 11; not modelled for host memory "numpy".)
   d2h        device -> host: the KV rows a computation wrote (a prefill's through pinned memory where the
              policy's host memory is pinned: `hw.kv_store_rate`), activations
   disk read  weights, KV blocks and activations read from the disk tier
@@ -141,7 +141,7 @@ def queue_wait_s(cfg: ModelConfig, hw: HardwareProfile) -> float:
     in order, so it waits out the rest of the weight tensor in flight, on average half of a tensor drawn by its
     bytes (sum s^2 / (2 sum s) at the link's rate: 3.0 ms for OPT-30B's layer on an H100 host). Traced: a CPU
     attention step's output upload, 3-6 ms a step more than its attention; a 16 MB staged KV block, 13 ms with a
-    weight in flight against 3.7 without (bench/NOTES.md 23)."""
+    weight in flight against 3.7 without (docs/design.md section 11)."""
     _, shapes = budget.layer_shapes(cfg)
     item = 2 if cfg.dtype == "bfloat16" else 4
     sizes = [math.prod(x) * item for x in shapes]

@@ -154,7 +154,7 @@ def roundings(cfg: ModelConfig, sol: LPSolution) -> list[dict[str, Split]]:
     cache the LP put partly on disk, also splits between the GPU and host memory alone, up to its GPU share in
     `NO_DISK_STEPS` steps (the averaged lanes let disk reads look parallel, and the layers holding disk blocks ran
     slower than modelled: an LP policy with 7% of its KV on disk measured 13.0 tok/s where a grid policy with none
-    measured 21.0, both predicted near 20; bench/NOTES.md 23)."""
+    measured 21.0, both predicted near 20; docs/design.md section 11)."""
     import itertools
     per_kind = []
     for kind, (g, c, d) in KINDS.items():

@@ -7,7 +7,7 @@ live, and the transfers between a tier and the device.
     numpy buffers; KV blocks as numpy buffers the rows of each step are written into in place, under "pinned"
     the buffers of `pinned_host` JAX arrays seen through numpy (`pinned_zeros`): a block's load is then a DMA
     (H100 host: 47 GB/s against 4-8 for a numpy block's staged copy, which a weight's DMA in flight slowed 3x more:
-    bench/NOTES.md 23).
+    docs/design.md section 11).
   * disk: one .npy file per tensor in the run's folder (`DiskFolder`), read by the I/O threads (np.load) and
     put on the device; KV blocks are memory-mapped .npy files whose new rows are written in place.
 
