@@ -356,8 +356,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.merge_only:
         return _merge_only(args)
-    from nfjax.offload.budget import POOL_ENV, size_pinned_pool
-    print(f"[{POOL_ENV}={size_pinned_pool(args.cpu_memory_gb, log=print)}]", flush=True)
+    from nfjax import pinned_pool
+    from nfjax.offload.budget import host_cap_gb
+    print(f"[{pinned_pool.ENV}={pinned_pool.size_for(host_cap_gb(args.cpu_memory_gb), log=print)}]", flush=True)
     mems = [m.strip() for m in (args.baseline_memory or ("numpy,pinned" if args.baseline_only else "pinned"))
             .split(",") if m.strip()]
     if not mems or any(m not in HOST_MEMORIES for m in mems):

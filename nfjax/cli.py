@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         mod.add_parser(sub, name)
         modules[name] = mod
     args = parser.parse_args(argv)
+    from nfjax import pinned_pool                # before any device starts: only the GPU client's start reads it
+    pinned_pool.for_args(args, log=lambda m: print(f"nfjax {args.command}: {m}", file=sys.stderr))
     return run_command(modules[args.command].run, args, f"nfjax {args.command}")
 
 

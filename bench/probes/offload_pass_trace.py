@@ -79,8 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--hardware", default=None, help="a profile (or a result file holding one) to predict with")
     p.add_argument("--name", default="offload_pass_trace")
     args = p.parse_args(argv)
-    from nfjax.offload.budget import size_pinned_pool
-    size_pinned_pool(args.cpu_memory_gb, log=print)
+    from nfjax import pinned_pool
+    from nfjax.offload.budget import host_cap_gb
+    pinned_pool.size_for(host_cap_gb(args.cpu_memory_gb), log=print)
     cfg = model_config(args)
     hw = fm.profile(cfg, args, log=lambda m: print(f"[{m}]", flush=True))
     rows, data = [], {}

@@ -33,9 +33,6 @@ GB = 1e9
 # for 59.2 GB of pinned weights), ~6 GB of the process is the runtime's own, and CPU attention's threads held
 # ~16 GB more.
 HOST_HEADROOM = 0.7
-POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"     # XLA's pinned host pool's limit (default 64 GB)
-POOL_MARGIN = 1.1                                   # the pool over the host cap: prefill rows' pinned buffers, and
-POOL_EXTRA_GB = 2                                   # the allocator's rounding
 CAP_FIELDS = {"gpu": "gpu_memory_gb", "cpu": "cpu_memory_gb", "disk": "disk_gb"}
 
 
@@ -149,23 +146,11 @@ def check(cfg: ModelConfig, policy: Policy, max_len: int, limits: dict[str, floa
     return total
 
 
-def size_pinned_pool(cpu_memory_gb: float | None, log=None) -> str | None:
-    """Size XLA's pinned host memory pool (`POOL_ENV`) for a host tier of `cpu_memory_gb` (None: `HOST_HEADROOM`
-    of the machine's memory): its default of 64 GB fails a placement past it (RESOURCE_EXHAUSTED), and pinned
-    weights and KV blocks live there. A value the user set is kept. Only the GPU client's start reads it, so call
-    this first; after, it says so. Returns the value in effect (None: none set, XLA's default)."""
-    import math
-    import os
 
-    from nfjax.compat import backends_started
-    if POOL_ENV in os.environ:
-        return os.environ[POOL_ENV]
-    if cpu_memory_gb is None:
-        import psutil
-        cpu_memory_gb = HOST_HEADROOM * psutil.virtual_memory().total / GB
-    if backends_started():
-        if log:
-            log(f"{POOL_ENV} not set: JAX has started (XLA's 64 GB default holds); set it before the run")
-        return None
-    os.environ[POOL_ENV] = str(math.ceil(cpu_memory_gb * POOL_MARGIN + POOL_EXTRA_GB))
-    return os.environ[POOL_ENV]
+def host_cap_gb(cpu_memory_gb: float | None) -> float:
+    """The host tier's cap in GB: `cpu_memory_gb`, else `HOST_HEADROOM` of the machine's memory (what the pinned
+    pool is sized for: nfjax/pinned_pool.py)."""
+    if cpu_memory_gb is not None:
+        return cpu_memory_gb
+    import psutil
+    return HOST_HEADROOM * psutil.virtual_memory().total / GB

@@ -119,21 +119,3 @@ def test_kv_blocks_give_every_layer_the_same_mix(layers, batches, split):
         per_layer = [got[j * batches:(j + 1) * batches].count(t) for j in range(layers)]
         assert max(per_layer) - min(per_layer) <= 1, (t, per_layer)
 
-
-def test_the_pinned_pool_is_sized_from_the_host_cap_before_jax_starts(monkeypatch):
-    """XLA's pinned host pool defaults to 64 GB, less than a 30B model's host tier: the limit is set from the cap
-    (x POOL_MARGIN + POOL_EXTRA_GB) unless the user set it; once JAX has started it is left alone, and said so."""
-    import nfjax.compat
-    from nfjax.offload import budget
-    monkeypatch.delenv(budget.POOL_ENV, raising=False)
-    monkeypatch.setattr(nfjax.compat, "backends_started", lambda: False)
-    assert budget.size_pinned_pool(80.0) == "90"
-    assert budget.size_pinned_pool(10.0) == "90"                      # set already (here: by the call before)
-    monkeypatch.setenv(budget.POOL_ENV, "33")
-    assert budget.size_pinned_pool(80.0) == "33"
-    monkeypatch.delenv(budget.POOL_ENV)
-    monkeypatch.setattr(nfjax.compat, "backends_started", lambda: True)
-    said = []
-    assert budget.size_pinned_pool(80.0, log=said.append) is None and budget.POOL_ENV in said[0]
-    import os
-    assert budget.POOL_ENV not in os.environ
