@@ -255,16 +255,28 @@ def _reset_peak_rss() -> None:
 
 
 def host_fits(cfg, policy, args, runs: dict) -> str | None:
-    """Why a policy would not fit this host's memory, or None: its host tier's bytes plus the most any run so far
-    held beyond its own host tier (peak RSS: 20-37 GB on the H100 host, bench/NOTES.md 22.4), against 95% of the
-    machine's memory. A run killed for memory would end the command and lose the policies after it."""
+    """Why a policy would not fit this host's memory, or None, against 95% of the machine's memory. A run killed
+    for memory would end the command and lose the policies after it.
+
+    Runs that recorded their memory by kind (`host_rss_parts_gb`): the process's pinned pool (RssShmem) never
+    shrinks but serves the next tier's pinned arrays, so the policy needs max(the largest pool so far, its host
+    tier) plus the most any run held outside the pool (peak RSS less its pool: ~6-8 GB on the H100 host,
+    bench/NOTES.md 23.1). Older records: its host tier plus the most any run held beyond its own tier (22.4)."""
     import psutil
 
     from nfjax.offload import budget
-    over = [r["host_peak_rss_gb"] * 1e9 - r["tier_bytes"].get("cpu", 0) for r in runs.values()
-            if r.get("host_peak_rss_gb")]
     tier = sum(n.bytes for n in budget.needs(cfg, policy, args.prompt_len + args.gen_len) if n.tier == "cpu")
-    held, total = max(over, default=0.0), psutil.virtual_memory().total
+    total = psutil.virtual_memory().total
+    done = [r for r in runs.values() if r.get("host_peak_rss_gb")]
+    if done and all(r.get("host_rss_parts_gb", {}).get("RssShmem") is not None for r in done):
+        pool = max(r["host_rss_parts_gb"]["RssShmem"] for r in done) * 1e9
+        rest = max(r["host_peak_rss_gb"] - r["host_rss_parts_gb"]["RssShmem"] for r in done) * 1e9
+        if max(pool, tier) + rest > 0.95 * total:
+            return (f"host memory: max(the pinned pool's {pool / 1e9:.0f} GB, its host tier's {tier / 1e9:.0f} "
+                    f"GB) + {rest / 1e9:.0f} GB an earlier run held outside the pool > 95% of the machine's "
+                    f"{total / 1e9:.0f} GB")
+        return None
+    held = max((r["host_peak_rss_gb"] * 1e9 - r["tier_bytes"].get("cpu", 0) for r in done), default=0.0)
     if tier + held > 0.95 * total:
         return (f"host memory: {tier / 1e9:.0f} GB in its host tier + {held / 1e9:.0f} GB held "
                 f"beyond the tier by an earlier run > 95% of the machine's {total / 1e9:.0f} GB")

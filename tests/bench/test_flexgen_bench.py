@@ -177,6 +177,25 @@ def test_rowbyrow_baseline_is_uncompressed(monkeypatch):
     assert pol.schedule == "row_by_row" and not pol.compress_weights and not pol.compress_cache
 
 
+def test_host_guard_lets_the_pinned_pool_serve_the_next_tier(monkeypatch):
+    """A run that left a pinned pool of 55% of the machine (peak 60%) and a policy whose host tier is 50%: the pool
+    holds the tier, so it fits (the older rule, tier + what the run held beyond its 10% tier, said 100%)."""
+    import argparse
+
+    import psutil
+
+    from bench.flexgen import host_fits
+    from bench.setup import model_config
+    from nfjax.offload import Policy, budget
+    total_gb = psutil.virtual_memory().total / 1e9
+    monkeypatch.setattr(budget, "needs", lambda *a, **k: [budget.Need("cpu", "KV cache", int(0.5 * total_gb * 1e9))])
+    args = argparse.Namespace(shape="opt-smoke", layers=None, prompt_len=32, gen_len=4, dtype=None)
+    run = {"host_peak_rss_gb": 0.6 * total_gb, "tier_bytes": {"cpu": 0.1 * total_gb * 1e9}}
+    assert host_fits(model_config(args), Policy(), args, {"a": run}) is not None
+    run["host_rss_parts_gb"] = {"RssShmem": 0.55 * total_gb, "RssAnon": 0.05 * total_gb}
+    assert host_fits(model_config(args), Policy(), args, {"a": run}) is None
+
+
 def test_host_guard_counts_what_earlier_runs_held_beyond_their_tier():
     """`host_fits`: a small policy fits this machine; the same policy after a run that held more than the machine
     beyond its own host tier is skipped, the reason naming both parts."""
@@ -195,6 +214,13 @@ def test_host_guard_counts_what_earlier_runs_held_beyond_their_tier():
     runs = {"big": {"host_peak_rss_gb": 2 * total_gb, "tier_bytes": {"cpu": 1e9}}}
     why = host_fits(cfg, pol, args, runs)
     assert why and "host memory" in why and "held beyond the tier" in why
+    # with RSS by kind: a large pinned pool serves the next tier (it fits), but not a large rest outside it
+    pool = {"big": {"host_peak_rss_gb": 0.6 * total_gb, "tier_bytes": {"cpu": 1e9},
+                    "host_rss_parts_gb": {"RssShmem": 0.55 * total_gb, "RssAnon": 0.05 * total_gb}}}
+    assert host_fits(cfg, pol, args, pool) is None
+    pool["big"]["host_peak_rss_gb"] = 1.6 * total_gb
+    why = host_fits(cfg, pol, args, pool)
+    assert why and "outside the pool" in why
 
 
 def test_auto_grid_spreads_over_the_ranking_and_one_is_the_top():
