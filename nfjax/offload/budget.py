@@ -146,7 +146,6 @@ def check(cfg: ModelConfig, policy: Policy, max_len: int, limits: dict[str, floa
     return total
 
 
-
 def host_cap_gb(cpu_memory_gb: float | None) -> float:
     """The host tier's cap in GB: `cpu_memory_gb`, else `HOST_HEADROOM` of the machine's memory (what the pinned
     pool is sized for: nfjax/pinned_pool.py)."""

@@ -304,10 +304,10 @@ class Prediction:
     fractions: dict
 
 
-def layer_fractions(cfg: ModelConfig, policy: Policy) -> list[dict[str, float]]:
-    """`fractions` layer by layer: the weights' and activations' are every layer's, the KV cache's are the layer's
-    own blocks' (`kv_tiers` numbers them layer by layer, so a split puts whole layers in one tier)."""
-    base = fractions(cfg, policy)
+def layer_fractions(cfg: ModelConfig, policy: Policy, base: dict[str, float]) -> list[dict[str, float]]:
+    """`base` (the policy's `fractions`) layer by layer: the weights' and activations' are every layer's, the KV
+    cache's are the layer's own blocks' (`kv_tiers` numbers them layer by layer, so a split puts whole layers in
+    one tier)."""
     nb = policy.num_gpu_batches
     kt = kv_tiers(cfg.num_layers, nb, policy.cache)
     out = []
@@ -321,8 +321,8 @@ def predict(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwarePr
     """The cost model's throughput and per-lane times for a policy, at the placement the runtime gives it, layer by
     layer (`LayerCost.total_time_by_layer`); the lanes and layer times reported are the layers' means."""
     fr = fractions(cfg, policy)
-    frs = layer_fractions(cfg, policy)
-    c = cost_of(cfg, policy, workload, hw)
+    frs = layer_fractions(cfg, policy, fr)
+    c = cost_of(cfg, policy, workload, hw, fr)
     lanes = {ph: {k: sum(value(e, f) for f in frs) / len(frs) for k, e in
                   (c.prefill if ph == "prefill" else c.decode).items()} for ph in ("prefill", "decode")}
     per = {ph: sum(c.phase_time(ph, f) for f in frs) / len(frs) for ph in ("prefill", "decode")}
@@ -330,8 +330,8 @@ def predict(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwarePr
     return Prediction(c.block * c.gen_len / secs, secs, per["prefill"], per["decode"], lanes, c.tier_bytes(fr), fr)
 
 
-def cost_of(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile) -> LayerCost:
-    fr = fractions(cfg, policy)
+def cost_of(cfg: ModelConfig, policy: Policy, workload: Workload, hw: HardwareProfile, fr: dict) -> LayerCost:
+    """The policy's `layer_cost`, its queue wait at its own off-GPU weight share (`fr`: its `fractions`)."""
     return layer_cost(cfg, policy.gpu_batch_size, policy.num_gpu_batches, workload, hw, policy.compress_weights,
                       policy.compress_cache, policy.cpu_attention, policy.host_memory, policy.schedule,
                       weights_off=fr["wc"] + fr["wd"])

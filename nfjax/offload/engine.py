@@ -11,7 +11,6 @@ Not served here (a UserError naming the field): penalties, min_tokens, logprobs.
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -26,7 +25,6 @@ from nfjax.engine.prompt import encode_prompt
 from nfjax.engine.request import Timings
 from nfjax.engine.sampling_params import SamplingParams
 from nfjax.errors import UserError
-from nfjax import pinned_pool
 from nfjax.offload import budget
 from nfjax.offload.compute import Programs
 from nfjax.offload.policy import Policy
@@ -311,8 +309,6 @@ def from_flags(args, progress: bool = False) -> OffloadEngine:
     if (getattr(args, "tp", None) or 1) > 1:
         raise UserError("--tp with --offload: offload mode runs on one device")
     caps = {f: getattr(args, f, None) for f in ("gpu_memory_gb", "cpu_memory_gb", "disk_gb", "offload_dir")}
-    pinned_pool.size_for(budget.host_cap_gb(caps["cpu_memory_gb"]),
-                         log=lambda m: print(f"[offload] {m}", file=sys.stderr))
     max_len = getattr(args, "max_model_len", None)
     if args.offload != "auto":
         policy = Policy.load(args.offload)
