@@ -1,0 +1,187 @@
+"""Decode-sized GEMMs (M = 16..256 rows against Llama-3-8B's weights): their weight-read rate under XLA's
+GEMM choices, beside the device's read and copy rates, and the MLP block with gate and up as one GEMM or two.
+
+Why: at batch 1 an 8B decode step spends 5.51 of its 6.47 ms in GEMMs reading 15 GB (2.72 TB/s), the head
+alone at 3.1 TB/s while gate/up/down run at 2.76 and qkv/o at 2.4-2.5 (`profile_step-ctx256-20261127.json`).
+If every GEMM read at the head's rate the step would lose ~0.5 ms: the difference between TPOT 6.3 and 6.0 ms.
+
+Each variant is a child process with its own `XLA_FLAGS` (flags are read once a process): `default`,
+`exhaustive` (the Triton GEMM autotuner's exhaustive tiling search), `cublas` (no Triton GEMMs), `merger`
+(XLA's dot merger joins dots of one input up to 1 GB of weights, 32 MB by default). Weights rotate
+over enough copies to exceed L2; inputs are random normal bf16.
+
+usage: python -m bench.probes.skinny_gemm [--tokens 16,64,128,256] [--variants default,exhaustive,cublas]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import threading
+
+from bench.common import module_command, print_table, write_results
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 14336), "gate_up": (4096, 28672),
+          "down": (14336, 4096), "head": (4096, 128256)}
+VARIANTS = {"default": "", "exhaustive": "--xla_gpu_exhaustive_tiling_search=true",
+            "cublas": "--xla_gpu_enable_triton_gemm=false", "merger": "--xla_gpu_dot_merger_threshold_mb=1024"}
+TAG = "@@"
+
+
+def _sets(shapes: list[tuple], seed: int, min_bytes: float = 200e6):
+    """Rotated argument sets whose weights together exceed L2 (50 MB on an H100) several times."""
+    import jax
+    import jax.numpy as jnp
+    per = sum(math.prod(s) * 2 for s in shapes)
+    count = max(2, min(8, math.ceil(min_bytes / per)))
+    key = jax.random.key(seed)
+    out = []
+    for i in range(count):
+        ks = jax.random.split(jax.random.fold_in(key, i), len(shapes))
+        out.append(tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(ks, shapes)))
+    return out
+
+
+def emit(key: str, value) -> None:
+    print(TAG + json.dumps({key: value}), flush=True)
+
+
+def kernel_us(fn, args, per_call: int) -> float:
+    """Device time of one of `per_call` like pieces of work in one call of `fn`: the kernels' own time from a
+    profiler trace (host dispatch, which a loop of small jitted calls would time, stays out)."""
+    import tempfile
+    import jax
+    from bench.common import time_fn
+    from bench.step_bench import kernel_table, trace
+    if jax.default_backend() != "gpu":        # no device lines in a CPU trace: wall time (a smoke run)
+        return time_fn(fn, *args, iters=1, reps=1, warmup=1)["median_s"] * 1e6 / per_call
+    table = kernel_table(trace(lambda: fn(*args), tempfile.mkdtemp(prefix="skinny-"), "t", calls=3), calls=3)
+    if "error" in table or not table["total_kernel_ms"]:
+        raise RuntimeError(f"no kernel times in the trace: {table.get('error', 'empty')}")
+    return table["total_kernel_ms"] * 1e3 / per_call
+
+
+def child(tokens: list[int]) -> None:
+    import jax
+    import jax.numpy as jnp
+    from bench.common import measure_copy_bandwidth, time_fn
+    emit("copy_tbps", measure_copy_bandwidth(1 << 30)["bytes_per_s"] / 1e12)
+    big = _sets([(1 << 29,)], 1, 0)            # 1 GiB of bf16, read once a call
+    red = jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32))
+    emit("read_tbps", 2 * (1 << 29) / time_fn(red, arg_sets=big)["median_s"] / 1e12)
+    del big
+
+    def dots(xs, ws):      # a different x for each weight: XLA's dot merger would join dots of one operand
+        return [jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype) for x, w in zip(xs, ws)]
+
+    many = jax.jit(dots)
+    for name, (k, n) in SHAPES.items():
+        ws = [w for (w,) in _sets([(k, n)], 2)]
+        for m in tokens:
+            xs = [jax.random.normal(jax.random.key(m + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
+            ref = jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32))
+            err = float(jnp.linalg.norm(many(xs, ws)[0].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            us = kernel_us(many, (xs, ws), len(ws))
+            emit(f"{name}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
+        del ws
+
+    # q, k and v as the engine holds them: three weights of one input (XLA's dot merger may join them)
+    qkv3 = _sets([(4096, 4096), (4096, 1024), (4096, 1024)], 4)
+    three = jax.jit(lambda xs, sets: [[jnp.dot(x, w) for w in s] for x, s in zip(xs, sets)])
+    for m in tokens:
+        xs = [jax.random.normal(jax.random.key(m + 3 + i), (m, 4096), jnp.bfloat16) for i in range(len(qkv3))]
+        us = kernel_us(three, (xs, qkv3), len(qkv3))
+        emit(f"qkv_three@{m}", {"us": us, "tbps": 2 * 4096 * 6144 / us / 1e6, "rel_err": 0.0})
+    del qkv3
+
+    def norm(x, g):
+        v = x.astype(jnp.float32)
+        return (v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + 1e-5) * g).astype(x.dtype)
+
+    def mlp_two(x, g, wg, wu, wd):
+        h = norm(x, g)
+        a = jax.nn.silu(jnp.dot(h, wg).astype(jnp.float32)).astype(x.dtype) * jnp.dot(h, wu)
+        return x + jnp.dot(a, wd)
+
+    def mlp_one(x, g, wgu, wd):
+        h = norm(x, g)
+        gu = jnp.dot(h, wgu)
+        n = wd.shape[0]
+        a = jax.nn.silu(gu[:, :n].astype(jnp.float32)).astype(x.dtype) * gu[:, n:]
+        return x + jnp.dot(a, wd)
+
+    d, f = 4096, 14336
+    two = _sets([(d, f), (d, f), (f, d)], 3)
+    one = [(jnp.concatenate([a, b], 1), c) for a, b, c in two]
+    g = jnp.ones((d,), jnp.bfloat16)
+    run_two = jax.jit(lambda xs, sets: [mlp_two(x, g, *s) for x, s in zip(xs, sets)])
+    run_one = jax.jit(lambda xs, sets: [mlp_one(x, g, *s) for x, s in zip(xs, sets)])
+    for m in tokens:
+        xs = [jax.random.normal(jax.random.key(m + 7 + i), (m, d), jnp.bfloat16) for i in range(len(two))]
+        t2 = kernel_us(run_two, (xs, two), len(two))
+        t1 = kernel_us(run_one, (xs, one), len(one))
+        y2 = run_two(xs, two)[0].astype(jnp.float32)
+        y1 = run_one(xs, one)[0].astype(jnp.float32)
+        same = float(jnp.linalg.norm(y2 - y1) / jnp.linalg.norm(y2))
+        emit(f"mlp@{m}", {"two_us": t2, "one_us": t1, "bytes_tbps_one": 6 * d * f / t1 / 1e6, "rel_diff": same})
+
+
+def run_variant(v: str, env: dict, tokens: str, timeout_s: float) -> dict:
+    """The child's rows, printed as they arrive; a child past `timeout_s` is killed and its rows kept."""
+    proc = subprocess.Popen(module_command("bench.probes.skinny_gemm", "--child", "--tokens", tokens), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    rows = {}
+    for line in proc.stdout:
+        if line.startswith(TAG):
+            rows.update(json.loads(line[len(TAG):]))
+            print(v, line[len(TAG):].strip(), flush=True)
+    proc.wait()
+    timer.cancel()
+    if proc.returncode:
+        print(f"variant {v}: child ended with rc {proc.returncode} after {len(rows)} rows", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="16,64,128,256")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variant-timeout-s", type=float, default=150.0, help="a variant's rows so far are kept")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--name", default="skinny_gemm")
+    a = p.parse_args(argv)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.child:
+        child(tokens)
+        return 0
+    results = {}
+    for v in a.variants.split(","):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip()
+        results[v] = run_variant(v, env, a.tokens, a.variant_timeout_s)
+    table, summary = [], {}
+    for v, rows in results.items():
+        for key in ("copy_tbps", "read_tbps"):
+            if key in rows:
+                summary[f"{key}_{v}"] = round(rows[key], 3)
+        for key, r in rows.items():
+            if isinstance(r, dict) and "tbps" in r:
+                table.append([v, key, r["us"], r["tbps"], r["rel_err"]])
+                summary[f"tbps[{v},{key}]"] = round(r["tbps"], 3)
+            elif isinstance(r, dict):
+                table.append([v, key, r["two_us"], r["one_us"], r["rel_diff"]])
+                summary[f"mlp_us[{v},{key},two]"] = round(r["two_us"], 2)
+                summary[f"mlp_us[{v},{key},one]"] = round(r["one_us"], 2)
+    print_table(["variant", "case", "us (mlp: two GEMMs)", "TB/s (mlp: one GEMM us)", "rel err / diff"], table)
+    for v, rows in results.items():
+        print(f"{v}: copy {rows.get('copy_tbps', 0):.3f} TB/s (read+write), read {rows.get('read_tbps', 0):.3f} TB/s")
+    write_results(a.name, summary, {"results": results, "variants": {v: VARIANTS[v] for v in results}})
+    return 0 if any(results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
