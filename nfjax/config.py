@@ -366,6 +366,9 @@ class ExecutionConfig:
     # JAX's persistent compilation cache (a folder): a later engine of the same model and settings loads its
     # compiled programs instead of compiling them (8B on an H200: ready in 16 s against 53 s). Process-wide.
     compile_cache_dir: str | None = None
+    # Each layer's q/k/v and gate/up weights joined into one weight each when the Runner loads them: one plain
+    # GEMM apiece (docs/design.md section 17). False: the checkpoint's separate weights (A/B measurement).
+    join_projections: bool = True
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

@@ -85,6 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers-per-program", type=int, default=None, help="decoder layers per compiled program")
     g.add_argument("--no-command-buffers", dest="command_buffers", action="store_const", const=False, default=None,
                    help="XLA CUDA-graph command buffers off")
+    g.add_argument("--separate-projections", dest="join_projections", action="store_const", const=False,
+                   default=None, help="keep q/k/v and gate/up as separate weights (for comparison; joined by default)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -110,8 +112,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "disk_cache_gb": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
-
-         "command_buffers": "execution", "stable_inputs": "execution", "compile_cache_dir": "execution",
+         "join_projections": "execution", "command_buffers": "execution", "stable_inputs": "execution", "compile_cache_dir": "execution",
          "tp": "parallel"}
 
 

@@ -79,6 +79,8 @@ class Runner:
         self.layer_specs = jax.tree.map(lambda sp: P(*sp[1:]), state_specs(stacked, tp))
         self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
         del stacked
+        if config.execution.join_projections:
+            self._join_projections(mesh, tp)
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
         # sized after unstacking (its holes are what is left), the engine's largest allocations made now: one
@@ -476,6 +478,16 @@ class Runner:
         full = groups[0][1]
         table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
         return [(i0, n, table[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
+
+    def _join_projections(self, mesh: Mesh, tp: int) -> None:
+        """Each layer's q/k/v and gate/up weights joined into one weight each (nfjax/models/fused.py)."""
+        from nfjax.models.fused import join_projections
+        for i, st in enumerate(self.layer_states):
+            layer = nnx.merge(self.layer_gd, st)
+            join_projections(layer, mesh)
+            gd, self.layer_states[i] = nnx.split(layer)
+        self.layer_gd = gd
+        self.layer_specs = state_specs(self.layer_states[0], tp)
 
     def logits(self, tokens: Int[Array, "T"], meta: AttentionMetadata) -> Float[Array, "S V"]:
         """Each sequence's last-token logits through the layer-program code (sequential schedule), compiled on

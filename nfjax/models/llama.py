@@ -105,8 +105,11 @@ class DecoderLayer(nnx.Module):
         t, hd = h.shape[0], self.cfg.head_dim
         # head counts come from the (possibly tensor-parallel local) weight shapes
         np_ = ctx.num_ctas
-        return (dense(self.q_proj, h, np_).reshape(t, -1, hd), dense(self.k_proj, h, np_).reshape(t, -1, hd),
-                dense(self.v_proj, h, np_).reshape(t, -1, hd))
+        if hasattr(self, "qkv_proj"):             # joined for serving (nfjax/models/fused.py)
+            q, k, v = self.qkv_proj.split(dense(self.qkv_proj, h, np_))
+        else:
+            q, k, v = (dense(lin, h, np_) for lin in (self.q_proj, self.k_proj, self.v_proj))
+        return q.reshape(t, -1, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
 
     @op(Resource.MEMORY, ins=("q", "k", "v", "kv", "positions", "slots"), outs=("q_rot", "kv"))
     def rope_append(self, ctx, q, k, v, kv, positions, slots):
@@ -146,6 +149,8 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("h2",), outs=("gate", "up"))
     def up_gate(self, ctx, h2):
+        if hasattr(self, "gate_up_proj"):
+            return tuple(self.gate_up_proj.split(dense(self.gate_up_proj, h2, ctx.num_ctas)))
         return dense(self.gate_proj, h2, ctx.num_ctas), dense(self.up_proj, h2, ctx.num_ctas)
 
     @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))

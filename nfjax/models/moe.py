@@ -87,6 +87,8 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.COMPUTE, ins=("h2",), outs=("s_gate", "s_up"))
     def shared_up_gate(self, ctx, h2):
+        if hasattr(self, "shared_gate_up_proj"):  # joined for serving (nfjax/models/fused.py)
+            return tuple(self.shared_gate_up_proj.split(dense(self.shared_gate_up_proj, h2, ctx.num_ctas)))
         return dense(self.shared_gate_proj, h2, ctx.num_ctas), dense(self.shared_up_proj, h2, ctx.num_ctas)
 
     @op(Resource.COMPUTE, ins=("s_gate", "s_up", "h2"), outs=("s_out",))

@@ -31,18 +31,21 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm, gemm_fits
     from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, TILE_CONFIGS
     ctx_a, ((q, kv), (h2,)) = ctxs[0], ins
-    w_gate, w_up = layer.gate_proj.kernel[...], layer.up_proj.kernel[...]
-    fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and h2.dtype == w_gate.dtype
-            and gemm_fits(h2.shape, [w_gate.shape, w_up.shape], TILE_CONFIGS[DEFAULT_CONFIG])
-            and layer.gate_proj.bias is None and layer.up_proj.bias is None)
+    joined = getattr(layer, "gate_up_proj", None)           # nfjax/models/fused.py
+    lins = (joined,) if joined is not None else (layer.gate_proj, layer.up_proj)
+    ws = tuple(lin.kernel[...] for lin in lins)
+    fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and h2.dtype == ws[0].dtype
+            and gemm_fits(h2.shape, [w.shape for w in ws], TILE_CONFIGS[DEFAULT_CONFIG])
+            and all(lin.bias is None for lin in lins))
     if not fits:
         return _sequential(layer, ctxs, ins, parts)
     t = q.shape[0]
     q_r, pt, lens = decode_rows(rotate_queries(q, kv), ctx_a.meta)
     attn_ctas = ctx_a.num_ctas or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
-    attn, (gate, up) = decode_attention_beside_gemm(
-        q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, (w_gate, w_up), scale=layer.cfg.head_dim ** -0.5,
+    attn, outs = decode_attention_beside_gemm(
+        q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, ws, scale=layer.cfg.head_dim ** -0.5,
         attn_ctas=attn_ctas, aux_cache=kv.aux)
+    gate, up = joined.split(outs[0]) if joined is not None else outs
     attn = rotate_outputs(attn, kv).reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))

@@ -48,7 +48,7 @@ def test_tp_matches_tp1(cfg, tps):
 
 def test_weights_are_sharded_not_replicated():
     eng = engine_for(LLAMA3, 4)
-    q = eng.runner.layer_states[0]["q_proj"]["kernel"]
+    q = eng.runner.layer_states[0]["qkv_proj"]["kernel"]      # q/k/v joined (nfjax/models/fused.py)
     o = eng.runner.layer_states[0]["o_proj"]["kernel"]
     q, o = q[...], o[...]
     assert q.sharding.spec[-1] == "tp" and q.addressable_shards[0].data.shape[-1] == q.shape[-1] // 4

@@ -40,8 +40,8 @@ def test_70b_heads_tp1_tp4_tp8_agree():
                      take_weights=False)
         k = eng.runner.kv.k
         assert k.shape[3] == 8 and k.addressable_shards[0].data.shape[3] == 8 // tp     # KV heads per device
-        q = eng.runner.layer_states[0]["q_proj"]["kernel"][...]
-        assert q.addressable_shards[0].data.shape[-1] == 64 * 128 // tp                # query heads per device
+        qkv = eng.runner.layer_states[0]["qkv_proj"]["kernel"][...]       # q/k/v joined (models/fused.py)
+        assert qkv.addressable_shards[0].data.shape[-1] == (64 + 2 * 8) * 128 // tp    # q, k, v heads per device
         results[tp] = (prompt_logits(eng, PROMPTS, BUCKET), [o.token_ids for o in eng.generate(PROMPTS, sp)])
         del eng
     ref_logits, ref_tokens = results[1]

@@ -1,0 +1,79 @@
+"""Projections of one input joined into one weight for serving: q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj` (and a MoE layer's shared expert's gate/up into `shared_gate_up_proj`).
+
+Why (docs/design.md section 17): XLA runs the separate q, k and v weights of one input as a dot over their
+concatenation, concatenating inside the GEMM's operand load, and gate and up as two GEMMs; at decode sizes a
+joined weight's plain GEMM reads faster (H200, 64 rows: q/k/v 28.3 against 21.4 us a layer, the MLP block 113
+against 99.5 us; `skinny_gemm-20261128.json`).
+
+Checkpoints keep the separate weights (the format stays the HF one); the Runner joins each layer's weights as it
+unstacks them. Under tensor parallelism each device joins its own column shards, so the global weight is
+[q_0 k_0 v_0 | q_1 k_1 v_1 | ...] split on its last axis: a device's shard holds exactly its heads' columns and
+the joining moves nothing between devices.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float
+
+from nfjax.parallel import TP_AXIS
+
+# joined name -> the projections it joins, in column order
+JOINS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "shared_gate_up_proj": ("shared_gate_proj", "shared_up_proj")}
+
+
+class Joined(nnx.Module):
+    """Linear layers of one input joined along their outputs (`nnx.Linear`'s arithmetic: operands promoted to
+    `dtype`, one dot, the bias added)."""
+
+    def __init__(self, kernel, bias, parts: tuple[int, ...], dtype):
+        self.kernel = nnx.Param(kernel)                          # [D, sum(parts)] (per-shard order under TP)
+        self.bias = None if bias is None else nnx.Param(bias)    # [sum(parts)]
+        self.parts = tuple(parts)                                # each projection's global output width
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T N"]:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+    def split(self, y: Float[Array, "T N"]) -> list:
+        """The projections' outputs from the joined one (local widths: each part's share of y's width)."""
+        total, n = sum(self.parts), y.shape[-1]
+        ends = np.cumsum([n * p // total for p in self.parts])[:-1]
+        return jnp.split(y, ends, axis=-1)
+
+
+def _join_shards(arrays: list, mesh: Mesh, spec: P):
+    """Concatenate along the last axis shard by shard (each device its own pieces: no communication)."""
+    def local(*xs):
+        return jnp.concatenate(xs, axis=-1)
+    sharding = NamedSharding(mesh, spec)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec),
+                   out_shardings=sharding)(*arrays)
+
+
+def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
+    """Replace `layer`'s joinable projections (JOINS) by their `Joined` forms, in place; the separate weights
+    are deleted as they are joined (peak memory: one joined weight more)."""
+    for joined, names in JOINS.items():
+        lins = [getattr(layer, n, None) for n in names]
+        if any(lin is None for lin in lins):
+            continue
+        k_spec = P(*([None] * (lins[0].kernel[...].ndim - 1)), TP_AXIS)
+        kernel = _join_shards([lin.kernel[...] for lin in lins], mesh, k_spec)
+        bias = None
+        if lins[0].bias is not None:
+            bias = _join_shards([lin.bias[...] for lin in lins], mesh, P(TP_AXIS))
+        parts = tuple(int(lin.kernel[...].shape[-1]) for lin in lins)
+        for lin, n in zip(lins, names):
+            for leaf in ("kernel", "bias"):
+                v = getattr(lin, leaf, None)
+                if v is not None:
+                    v[...].delete()
+            delattr(layer, n)
+        setattr(layer, joined, Joined(kernel, bias, parts, lins[0].dtype))
