@@ -81,6 +81,8 @@ class Runner:
         del stacked
         if config.execution.join_projections:
             self._join_projections(mesh, tp)
+        # the free memory read below counts a deleted weight only once the copies reading it are done
+        jax.block_until_ready(self.layer_states)
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
         # sized after unstacking (its holes are what is left), the engine's largest allocations made now: one

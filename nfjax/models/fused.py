@@ -13,6 +13,8 @@ the joining moves nothing between devices.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,13 +50,18 @@ class Joined(nnx.Module):
         return jnp.split(y, ends, axis=-1)
 
 
-def _join_shards(arrays: list, mesh: Mesh, spec: P):
-    """Concatenate along the last axis shard by shard (each device its own pieces: no communication)."""
+@functools.lru_cache(maxsize=None)
+def _joiner(mesh: Mesh, spec: P, n: int):
+    """One compiled join per (mesh, spec, count), reused by every layer (a jit built per call compiles anew)."""
     def local(*xs):
         return jnp.concatenate(xs, axis=-1)
-    sharding = NamedSharding(mesh, spec)
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec),
-                   out_shardings=sharding)(*arrays)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * n, out_specs=spec),
+                   out_shardings=NamedSharding(mesh, spec))
+
+
+def _join_shards(arrays: list, mesh: Mesh, spec: P):
+    """Concatenate along the last axis shard by shard (each device its own pieces: no communication)."""
+    return _joiner(mesh, spec, len(arrays))(*arrays)
 
 
 def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
