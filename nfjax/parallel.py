@@ -23,7 +23,7 @@ TP_AXIS = "tp"
 # MoE layers (nfjax/models/moe.py): each expert's FFN columns split like the dense MLP's (experts_* kernels are
 # [L, E, in, out]); the shared expert likewise; router_proj and shared_expert_gate replicated
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "experts_gate", "experts_up", "shared_gate_proj",
-           "shared_up_proj", "qkv_proj", "gate_up_proj", "shared_gate_up_proj"}     # the last three: models/fused.py
+           "shared_up_proj", "qkv_proj", "gate_up_proj", "shared_gate_up_proj", "experts_gate_up"}  # last 4: fused.py
 _ROW = {"o_proj", "down_proj", "experts_down", "shared_down_proj"}
 
 

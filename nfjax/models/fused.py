@@ -1,5 +1,6 @@
 """Projections of one input joined into one weight for serving: q/k/v into `qkv_proj`, gate/up into
-`gate_up_proj` (and a MoE layer's shared expert's gate/up into `shared_gate_up_proj`).
+`gate_up_proj`; in a MoE layer the experts' gate/up into `experts_gate_up` and the shared expert's into
+`shared_gate_up_proj`.
 
 Why (docs/design.md section 17): XLA runs the separate q, k and v weights of one input as a dot over their
 concatenation, concatenating inside the GEMM's operand load, and gate and up as two GEMMs; at decode sizes a
@@ -26,7 +27,8 @@ from nfjax.parallel import TP_AXIS
 
 # joined name -> the projections it joins, in column order
 JOINS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-         "shared_gate_up_proj": ("shared_gate_proj", "shared_up_proj")}
+         "shared_gate_up_proj": ("shared_gate_proj", "shared_up_proj"),
+         "experts_gate_up": ("experts_gate", "experts_up")}          # a MoE layer's [E, D, F] expert weights
 
 
 class Joined(nnx.Module):
@@ -83,4 +85,4 @@ def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
                 if v is not None:
                     v[...].delete()
             delattr(layer, n)
-        setattr(layer, joined, Joined(kernel, bias, parts, lins[0].dtype))
+        setattr(layer, joined, Joined(kernel, bias, parts, getattr(lins[0], "dtype", None) or kernel.dtype))

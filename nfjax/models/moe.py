@@ -70,6 +70,9 @@ class MoEDecoderLayer(DecoderLayer):
 
     @op(Resource.COMPUTE, ins=("xs", "group_sizes"), outs=("e_gate", "e_up"))
     def expert_up_gate(self, ctx, xs, group_sizes):
+        if hasattr(self, "experts_gate_up"):     # joined for serving (nfjax/models/fused.py)
+            j = self.experts_gate_up
+            return tuple(j.split(grouped_matmul(xs, j.kernel[...], group_sizes, ctx.num_ctas)))
         return (grouped_matmul(xs, self.experts_gate.kernel[...], group_sizes, ctx.num_ctas),
                 grouped_matmul(xs, self.experts_up.kernel[...], group_sizes, ctx.num_ctas))
 

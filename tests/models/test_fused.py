@@ -49,8 +49,8 @@ def test_each_shard_holds_its_own_columns(tp):
                 np.testing.assert_array_equal(np.asarray(shard.data), want)
 
 
-@pytest.mark.parametrize("cfg,tp", [(CFG, 2), (QWEN2, 2), (MOE, 1), (CFG, 4)],
-                         ids=["llama-tp2", "qwen2-bias-tp2", "moe-shared-tp1", "llama-tp4-kv-replicated"])
+@pytest.mark.parametrize("cfg,tp", [(CFG, 2), (QWEN2, 2), (MOE, 2), (CFG, 4)],
+                         ids=["llama-tp2", "qwen2-bias-tp2", "moe-shared-tp2", "llama-tp4-kv-replicated"])
 def test_joined_engine_computes_what_separate_weights_do(cfg, tp):
     if jax.device_count() < tp:
         pytest.skip(f"needs {tp} devices")
@@ -60,6 +60,8 @@ def test_joined_engine_computes_what_separate_weights_do(cfg, tp):
         eng = engine(cfg, tp, join)
         names = set(eng.runner.layer_states[0])
         assert ("qkv_proj" in names) == join and ("q_proj" in names) != join
+        if cfg.num_experts:
+            assert ("experts_gate_up" in names) == join and ("experts_gate" in names) != join
         if cfg.shared_expert_intermediate_size:
             assert ("shared_gate_up_proj" in names) == join
         out[join] = (prompt_logits(eng, PROMPTS, 32), [o.token_ids for o in eng.generate(PROMPTS, sp)])
