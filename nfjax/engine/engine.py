@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from nfjax.compat import on_gpu
 from nfjax.config import EngineConfig
 from nfjax.engine.detok import OutputText
 from nfjax.engine.outputs import RequestOutput, TokenLogprob
@@ -17,6 +18,7 @@ from nfjax.engine.runner import Runner, StepHandle
 from nfjax.engine.sampling_params import SamplingParams
 from nfjax.engine.batcher import Batcher
 from nfjax.engine.trace import StepTrace
+from nfjax.engine.warm_up import warm_up
 from nfjax.errors import UserError
 from nfjax.kv.host_pool import start_pool
 
@@ -42,6 +44,8 @@ class Engine:
         self.config = config = self.runner.config      # automatic sizes resolved
         pool = start_pool(self.runner)                 # the host tier's pinned pool, allocated while compiling
         self.runner.compile_all(progress=progress)
+        if on_gpu():        # first launches (command buffers instantiated) at start, not in a request's step
+            warm_up(self.runner)
         self.batcher = Batcher(config)
         self.batcher.tiers = self._make_tiers(pool)
         self.trace = StepTrace()
@@ -101,7 +105,6 @@ class Engine:
         host tier's host->device rate measured once here (a few ms), then `overrides` (gemm_flops,
         host_bytes_s, disk_bytes_s; CacheConfig fields tier_gemm_tflops / tier_host_gbps / tier_disk_gbps
         where a config has them)."""
-        from nfjax.compat import on_gpu
         from nfjax.kv.tiers import DEFAULT_RATES, TierRates, flops_per_token
         copies, m, c = self.runner.tier_copies, self.model_config, self.config.cache
         d = DEFAULT_RATES["gpu" if on_gpu() else "cpu"]

@@ -139,12 +139,16 @@ class Runner:
         self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
 
     # ---- compilation ------------------------------------------------------------------------------
-    def _example_input(self, bucket: int) -> StepInput:
+    def empty_input(self, bucket: int) -> StepInput:
+        """A host step input of `bucket` tokens that holds no sequence: every token is padding (writes nothing)."""
         s, p, ps = self.sched.seqs_for(bucket), self.cache_cfg.max_pages_per_seq, self.cache_cfg.page_size
         meta = build_metadata([], bucket, s, p, ps)
         z = np.zeros(s, np.int32)
-        return self._to_device(StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta,
-                                         z.astype(np.float32), z, z.astype(np.float32) + 1, z.astype(np.uint32), z))
+        return StepInput(np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32), meta, z.astype(np.float32), z,
+                         z.astype(np.float32) + 1, z.astype(np.uint32), z)
+
+    def _example_input(self, bucket: int) -> StepInput:
+        return self._to_device(self.empty_input(bucket))
 
     def _full_like(self, bucket: int) -> FullInput:
         return FullInput.empty(self.sched.seqs_for(bucket), bucket, self.penalty_slots, self.cfg.vocab_size)
