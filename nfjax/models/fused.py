@@ -76,7 +76,7 @@ def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
         k_spec = P(*([None] * (lins[0].kernel[...].ndim - 1)), TP_AXIS)
         kernel = _join_shards([lin.kernel[...] for lin in lins], mesh, k_spec)
         bias = None
-        if lins[0].bias is not None:
+        if getattr(lins[0], "bias", None) is not None:       # an Experts weight has none
             bias = _join_shards([lin.bias[...] for lin in lins], mesh, P(TP_AXIS))
         parts = tuple(int(lin.kernel[...].shape[-1]) for lin in lins)
         for lin, n in zip(lins, names):
