@@ -3,7 +3,7 @@
 A compiled program's first launch costs more than the later ones: XLA records and instantiates its command
 buffers (CUDA graphs) then, and the runtime loads its kernels. Without a warm-up the first request to land in each
 token bucket paid that inside its step (an 8B engine on an H100: TTFT 25-49 ms for the first lone 128-token prompt
-after a warm-up that used other buckets, against ~10 ms once warm; bench/NOTES.md section 24).
+after a warm-up that used other buckets, against ~11 ms once warm; docs/design.md section 18).
 The batches are all padding, so nothing reaches the KV cache (padding writes nothing: docs/design.md section 9),
 the penalty state (its rows name no slot) or the previous samples (restored afterwards).
 """

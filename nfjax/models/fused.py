@@ -5,7 +5,7 @@
 Why (docs/design.md section 17): XLA runs the separate q, k and v weights of one input as a dot over their
 concatenation, concatenating inside the GEMM's operand load, and gate and up as two GEMMs; at decode sizes a
 joined weight's plain GEMM reads faster (H200, 64 rows: q/k/v 28.3 against 21.4 us a layer, the MLP block 113
-against 99.5 us; `skinny_gemm-20261128.json`).
+against 99.5 us; `skinny_gemm-h200-20261128.json`).
 
 Checkpoints keep the separate weights (the format stays the HF one); the Runner joins each layer's weights as it
 unstacks them. Under tensor parallelism each device joins its own column shards, so the global weight is
