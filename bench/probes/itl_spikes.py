@@ -5,7 +5,12 @@ One request at a time through `Engine.stream` (as bench.latency), `--repeats` ti
 gap it keeps the step record of the step that produced the token (host ms, dispatch, blocked on read) and every
 Python garbage collection that ran inside the gap (generation, ms, from `gc.callbacks`). Modes:
 - plain: as the engine runs today;
-- frozen: after `gc.collect(); gc.freeze()` (what `nfjax serve` does once its engine is built).
+- frozen: after `gc.collect(); gc.freeze()` (what `nfjax serve` does once its engine is built);
+- addresses: every step program's call wrapped to record its enqueue time and the device addresses of its array
+  arguments (the weights excepted) and outputs. The guess it tests (bench/NOTES.md 24.4): XLA updates a command
+  buffer whose buffers moved, so a step whose activations landed at new addresses pays every program's update.
+  Each stream then reports, for its slowest-dispatch steps and for the rest, how many programs saw an address
+  change since the step before (reading an address may wait for the buffer: its time is recorded apart).
 The largest gaps of each repeat are printed with their steps and collections; all gaps go to the JSON.
 
 usage: python -m bench.probes.itl_spikes --shape llama3-8b [--repeats 4] [--out DIR]
@@ -45,6 +50,73 @@ def one_stream(engine, ids: list[int], n: int, log: GcLog) -> dict:
             "gaps": gaps}
 
 
+def _addresses(tree) -> tuple:
+    import jax
+    out = []
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array):
+            out.append(a.addressable_shards[0].data.unsafe_buffer_pointer())
+    return tuple(out)
+
+
+class AddressLog:
+    """Wraps a Runner's step programs (embed, layer groups, heads): per call the program's name, its enqueue
+    seconds, and the addresses of its arguments after the first (the weights) and of its outputs."""
+
+    def __init__(self, runner):
+        self.calls: list[tuple] = []          # (name, enqueue_s, address_read_s, addresses)
+        for table in ("_embed", "_steps", "_decode_steps", "_head", "_full_head"):
+            progs = getattr(runner, table)
+            for key, fn in list(progs.items()):
+                progs[key] = self._wrap(f"{table[1:]}{key}", fn)
+
+    def _wrap(self, name, fn):
+        def call(*args):
+            t = time.perf_counter()
+            ins = _addresses(args[1:])             # before the call: donated arguments are deleted by it
+            t0 = time.perf_counter()
+            out = fn(*args)
+            t1 = time.perf_counter()
+            addrs = ins + _addresses(out)
+            self.calls.append((name, t1 - t0, (t0 - t) + time.perf_counter() - t1, addrs))
+            return out
+        return call
+
+    def take(self) -> list[tuple]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def address_changes(calls: list[tuple], step_dispatch_ms: list[float]) -> dict:
+    """Steps split at the embed calls; per step, the programs whose addresses differ from the same program's in the
+    step before; the slowest fifth of steps by dispatch against the rest."""
+    steps, cur = [], []
+    for c in calls:
+        if c[0].startswith("embed") and cur:
+            steps.append(cur)
+            cur = []
+        cur.append(c)
+    if cur:
+        steps.append(cur)
+    last: dict[str, tuple] = {}
+    rows = []
+    for st in steps:
+        moved = [name for name, _, _, a in st if name in last and last[name] != a]
+        for name, _, _, a in st:
+            last[name] = a
+        rows.append({"programs": len(st), "changed": len(moved), "moved": moved, "enqueue_ms": sum(c[1] for c in st) * 1e3,
+                     "address_read_ms": sum(c[2] for c in st) * 1e3})
+    n = min(len(rows), len(step_dispatch_ms))
+    order = sorted(range(n), key=lambda i: -rows[i]["enqueue_ms"])
+    slow = order[:max(1, n // 5)]
+    rest = order[max(1, n // 5):]
+
+    def mean(ix, key):
+        return statistics.mean(rows[i][key] for i in ix) if ix else 0.0
+    return {"steps": rows, "slow_changed_mean": mean(slow, "changed"), "rest_changed_mean": mean(rest, "changed"),
+            "slow_enqueue_ms_mean": mean(slow, "enqueue_ms"), "rest_enqueue_ms_mean": mean(rest, "enqueue_ms")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_bench_args(p)
@@ -73,15 +145,27 @@ def main(argv=None) -> int:
     log = GcLog()
     gc.callbacks.append(log)
     res = {"device": device_name(), "args": vars(args), "modes": {}}
+    addr = None
     for mode in args.modes.split(","):
         if mode == "frozen":
             gc.collect()
             gc.freeze()
+        if mode == "addresses" and addr is None:
+            addr = AddressLog(engine.runner)
         runs = []
         for r in range(args.repeats):
             ids = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size, seed=3000 + r)[0][0]
+            if addr is not None:
+                addr.take()
             runs.append(one_stream(engine, ids, args.output_len, log))
             x = runs[-1]
+            if addr is not None:
+                x["addresses"] = address_changes(addr.take(), [(g["step"] or {}).get("dispatch_ms", 0)
+                                                               for g in x["gaps"]])
+                a = x["addresses"]
+                print(f"[{mode} {r}] programs with moved buffers a step: slowest fifth {a['slow_changed_mean']:.2f} "
+                      f"(enqueue {a['slow_enqueue_ms_mean']:.2f} ms), the rest {a['rest_changed_mean']:.2f} "
+                      f"({a['rest_enqueue_ms_mean']:.2f} ms)", flush=True)
             gcs = x["gc_in_stream"]
             print(f"[{mode} {r}] p50 {x['p50']:.2f} p99 {x['p99']:.2f} max {x['max']:.2f} ms; "
                   f"{len(gcs)} collections in the stream ({sum(g['ms'] for g in gcs):.1f} ms, gen2: "

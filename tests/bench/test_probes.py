@@ -110,3 +110,14 @@ def test_pass_trace_counts_each_lane_once_per_pass():
     assert parse_policy("16x2:25/75/0")["cache"] == (25.0, 75.0, 0.0)
     with pytest.raises(SystemExit, match="BSxNB"):
         parse_policy("16x2")
+
+
+def test_address_changes_count_programs_whose_buffers_moved_since_the_step_before():
+    from bench.probes.itl_spikes import address_changes
+    calls = [("embed16", 1e-3, 0, (1, 2)), ("steps16", 2e-3, 0, (3,)),          # step 0: nothing to compare with
+             ("embed16", 1e-3, 0, (1, 2)), ("steps16", 9e-3, 0, (4,)),          # step 1: the layer program moved
+             ("embed16", 1e-3, 0, (5, 2)), ("steps16", 2e-3, 0, (4,))]          # step 2: the embed moved
+    out = address_changes(calls, [1.0, 1.0, 1.0])
+    assert [s["moved"] for s in out["steps"]] == [[], ["steps16"], ["embed16"]]
+    assert out["slow_changed_mean"] == 1 and out["slow_enqueue_ms_mean"] == 10.0     # step 1 is the slowest
+    assert out["rest_changed_mean"] == 0.5
