@@ -119,5 +119,5 @@ def test_address_changes_count_programs_whose_buffers_moved_since_the_step_befor
              ("embed16", 1e-3, 0, (5, 2)), ("steps16", 2e-3, 0, (4,))]          # step 2: the embed moved
     out = address_changes(calls, [1.0, 1.0, 1.0])
     assert [s["moved"] for s in out["steps"]] == [[], ["steps16"], ["embed16"]]
-    assert out["slow_changed_mean"] == 1 and out["slow_enqueue_ms_mean"] == 10.0     # step 1 is the slowest
+    assert out["slow_changed_mean"] == 1 and abs(out["slow_enqueue_ms_mean"] - 10.0) < 1e-9     # step 1: slowest
     assert out["rest_changed_mean"] == 0.5
