@@ -55,6 +55,14 @@ def batch_latency(engine, work) -> dict:
             "e2e_ms": statistics.mean(o.metrics["e2e_s"] * 1e3 for o in outs)}
 
 
+def median_of(runs: list[dict]) -> dict:
+    """Repeats of one batch size: the median run's fields by TPOT (its TTFT the median TTFT), every repeat's TPOT
+    and TTFT kept (one lone request's TPOT moves by 0.5 ms with a run of slow dispatches: bench/NOTES.md 24.4)."""
+    mid = sorted(runs, key=lambda r: r["tpot_ms"])[len(runs) // 2]
+    return {**mid, "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+            "tpot_ms_repeats": [r["tpot_ms"] for r in runs], "ttft_ms_repeats": [r["ttft_ms"] for r in runs]}
+
+
 def stream_latency(engine, ids: list[int], n: int) -> dict:
     """One request alone through `Engine.stream`: the host time of each token as it is yielded, and the step
     records (host ms, dispatch, blocked on read, step ms) of the three largest gaps."""
@@ -115,17 +123,19 @@ def nfjax_latency(args, cfg) -> dict:
     from bench.workloads import fixed
     v = cfg.vocab_size
     # A new seed for every measurement: fresh prompts, as the peer gets (its prefix cache would serve repeats).
-    works = {bs: fixed(bs, args.prompt_len, args.output_len, v, seed=1000 + bs) for bs in args.batch_sizes}
+    works = {bs: [fixed(bs, args.prompt_len, args.output_len, v, seed=1000 + bs + 7919 * i) for i in range(args.repeats)]
+             for bs in args.batch_sizes}
     solo = fixed(1, args.prompt_len, args.output_len, v, seed=2000)[0]
     warm = fixed(max(args.batch_sizes), args.prompt_len, 4, v, seed=7)
     t = time.perf_counter()
-    engine = bench_engine(args, context=longest([*works.values(), warm, [solo]]))
+    engine = bench_engine(args, context=longest([*(w for ws in works.values() for w in ws), warm, [solo]]))
     out = {"device": device_name(), "compile_s": time.perf_counter() - t, "num_pages": engine.config.cache.num_pages,
            "config": cfg.to_json(), "results": {}}
     batch_latency(engine, warm)
-    for bs, work in works.items():
-        r = out["results"][str(bs)] = batch_latency(engine, work)
-        print(f"[nfjax bs={bs}] TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms", flush=True)
+    for bs, repeats in works.items():
+        r = out["results"][str(bs)] = median_of([batch_latency(engine, work) for work in repeats])
+        print(f"[nfjax bs={bs}] TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms (median of {len(repeats)}: "
+              f"TPOT {', '.join(f'{x:.2f}' for x in r['tpot_ms_repeats'])})", flush=True)
     runs = []
     for i in range(args.streams):
         ids = solo[0] if i == 0 else fixed(1, args.prompt_len, args.output_len, v, seed=2000 + i)[0][0]
@@ -153,7 +163,7 @@ def run_vllm(args, cfg, tmp: str) -> dict:
         json.dump(cfg.to_json(), f)
     cmd = [*module_command(VLLM_MODULE), "--mode", "latency", "--model-config", model, "--shape", args.shape,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
-           "--output-len", str(args.output_len), *shlex.split(args.vllm_args)]
+           "--output-len", str(args.output_len), "--repeats", str(args.repeats), *shlex.split(args.vllm_args)]
     print("== vLLM:", " ".join(cmd), flush=True)
     return run_json_child(cmd, args.peer_timeout, label="vllm")
 
@@ -208,6 +218,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=ints, default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each batch size, fresh prompts each (the median's TPOT and TTFT reported; the "
+                         "vLLM peer repeats as many)")
     ap.add_argument("--streams", type=int, default=5,
                     help="lone streamed requests timed one after another; their inter-token gaps are pooled")
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
