@@ -22,12 +22,11 @@ def outputs(engine):
 
 
 def test_warm_up_changes_nothing():
-    plain = make_engine(CACHE, SCHED)
-    want = outputs(plain)
-    warmed = make_engine(CACHE, SCHED)
-    kv_before = [np.asarray(a) for a in warmed.runner.kv.arrays()]
-    warm_up(warmed.runner)
-    for a, b in zip(kv_before, warmed.runner.kv.arrays()):
+    engine = make_engine(CACHE, SCHED)
+    want = outputs(engine)
+    kv_before = [np.asarray(a) for a in engine.runner.kv.arrays()]
+    warm_up(engine.runner)
+    for a, b in zip(kv_before, engine.runner.kv.arrays()):
         np.testing.assert_array_equal(a, np.asarray(b))          # all padding: no cache write
-    assert outputs(warmed) == want
-    assert warmed.pages_used == 0
+    assert outputs(engine) == want
+    assert engine.pages_used == 0
