@@ -123,8 +123,8 @@ def nfjax_latency(args, cfg) -> dict:
     from bench.workloads import fixed
     v = cfg.vocab_size
     # A new seed for every measurement: fresh prompts, as the peer gets (its prefix cache would serve repeats).
-    works = {bs: [fixed(bs, args.prompt_len, args.output_len, v, seed=1000 + bs + 7919 * i) for i in range(args.repeats)]
-             for bs in args.batch_sizes}
+    works = {bs: [fixed(bs, args.prompt_len, args.output_len, v, seed=1000 + bs + 7919 * i)
+                  for i in range(args.repeats)] for bs in args.batch_sizes}
     solo = fixed(1, args.prompt_len, args.output_len, v, seed=2000)[0]
     warm = fixed(max(args.batch_sizes), args.prompt_len, 4, v, seed=7)
     t = time.perf_counter()

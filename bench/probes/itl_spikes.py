@@ -104,7 +104,8 @@ def address_changes(calls: list[tuple], step_dispatch_ms: list[float]) -> dict:
         moved = [name for name, _, _, a in st if name in last and last[name] != a]
         for name, _, _, a in st:
             last[name] = a
-        rows.append({"programs": len(st), "changed": len(moved), "moved": moved, "enqueue_ms": sum(c[1] for c in st) * 1e3,
+        rows.append({"programs": len(st), "changed": len(moved), "moved": moved,
+                     "enqueue_ms": sum(c[1] for c in st) * 1e3,
                      "address_read_ms": sum(c[2] for c in st) * 1e3})
     n = min(len(rows), len(step_dispatch_ms))
     order = sorted(range(n), key=lambda i: -rows[i]["enqueue_ms"])

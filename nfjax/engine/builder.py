@@ -112,8 +112,8 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "disk_cache_gb": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
-         "join_projections": "execution", "command_buffers": "execution", "stable_inputs": "execution", "compile_cache_dir": "execution",
-         "tp": "parallel"}
+         "join_projections": "execution", "command_buffers": "execution", "stable_inputs": "execution",
+         "compile_cache_dir": "execution", "tp": "parallel"}
 
 
 SETTINGS = frozenset(_FLAT) | {"engine_config", "strategies", "plan", "strategy_min_decode", "strategy_min_tokens"}
