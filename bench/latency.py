@@ -130,7 +130,7 @@ def nfjax_latency(args, cfg) -> dict:
     t = time.perf_counter()
     engine = bench_engine(args, context=longest([*(w for ws in works.values() for w in ws), warm, [solo]]))
     out = {"device": device_name(), "compile_s": time.perf_counter() - t, "num_pages": engine.config.cache.num_pages,
-           "config": cfg.to_json(), "results": {}}
+           "memory_after_weights": engine.runner.memory_after_weights, "config": cfg.to_json(), "results": {}}
     batch_latency(engine, warm)
     for bs, repeats in works.items():
         r = out["results"][str(bs)] = median_of([batch_latency(engine, work) for work in repeats])

@@ -105,7 +105,7 @@ def engine_run(args, workloads: list[str]) -> dict:
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "total_params": cfg.num_params(),
            "optimal_tok_s": optimal,
            "compile_s": compile_s, "largest_temps": temps, "buckets": ec.batcher.token_buckets,
-           "num_pages": ec.cache.num_pages,
+           "num_pages": ec.cache.num_pages, "memory_after_weights": engine.runner.memory_after_weights,
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():

@@ -32,7 +32,7 @@ from nfjax.config import EngineConfig
 from nfjax.engine.batcher import Batch
 from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input, needs_full, num_penalty_slots
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
-from nfjax.kv.cache import KVCache, free_device_bytes
+from nfjax.kv.cache import KVCache, device_memory, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.kv.tail_slots import TailCopies, TailSlots, tail_rows
 from nfjax.kv.prefix_cache import TierCopies
@@ -83,6 +83,7 @@ class Runner:
             self._join_projections(mesh, tp)
         # the free memory read below counts a deleted weight only once the copies reading it are done
         jax.block_until_ready(self.layer_states)
+        self.memory_after_weights = device_memory()      # what the cache is sized from (benches record it)
         self.inv_freq = jnp.asarray(inv_frequencies(model.cfg), jnp.float32)
         self.replicated = NamedSharding(mesh, P())
         # sized after unstacking (its holes are what is left), the engine's largest allocations made now: one

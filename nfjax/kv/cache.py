@@ -147,6 +147,16 @@ def bytes_per_token(model: ModelConfig, dtype=None, kv_dtype: str = "bfloat16") 
                                                                              dtype or model.dtype)
 
 
+def device_memory(device=None) -> dict | None:
+    """The allocator's figures that size the cache (bytes in use and limit, the largest free block where the
+    runtime reports it); None where the device keeps no statistics."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    keys = ("bytes_in_use", "bytes_limit", "largest_free_block_bytes", "num_allocs", "peak_bytes_in_use")
+    return {k: int(stats[k]) for k in keys if k in stats}
+
+
 def free_device_bytes(device=None) -> int | None:
     """Device memory not yet in use (None: the device keeps no statistics, as a CPU)."""
     dev = device or jax.devices()[0]
