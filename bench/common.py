@@ -64,6 +64,15 @@ def time_fn(fn: Callable, *args, iters: int = 20, reps: int = 5, warmup: int = 2
             "reps": reps}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Repeats of one light-load measurement: the median run by `tpot_ms`, with the median of the runs' `ttft_ms`
+    (those that have one) and every run's TPOT and TTFT kept. bench/latency.py and its vLLM peer report this."""
+    mid = sorted(runs, key=lambda r: r["tpot_ms"])[len(runs) // 2]
+    ttfts = [r["ttft_ms"] for r in runs if r["ttft_ms"] is not None]
+    return {**mid, "ttft_ms": statistics.median(ttfts) if ttfts else None,
+            "tpot_ms_repeats": [r["tpot_ms"] for r in runs], "ttft_ms_repeats": [r["ttft_ms"] for r in runs]}
+
+
 def best_seconds(fn: Callable, reps: int = 5) -> float:
     """The fastest of `reps` single calls of `fn` after one warm-up call (`time_fn` one call a sample), seconds:
     for probes whose calls synchronize themselves (a transfer waited for, a host copy)."""

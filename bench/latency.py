@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import GcLog, module_command
+from bench.common import GcLog, median_run, module_command
 from bench.setup import add_bench_args
 
 
@@ -53,14 +53,6 @@ def batch_latency(engine, work) -> dict:
             "seconds": dt, "ttft_ms": statistics.mean(ttft), "ttft_ms_p50": statistics.median(ttft),
             "tpot_ms": statistics.mean(tpot), "tpot_ms_p50": statistics.median(tpot),
             "e2e_ms": statistics.mean(o.metrics["e2e_s"] * 1e3 for o in outs)}
-
-
-def median_of(runs: list[dict]) -> dict:
-    """Repeats of one batch size: the median run's fields by TPOT (its TTFT the median TTFT), every repeat's TPOT
-    and TTFT kept (one lone request's TPOT moves by 0.5 ms with a run of slow dispatches: bench/NOTES.md 24.4)."""
-    mid = sorted(runs, key=lambda r: r["tpot_ms"])[len(runs) // 2]
-    return {**mid, "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
-            "tpot_ms_repeats": [r["tpot_ms"] for r in runs], "ttft_ms_repeats": [r["ttft_ms"] for r in runs]}
 
 
 def stream_latency(engine, ids: list[int], n: int) -> dict:
@@ -133,7 +125,7 @@ def nfjax_latency(args, cfg) -> dict:
            "memory_after_weights": engine.runner.memory_after_weights, "config": cfg.to_json(), "results": {}}
     batch_latency(engine, warm)
     for bs, repeats in works.items():
-        r = out["results"][str(bs)] = median_of([batch_latency(engine, work) for work in repeats])
+        r = out["results"][str(bs)] = median_run([batch_latency(engine, work) for work in repeats])
         print(f"[nfjax bs={bs}] TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms (median of {len(repeats)}: "
               f"TPOT {', '.join(f'{x:.2f}' for x in r['tpot_ms_repeats'])})", flush=True)
     runs = []

@@ -29,6 +29,7 @@ for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFO
              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
     os.environ.setdefault(k, v)
 
+from bench.common import median_run
 from bench.peers.workload_io import hf_config, read_workload, requests_work, stats, vllm_requests
 
 T_START = time.perf_counter()
@@ -160,7 +161,7 @@ def run_latency(args, model: dict, res: dict) -> None:
         generate(llm, fresh(bs, args.prompt_len, 8, vocab, seed))                       # warm-up at this size
         t1, _ = generate(llm, fresh(bs, args.prompt_len, 1, vocab, seed + 1))
         runs = []
-        for i in range(args.repeats):          # fresh prompts each: the median run by TPOT, as bench/latency.py
+        for i in range(args.repeats):          # fresh prompts each: the median run by TPOT (bench.common)
             tn, outs = generate(llm, fresh(bs, args.prompt_len, args.output_len, vocab, seed + 2 + 7919 * i))
             r = {"batch": bs, "prompt_len": args.prompt_len, "output_len": args.output_len,
                  "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds_1": t1,
@@ -169,10 +170,7 @@ def run_latency(args, model: dict, res: dict) -> None:
             if r["tpot_ms"] is None:
                 r["tpot_ms"] = r["tpot_ms_wall"]
             runs.append(r)
-        r = sorted(runs, key=lambda x: x["tpot_ms"])[len(runs) // 2]
-        ttfts = sorted(x["ttft_ms"] for x in runs if x["ttft_ms"] is not None)
-        r = {**r, "ttft_ms": ttfts[len(ttfts) // 2] if ttfts else None,
-             "tpot_ms_repeats": [x["tpot_ms"] for x in runs], "ttft_ms_repeats": [x["ttft_ms"] for x in runs]}
+        r = median_run(runs)
         res["results"][str(bs)] = r
         print(f"[vllm bs={bs}] TPOT {r['tpot_ms']:.2f} ms ({r['tpot_source']}; wall {r['tpot_ms_wall']:.2f}), "
               f"TTFT {r['ttft_ms'] if r['ttft_ms'] is None else round(r['ttft_ms'], 2)} ms", flush=True)

@@ -87,9 +87,9 @@ class AddressLog:
         return calls
 
 
-def address_changes(calls: list[tuple], step_dispatch_ms: list[float]) -> dict:
+def address_changes(calls: list[tuple]) -> dict:
     """Steps split at the embed calls; per step, the programs whose addresses differ from the same program's in the
-    step before; the slowest fifth of steps by dispatch against the rest."""
+    step before; the slowest fifth of steps by their programs' enqueue time against the rest."""
     steps, cur = [], []
     for c in calls:
         if c[0].startswith("embed") and cur:
@@ -107,10 +107,8 @@ def address_changes(calls: list[tuple], step_dispatch_ms: list[float]) -> dict:
         rows.append({"programs": len(st), "changed": len(moved), "moved": moved,
                      "enqueue_ms": sum(c[1] for c in st) * 1e3,
                      "address_read_ms": sum(c[2] for c in st) * 1e3})
-    n = min(len(rows), len(step_dispatch_ms))
-    order = sorted(range(n), key=lambda i: -rows[i]["enqueue_ms"])
-    slow = order[:max(1, n // 5)]
-    rest = order[max(1, n // 5):]
+    order = sorted(range(len(rows)), key=lambda i: -rows[i]["enqueue_ms"])
+    slow, rest = order[:max(1, len(rows) // 5)], order[max(1, len(rows) // 5):]
 
     def mean(ix, key):
         return statistics.mean(rows[i][key] for i in ix) if ix else 0.0
@@ -161,8 +159,7 @@ def main(argv=None) -> int:
             runs.append(one_stream(engine, ids, args.output_len, log))
             x = runs[-1]
             if addr is not None:
-                x["addresses"] = address_changes(addr.take(), [(g["step"] or {}).get("dispatch_ms", 0)
-                                                               for g in x["gaps"]])
+                x["addresses"] = address_changes(addr.take())
                 a = x["addresses"]
                 print(f"[{mode} {r}] programs with moved buffers a step: slowest fifth {a['slow_changed_mean']:.2f} "
                       f"(enqueue {a['slow_enqueue_ms_mean']:.2f} ms), the rest {a['rest_changed_mean']:.2f} "

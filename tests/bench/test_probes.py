@@ -117,7 +117,7 @@ def test_address_changes_count_programs_whose_buffers_moved_since_the_step_befor
     calls = [("embed16", 1e-3, 0, (1, 2)), ("steps16", 2e-3, 0, (3,)),          # step 0: nothing to compare with
              ("embed16", 1e-3, 0, (1, 2)), ("steps16", 9e-3, 0, (4,)),          # step 1: the layer program moved
              ("embed16", 1e-3, 0, (5, 2)), ("steps16", 2e-3, 0, (4,))]          # step 2: the embed moved
-    out = address_changes(calls, [1.0, 1.0, 1.0])
+    out = address_changes(calls)
     assert [s["moved"] for s in out["steps"]] == [[], ["steps16"], ["embed16"]]
     assert out["slow_changed_mean"] == 1 and abs(out["slow_enqueue_ms_mean"] - 10.0) < 1e-9     # step 1: slowest
     assert out["rest_changed_mean"] == 0.5
