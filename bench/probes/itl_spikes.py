@@ -10,7 +10,11 @@ Python garbage collection that ran inside the gap (generation, ms, from `gc.call
   arguments (the weights excepted) and outputs. The guess it tests (bench/NOTES.md 24.4): XLA updates a command
   buffer whose buffers moved, so a step whose activations landed at new addresses pays every program's update.
   Each stream then reports, for its slowest-dispatch steps and for the rest, how many programs saw an address
-  change since the step before (reading an address may wait for the buffer: its time is recorded apart).
+  change since the step before (reading an address may wait for the buffer: its time is recorded apart);
+- threads: every step's launch (`Runner.launch`) wrapped to record the engine thread's own rusage over it (user
+  and system CPU, page faults, context switches, run-queue wait from /proc's schedstat) and, since the launch
+  before, the CPU time of every other thread of the process (by its name). The question (NOTES 25): is the engine
+  thread's slow, CPU-busy launch slowed by itself (faults, system time) or beside a busy thread?
 The largest gaps of each repeat are printed with their steps and collections; all gaps go to the JSON.
 
 usage: python -m bench.probes.itl_spikes --shape llama3-8b [--repeats 4] [--out DIR]
@@ -23,6 +27,7 @@ import gc
 import json
 import os
 import statistics
+import threading
 import time
 
 from bench.common import GcLog
@@ -116,6 +121,87 @@ def address_changes(calls: list[tuple]) -> dict:
             "slow_enqueue_ms_mean": mean(slow, "enqueue_ms"), "rest_enqueue_ms_mean": mean(rest, "enqueue_ms")}
 
 
+def _schedstat(tid) -> tuple[int, int]:
+    """(ns on a CPU, ns waiting on a run queue) of one thread of this process; (0, 0) once it has exited."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run, wait, _ = f.read().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _thread_name(tid) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+class ThreadLog:
+    """Wraps `runner.launch`: per launch its wall ms, the calling thread's rusage deltas over it, and every other
+    thread's CPU ns since the launch before (named: `_name`)."""
+
+    def __init__(self, runner):
+        import resource
+        self._ru, self._who = resource.getrusage, resource.RUSAGE_THREAD
+        self.rows: list[dict] = []
+        self._names: dict[str, str] = {}
+        self._last: dict[str, int] = self._others()
+        fn = runner.launch
+
+        def launch(batch):
+            r0, s0, t0 = self._ru(self._who), _schedstat(threading.get_native_id()), time.perf_counter()
+            out = fn(batch)
+            t1, r1, s1 = time.perf_counter(), self._ru(self._who), _schedstat(threading.get_native_id())
+            now = self._others()
+            busy = {tid: ns - self._last.get(tid, 0) for tid, ns in now.items()}
+            self._last = now
+            top = sorted(((ns, tid) for tid, ns in busy.items()), reverse=True)[:4]
+            self.rows.append({"ms": (t1 - t0) * 1e3, "user_ms": (r1.ru_utime - r0.ru_utime) * 1e3,
+                              "sys_ms": (r1.ru_stime - r0.ru_stime) * 1e3, "minflt": r1.ru_minflt - r0.ru_minflt,
+                              "majflt": r1.ru_majflt - r0.ru_majflt, "nvcsw": r1.ru_nvcsw - r0.ru_nvcsw,
+                              "nivcsw": r1.ru_nivcsw - r0.ru_nivcsw, "runq_ms": (s1[1] - s0[1]) / 1e6,
+                              "others_cpu_ms": sum(busy.values()) / 1e6,
+                              "top_others": [(self._name(tid), ns / 1e6) for ns, tid in top]})
+            return out
+        runner.launch = launch
+
+    def _others(self) -> dict[str, int]:
+        me = str(threading.get_native_id())
+        return {tid: _schedstat(tid)[0] for tid in os.listdir("/proc/self/task") if tid != me}
+
+    def _name(self, tid: str) -> str:
+        """A Python thread's name where the thread is Python's, else the OS's (comm: XLA's and CUDA's threads)."""
+        if tid not in self._names:
+            py = {str(t.native_id): t.name for t in threading.enumerate()}
+            self._names[tid] = py.get(tid) or _thread_name(tid)
+        return self._names[tid]
+
+    def take(self) -> list[dict]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
+def thread_summary(rows: list[dict]) -> dict:
+    """The slowest fifth of launches against the rest: mean of each rusage field, and the other threads busiest
+    in the slow launches' step cycles (summed ms by name)."""
+    order = sorted(range(len(rows)), key=lambda i: -rows[i]["ms"])
+    k = max(1, len(rows) // 5)
+    slow, rest = order[:k], order[k:]
+    keys = ("ms", "user_ms", "sys_ms", "minflt", "majflt", "nvcsw", "nivcsw", "runq_ms", "others_cpu_ms")
+
+    def means(ix):
+        return {key: statistics.mean(rows[i][key] for i in ix) if ix else 0.0 for key in keys}
+    busiest: dict[str, float] = {}
+    for i in slow:
+        for name, ms in rows[i]["top_others"]:
+            busiest[name] = busiest.get(name, 0.0) + ms
+    return {"rows": rows, "slow": means(slow), "rest": means(rest),
+            "slow_busiest_others": sorted(busiest.items(), key=lambda x: -x[1])[:8]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_bench_args(p)
@@ -144,18 +230,21 @@ def main(argv=None) -> int:
     log = GcLog()
     gc.callbacks.append(log)
     res = {"device": device_name(), "args": vars(args), "modes": {}}
-    addr = None
+    addr = threads = None
     for mode in args.modes.split(","):
         if mode == "frozen":
             gc.collect()
             gc.freeze()
         if mode == "addresses" and addr is None:
             addr = AddressLog(engine.runner)
+        if mode == "threads" and threads is None:
+            threads = ThreadLog(engine.runner)
         runs = []
         for r in range(args.repeats):
             ids = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size, seed=3000 + r)[0][0]
-            if addr is not None:
-                addr.take()
+            for log_ in (addr, threads):
+                if log_ is not None:
+                    log_.take()
             runs.append(one_stream(engine, ids, args.output_len, log))
             x = runs[-1]
             if addr is not None:
@@ -164,6 +253,15 @@ def main(argv=None) -> int:
                 print(f"[{mode} {r}] programs with moved buffers a step: slowest fifth {a['slow_changed_mean']:.2f} "
                       f"(enqueue {a['slow_enqueue_ms_mean']:.2f} ms), the rest {a['rest_changed_mean']:.2f} "
                       f"({a['rest_enqueue_ms_mean']:.2f} ms)", flush=True)
+            if threads is not None:
+                x["threads"] = t = thread_summary(threads.take())
+                for part in ("slow", "rest"):
+                    m = t[part]
+                    print(f"[{mode} {r}] {part} launches: {m['ms']:.2f} ms (user {m['user_ms']:.2f}, sys "
+                          f"{m['sys_ms']:.2f}, run queue {m['runq_ms']:.2f}), faults {m['minflt']:.0f}, switches "
+                          f"{m['nvcsw']:.1f}/{m['nivcsw']:.1f}; other threads {m['others_cpu_ms']:.1f} ms", flush=True)
+                print(f"[{mode} {r}] busiest beside the slow ones: "
+                      f"{[(n, round(ms, 1)) for n, ms in t['slow_busiest_others'][:5]]}", flush=True)
             gcs = x["gc_in_stream"]
             print(f"[{mode} {r}] p50 {x['p50']:.2f} p99 {x['p99']:.2f} max {x['max']:.2f} ms; "
                   f"{len(gcs)} collections in the stream ({sum(g['ms'] for g in gcs):.1f} ms, gen2: "

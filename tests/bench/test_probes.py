@@ -121,3 +121,39 @@ def test_address_changes_count_programs_whose_buffers_moved_since_the_step_befor
     assert [s["moved"] for s in out["steps"]] == [[], ["steps16"], ["embed16"]]
     assert out["slow_changed_mean"] == 1 and abs(out["slow_enqueue_ms_mean"] - 10.0) < 1e-9     # step 1: slowest
     assert out["rest_changed_mean"] == 0.5
+
+
+def test_thread_log_records_own_rusage_and_names_a_busy_thread_beside_the_launch():
+    import threading
+    import time
+    from bench.probes.itl_spikes import ThreadLog, thread_summary
+
+    class Runner:
+        def launch(self, batch):
+            if batch == "slow":
+                t = time.thread_time()
+                while time.thread_time() - t < 0.03:        # 30 ms of this thread's own CPU
+                    pass
+            return batch
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+    runner = Runner()
+    log = ThreadLog(runner)
+    busy = threading.Thread(target=spin, name="busy-neighbor")
+    busy.start()
+    try:
+        for b in ["fast"] * 8 + ["slow"] * 2:
+            assert runner.launch(b) == b
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        busy.join()
+    out = thread_summary(log.take())
+    assert len(out["rows"]) == 10 and log.take() == []
+    assert out["slow"]["user_ms"] + out["slow"]["sys_ms"] >= 25 > out["rest"]["user_ms"] + out["rest"]["sys_ms"]
+    assert out["slow"]["ms"] > out["rest"]["ms"]
+    assert out["slow_busiest_others"][0][0] == "busy-neighbor"
