@@ -237,12 +237,18 @@ class CacheConfig:
         return pages_for(num_tokens, self.page_size)
 
 
+PREFILL_TOKENS_PER_CHUNK = 128     # the prefill bucket's chunk cap: one chunk per this many of its tokens
+
+
 @dataclass(frozen=True)
 class BatcherConfig:
     token_buckets: tuple[int, ...] | None = None  # dense token budgets, one compiled step each (None: by device)
     max_seqs: int | None = None                   # sequences per step (None: sized from the buckets and KV pages)
     max_prefill_seqs: int = 16                    # prefill chunks per step (bounds the prefill kernel's tiles)
     predict_memory: bool = True                   # NanoFlow admission control; off = admit while pages are free
+    # tokens of a step that holds no decode: a burst of prompts with nothing decoding beside them is prefilled in
+    # one step (docs/design.md section 19). None: by device (8192 on GPU, none on CPU); 0: none
+    prefill_bucket: int | None = None
 
     def __post_init__(self):
         if self.token_buckets is not None:
@@ -254,10 +260,26 @@ class BatcherConfig:
             v = getattr(self, f)
             if v is not None and v < 1:
                 raise ConfigError(f"batcher.{f} must be >= 1, got {v}")
+        pb = self.prefill_bucket
+        if pb is not None and (pb < 0 or (pb and self.token_buckets is not None and pb <= self.token_buckets[-1])):
+            raise ConfigError(f"batcher.prefill_bucket must be 0 (none) or above the largest token bucket "
+                              f"({self.token_buckets[-1] if self.token_buckets else '?'}), got {pb}")
 
     def seqs_for(self, bucket: int) -> int:
         """Sequence rows of a step compiled for `bucket` tokens: each sequence brings at least one token."""
         return min(self.max_seqs, bucket)
+
+    @property
+    def all_buckets(self) -> tuple[int, ...]:
+        """Every compiled bucket: the token buckets, then the prefill bucket if any (after `resolve`)."""
+        return self.token_buckets + ((self.prefill_bucket,) if self.prefill_bucket else ())
+
+    def prefill_seqs_for(self, bucket: int) -> int:
+        """Prefill chunks a step of `bucket` tokens may hold: `max_prefill_seqs`, or in the prefill bucket one per
+        PREFILL_TOKENS_PER_CHUNK of it (a burst of short prompts fills it)."""
+        if self.prefill_bucket and bucket == self.prefill_bucket:
+            return max(self.max_prefill_seqs, bucket // PREFILL_TOKENS_PER_CHUNK)
+        return self.max_prefill_seqs
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ small steps behind one late long request; later arrivals still queue behind earl
 just past a token bucket runs in the bucket below when nothing waits: the decodes left out are those that end
 before the longest running request even at half speed, never left out two steps in a row. A step of mostly
 decodes whose prefill chunks would leave more than a quarter of its bucket as padding runs in the bucket below
-with shorter chunks (docs/design.md section 9).
+with shorter chunks (docs/design.md section 9). A step with no decode may take a burst of prompts up to the
+prefill bucket (`batcher.prefill_bucket`, `_step_limits`; docs/design.md section 19).
 
 Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
 else the average output length seen so far) and a request is let in when the peak of the pages all running
@@ -96,6 +97,8 @@ class Batcher:
         self.cfg = sched = config.batcher
         self.cache = cache = config.cache
         self.budget = max(sched.token_buckets)
+        self.prefill_budget = sched.prefill_bucket or 0     # a step with no decode (`_step_limits`); 0: none
+        self._chunk_cap = sched.max_prefill_seqs            # prefill chunks the step being formed may hold
         self.max_model_len = cache.max_model_len
         self.allocator = PageAllocator(cache.num_pages, prefix=cache.prefix_cache)
         self.tiers = None                          # nfjax.kv.tiers.PrefixTiers, set by the engine when configured
@@ -333,7 +336,8 @@ class Batcher:
         self._missed = missed
         batch.num_decode = len(batch.seqs)
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
-        left = self.budget - batch.num_tokens
+        budget, self._chunk_cap = self._step_limits(batch)
+        left = budget - batch.num_tokens
         self._made_room = set()
         for req in [r for r in self.running if r.in_prefill]:
             if left <= 0 or not self._room_for_chunk(batch):
@@ -402,9 +406,12 @@ class Batcher:
         whose decodes past it have slack (`_defer`) and for a mostly-decode step whose prefill chunks would pad
         the bucket above by more than `SHORTEN_PAD` of it (`_shorten_chunks`)."""
         n = batch.num_tokens
+        chunks = len(batch.seqs) - batch.num_decode
+        if n > self.budget or chunks > self.cfg.max_prefill_seqs:
+            self._deferred = set()
+            return self.prefill_budget                # only a step `_step_limits` gave the prefill bucket's room
         lower = max((b for b in self.cfg.token_buckets if b < n), default=0)
         deferred: set[int] = set()
-        chunks = len(batch.seqs) - batch.num_decode
         if chunks:
             upper = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
             if (upper - n > self.SHORTEN_PAD * upper and 2 * batch.num_decode >= lower
@@ -482,8 +489,25 @@ class Batcher:
         return deferred
 
     def _room_for_chunk(self, batch: Batch) -> bool:
-        return (len(batch.seqs) < self.cfg.max_seqs
-                and len(batch.seqs) - batch.num_decode < self.cfg.max_prefill_seqs)
+        return len(batch.seqs) < self.cfg.max_seqs and len(batch.seqs) - batch.num_decode < self._chunk_cap
+
+    def _step_limits(self, batch: Batch) -> tuple[int, int]:
+        """(token budget, prefill chunks) of the step being formed: the largest token bucket's and
+        `max_prefill_seqs`, or the prefill bucket's when the step holds no decode and the prompts first in line
+        (running prefills, then waiting requests) would fill at least (1 - SHORTEN_PAD) of it, none of them
+        needing the full head (not compiled for that bucket: its all-token logits would take GiBs)."""
+        normal = (self.budget, self.cfg.max_prefill_seqs)
+        if not self.prefill_budget or batch.num_decode or batch.seqs or self.swapped:
+            return normal
+        cap = self.cfg.prefill_seqs_for(self.prefill_budget)
+        firsts = [r for r in self.running if r.in_prefill][:cap]
+        firsts += [self.waiting[i] for i in range(min(len(self.waiting), cap - len(firsts)))]
+        if any(r.penalized or r.full_when_sampling for r in firsts):
+            return normal
+        tokens = sum(r.prompt_len - r.num_computed for r in firsts)
+        if tokens < (1 - self.SHORTEN_PAD) * self.prefill_budget:
+            return normal
+        return self.prefill_budget, cap
 
     def _blocked(self, req: Request, left: int, rest: int) -> bool:
         """kivi64: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,

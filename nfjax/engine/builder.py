@@ -26,6 +26,10 @@ GPU_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 1024, 2048)
 # On a CPU a step costs what its padded tokens cost: one stream decodes at 18.7 ms a token in a 1-token bucket
 # against 82 ms in a 64-token one (the tiny model, 2 cores).
 CPU_BUCKETS = (1, 16, 256)
+# A step with no decode may take this many prompt tokens on a GPU: a burst of prompts arriving with nothing
+# decoding is prefilled in one step instead of four, so its first requests do not decode through the later
+# prefills (batch-64 TPOT, docs/design.md section 19). Off on CPU (tests set it).
+GPU_PREFILL_BUCKET = 8192
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
 MAX_AUTO_SEQS = 1024
 
@@ -71,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seqs", type=int, default=None,
                    help=f"sequences per step (default: the largest bucket, at most {MAX_AUTO_SEQS} and the KV pages)")
     g.add_argument("--max-prefill-seqs", type=int, default=None, help="prefill chunks per step (default 16)")
+    g.add_argument("--prefill-bucket", type=int, default=None, metavar="N",
+                   help=f"tokens of a step that holds no decode, a bucket of its own above --token-buckets (default "
+                        f"GPU {GPU_PREFILL_BUCKET}, CPU none; 0: none)")
     g.add_argument("--no-predict-memory", dest="predict_memory", action="store_const", const=False, default=None,
                    help="admit while pages are free instead of by predicted peak memory")
     g.add_argument("--strategies", default=None, metavar="SPEC,...",
@@ -111,7 +118,8 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "kv_dtype": "cache", "prefix_cache": "cache", "host_cache_gb": "cache", "disk_cache_dir": "cache",
          "disk_cache_gb": "cache",
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
-         "max_prefill_seqs": "batcher", "predict_memory": "batcher", "layers_per_program": "execution",
+         "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
+         "layers_per_program": "execution",
          "join_projections": "execution", "command_buffers": "execution", "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 
@@ -223,7 +231,10 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     cache = dataclasses.replace(c, num_pages=num_pages, max_pages_per_seq=per_seq,
                                 max_model_len=min(max_len, per_seq * c.page_size))
     max_seqs = min(seqs_bound, num_pages - 1) if b.max_seqs is None else b.max_seqs
-    batcher = dataclasses.replace(b, token_buckets=buckets, max_seqs=max_seqs)
+    prefill = b.prefill_bucket
+    if prefill is None:
+        prefill = GPU_PREFILL_BUCKET if on_gpu and GPU_PREFILL_BUCKET > max(buckets) else 0
+    batcher = dataclasses.replace(b, token_buckets=buckets, max_seqs=max_seqs, prefill_bucket=prefill)
     return dataclasses.replace(config, cache=cache, batcher=batcher)
 
 

@@ -307,7 +307,8 @@ class Engine:
         kv = "" if c.kv_dtype == "bfloat16" else f" ({c.kv_dtype})"
         return (f"KV cache{kv}: {self.pages_total:,} pages of {c.page_size} = {self.pages_total * c.page_size:,} tokens; "
                 f"context {c.max_model_len:,}; up to {b.max_seqs} sequences a step; token buckets "
-                f"{','.join(map(str, b.token_buckets))}")
+                f"{','.join(map(str, b.token_buckets))}" + (f"; prefill-only steps up to {b.prefill_bucket} tokens"
+                                                            if b.prefill_bucket else ""))
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -103,7 +103,8 @@ class Runner:
         self.penalty_state = PenaltyState.create(self.penalty_slots, model.cfg.vocab_size, self.replicated)
         self.last_logprobs: Logprobs | None = None      # the latest full head's, on device
         self.slowest_dispatch: tuple[str, float] = ("", 0.0)    # run_step's slowest program enqueue (name, s)
-        self.variants = Variants(sc, sched.token_buckets, tp, graph=layer_graph(model.cfg))
+        self.variants = Variants(sc, sched.token_buckets, tp, graph=layer_graph(model.cfg),
+                                 sequential_only=(sched.prefill_bucket,) if sched.prefill_bucket else ())
         self._layer_ids = [jax.device_put(jnp.int32(i), self.replicated) for i in range(model.cfg.num_layers)]
         g = max(1, min(sc.layers_per_program, model.cfg.num_layers))
         # Variants that split the batch run one layer per program: in a multi-layer program a later layer's
@@ -207,10 +208,11 @@ class Runner:
         rep = self.replicated
         x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)
         xo = self.xla_options or None
-        buckets = sorted(self.sched.token_buckets)
+        token_buckets = sorted(self.sched.token_buckets)
+        buckets = sorted(self.sched.all_buckets)
         # the buckets a decode-only batch (at most max_seqs tokens) can land in
-        decode_buckets = {b for b in buckets if b < self.max_seqs} | {min([b for b in buckets if b >= self.max_seqs],
-                                                                         default=buckets[-1])}
+        decode_buckets = {b for b in token_buckets if b < self.max_seqs} | {
+            min([b for b in token_buckets if b >= self.max_seqs], default=token_buckets[-1])}
         inputs = {b: self._example_input(b) for b in buckets}
         xs = {b: x_sh.update(shape=(b, self.cfg.hidden_size)) for b in buckets}
         bar = None
@@ -239,7 +241,8 @@ class Runner:
                     # Decode-only batches of the plain step also get programs without the prefill kernel.
                     decode = (False, True) if v.label == SEQUENTIAL and b in decode_buckets else (False,)
                     for dec in decode:
-                        fwd = dataclasses.replace(self.opts, decode_only=dec)
+                        fwd = dataclasses.replace(self.opts, decode_only=dec,
+                                                  max_prefill_seqs=self.sched.prefill_seqs_for(b))
                         table = self._decode_steps if dec else self._steps
                         step = partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
                                        self.inv_freq)
@@ -257,9 +260,10 @@ class Runner:
                 like = self._full_like(b)
                 packed = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(like)),), jnp.int32,
                                               sharding=rep)
-                submit(self._full_head, b, jax.jit(
-                    self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)), donate_argnums=4,
-                    out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
+                if b in token_buckets:      # the prefill bucket's steps never need it (batcher._step_limits)
+                    submit(self._full_head, b, jax.jit(
+                        self._on_rest(partial(full_head_step, self.rest_gd, self.max_seqs, like)),
+                        donate_argnums=4, out_shardings=rep).lower(rest, x, inp, packed, self.penalty_state), xo)
                 for mode in HEAD_MODES:                # greedy batches skip the draw, top-k/top-p-free ones the sort
                     submit(self._head, (b, mode), jax.jit(
                         self._on_rest(partial(head_step, self.rest_gd, mode, self.max_seqs)),

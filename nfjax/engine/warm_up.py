@@ -34,7 +34,8 @@ def warm_up(runner) -> float:
                     x, runner.kv = prog(runner.group_args(i0, n), runner.kv, x, inp.meta, runner._layer_ids[i0])
         for mode in HEAD_MODES:
             runner._head[(b, mode)](rest, x, inp)
-        _, _, runner.penalty_state = runner._full_head[b](rest, x, inp, full, runner.penalty_state)
+        if b in runner._full_head:                  # none in the prefill bucket
+            _, _, runner.penalty_state = runner._full_head[b](rest, x, inp, full, runner.penalty_state)
     runner._prev = prev
     jax.block_until_ready((runner.kv, runner.penalty_state))
     return time.perf_counter() - t0

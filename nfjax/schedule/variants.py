@@ -40,8 +40,9 @@ class Variant:
 class Variants:
     """The variants of every bucket (recorded now; compiled by the runner) and the per-batch choice."""
 
-    def __init__(self, cfg: ExecutionConfig, buckets, tp: int, graph=None):
-        """`graph`: the model's layer graph (default: the dense Llama layer's; `layer_graph(model_cfg)`)."""
+    def __init__(self, cfg: ExecutionConfig, buckets, tp: int, graph=None, sequential_only=()):
+        """`graph`: the model's layer graph (default: the dense Llama layer's; `layer_graph(model_cfg)`).
+        `sequential_only`: further buckets that get the Sequential variant alone (the batcher's prefill bucket)."""
         self.cfg = cfg
         graph = graph or layer_graph()
         confs = list(cfg.strategies)
@@ -64,6 +65,11 @@ class Variants:
                     continue
                 vs[c.label] = Variant(c.label, c, s.record(ctx), s.splits, s.dot_merger)
             self.by_bucket[b] = vs
+        seq = next(c for c in confs if c.label == SEQUENTIAL)
+        for b in sequential_only:
+            s = build_strategy(seq, graph)
+            self.by_bucket[b] = {SEQUENTIAL: Variant(SEQUENTIAL, seq, s.record(ScheduleContext(b, graph, tp)),
+                                                     s.splits, s.dot_merger)}
 
     def choose(self, bucket: int, num_tokens: int, num_decode: int, pinned: str | None = None) -> str:
         vs = self.by_bucket[bucket]

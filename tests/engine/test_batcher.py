@@ -247,3 +247,68 @@ def test_kivi64_offers_only_prompt_pages_to_the_prefix_cache():
         while b.has_work():
             _step(b)
         assert b.allocator.num_cached == cached, fmt
+
+
+def _prefill_batcher(prefill_bucket=256, **kw):
+    cfg = EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=512, max_pages_per_seq=64,
+                                                      max_model_len=1024),
+                       batcher=BatcherConfig(token_buckets=(16, 64), max_seqs=64, max_prefill_seqs=4,
+                                             prefill_bucket=prefill_bucket, **kw))
+    return Batcher(cfg)
+
+
+def test_a_burst_with_nothing_decoding_is_prefilled_in_one_step_of_the_prefill_bucket():
+    b = _prefill_batcher()                        # prefill bucket 256: up to 256 // 128 = 2 chunks, at least 4
+    for i in range(4):
+        b.add(_req(str(i), 60, 8))
+    first = _step(b)
+    assert first.bucket == 256 and first.num_decode == 0 and first.num_tokens == 240 and len(first.seqs) == 4
+    second = _step(b)                              # four decodes: the token buckets' budget again
+    assert second.bucket == 16 and second.num_decode == 4 and second.num_tokens == 4
+    b.add(_req("late", 200, 4))                    # beside decodes: chunked to the largest token bucket
+    third = _step(b)
+    assert third.bucket == 64 and third.num_decode == 4 and third.num_tokens == 64
+
+
+def test_the_prefill_bucket_waits_for_prompts_that_fill_it_and_for_no_full_head():
+    b = _prefill_batcher()
+    for i in range(3):                             # 3 x 60 = 180 < 0.75 x 256: chunked as before
+        b.add(_req(str(i), 60, 8))
+    steps = [_step(b) for _ in range(4)]
+    assert steps[0].bucket == 64 and steps[0].num_tokens == 64 and max(s.bucket for s in steps) == 64
+    b = _prefill_batcher()
+    b.add(Request("lp", list(range(1, 61)), SamplingParams.greedy(max_tokens=8, logprobs=2), 0))
+    for i in range(4):
+        b.add(_req(str(i), 60, 8))
+    first = _step(b)                               # a request in line with logprobs: no prefill bucket
+    assert first.bucket == 64 and first.num_tokens == 64 and first.seqs[0].req.request_id == "lp"
+    b = _prefill_batcher()
+    for i in range(4):                             # behind four prompts that fill the step: it waits its turn
+        b.add(_req(str(i), 60, 8))
+    b.add(Request("lp", list(range(1, 61)), SamplingParams.greedy(max_tokens=8, logprobs=2), 0))
+    first = _step(b)
+    assert first.bucket == 256 and "lp" not in [s.req.request_id for s in first.seqs]
+
+
+def test_engine_tokens_unchanged_with_a_prefill_bucket():
+    """Greedy tokens of a burst prefilled in one prefill-bucket step equal those of chunked prefills."""
+    prompts = ["the cat sat on the mat and", "a dog ran far away from", "in the morning we all",
+               "to be or not to be that is", "so it goes on and on and", "one two three four five"]
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (12, 6, 5, 7, 6, 9)]
+    cache = CacheConfig(page_size=8, num_pages=128, max_pages_per_seq=16)
+    plain = make_engine(cache, BatcherConfig(token_buckets=(4, 16), max_seqs=8))
+    burst = make_engine(cache, BatcherConfig(token_buckets=(4, 16), max_seqs=8, prefill_bucket=160))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    outs = burst.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    assert 0.75 * 160 <= prompt_tokens <= 160
+    assert burst.trace.steps[0].bucket == 160 and burst.trace.steps[0].prefill_tokens == prompt_tokens
+    assert max(s.bucket for s in plain.trace.steps) == 16 and burst.pages_used == 0
+
+
+def test_prefill_bucket_must_lie_above_the_token_buckets():
+    with pytest.raises(ConfigError, match="prefill_bucket"):
+        BatcherConfig(token_buckets=(16, 64), prefill_bucket=64)
+    with pytest.raises(ConfigError, match="prefill_bucket"):
+        BatcherConfig(prefill_bucket=-1)

@@ -44,6 +44,14 @@ def test_automatic_sizes():
     assert gpu.cache.num_pages == (int((1 << 30) * 0.9) - penalties) // per_page
     assert gpu.batcher.token_buckets[0] == 16 and gpu.batcher.max_seqs == 1024
     assert gpu.batcher.seqs_for(16) == 16 and gpu.batcher.seqs_for(2048) == 1024
+    # a prefill bucket above the token buckets on a GPU only, unless the buckets already reach it
+    assert cfg.batcher.prefill_bucket == 0 and cfg.batcher.all_buckets == (1, 16, 256)
+    assert gpu.batcher.prefill_bucket == 8192 and gpu.batcher.all_buckets[-2:] == (2048, 8192)
+    assert gpu.batcher.prefill_seqs_for(8192) == 64 and gpu.batcher.prefill_seqs_for(2048) == 16
+    wide = resolve(engine_config(TINY, {"batcher": {"token_buckets": [16, 8192]}}), free_bytes=1 << 30, on_gpu=True)
+    assert wide.batcher.prefill_bucket == 0
+    flag = overrides_from_args(_parse("--prefill-bucket", "4096"))
+    assert resolve(engine_config(TINY, flag), free_bytes=None, on_gpu=False).batcher.prefill_bucket == 4096
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -8,7 +8,7 @@ from nfjax.engine.warm_up import warm_up
 from tests.engine.conftest import make_engine
 
 CACHE = CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16)
-SCHED = BatcherConfig(token_buckets=(16, 64), max_seqs=8)
+SCHED = BatcherConfig(token_buckets=(16, 64), max_seqs=8, prefill_bucket=128)      # its programs run too
 PROMPTS = ["warm up", "every program once", "a" * 70, "x"]
 PARAMS = [SamplingParams.greedy(max_tokens=10, ignore_eos=True),
           SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=10, ignore_eos=True),
