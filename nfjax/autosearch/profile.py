@@ -15,7 +15,8 @@ A profile holds, for one decoder layer's op graph (fields, all times in ms for o
     `launch_ms`, a launch in the step program (floor.py; estimated where absent);
   * `value_bytes` (bytes per token of every value) and `copy_bytes_per_ms` (what joining pieces costs);
   * the record: `command`, `date`, `device` (e.g. "h100", "cpu"), `device_name`, `num_sms`, `model`, `shape`,
-    `tp`, `page_size`, `align`, and the op graph it was measured on.
+    `tp`, `page_size`, `align`, the op graph it was measured on, and `projections` ("joined": q/k/v and gate/up
+    as one weight each, as the engine serves them; "separate"; absent: separate, as in run 7's and earlier ones).
 A profile from another device, shape or TP degree than the search asks for is refused, naming the field.
 """
 from __future__ import annotations

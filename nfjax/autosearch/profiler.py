@@ -340,6 +340,8 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
                       "ops": [{"name": n.name, "resource": n.resource.value, "ins": list(n.spec.ins),
                                "outs": list(n.spec.outs)} for n in g]},
             "tokens": {}, "join_free": subject.join_free(), "errors": [f"{j.key}: {j.error}" for j in jobs if j.error]}
+    if getattr(subject, "projections", None):
+        prof["projections"] = subject.projections
     for op in token_ops:
         pts = [(n, ms[("tokens", op, n)]) for n in grid.tokens if ("tokens", op, n) in ms]
         if pts:

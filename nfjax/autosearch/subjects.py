@@ -57,10 +57,13 @@ class TracedSubject:
 
 
 class LlamaSubject:
-    """One random-weight Llama decoder layer of `cfg`'s shape, with a paged KV cache."""
+    """One random-weight Llama decoder layer of `cfg`'s shape, with a paged KV cache. `join`: q/k/v and gate/up
+    joined into one weight each, as the Runner serves them by default (`execution.join_projections`); run 7's
+    profile timed the separate weights (three and two GEMMs) while its steps ran the joined ones."""
     attention_ops = ("attn_decode", "attn_prefill")
 
-    def __init__(self, cfg, page_size: int, max_seqs: int, max_pages: int, max_prefill_seqs: int = 16, seed: int = 0):
+    def __init__(self, cfg, page_size: int, max_seqs: int, max_pages: int, max_prefill_seqs: int = 16, seed: int = 0,
+                 join: bool = True):
         from nfjax.config import CacheConfig
         from nfjax.kv.cache import KVCache
         from nfjax.models.llama import ForwardOptions
@@ -74,6 +77,11 @@ class LlamaSubject:
         m = random_model(self.cfg, seed=seed)
         gd, st = nnx.split(m.layers)
         self.layer = nnx.merge(gd, jax.tree.map(lambda a: a[0], st))
+        if join:
+            from nfjax.models.fused import join_projections
+            from nfjax.parallel import make_mesh
+            join_projections(self.layer, make_mesh(1))
+        self.projections = "joined" if join else "separate"
         self.inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         self.page_size, self.max_seqs, self.max_pages = page_size, max_seqs, max_pages
         self.opts = ForwardOptions(max_prefill_seqs=max_prefill_seqs)

@@ -20,8 +20,21 @@ def test_copies_are_separate_gemms(subject, copies):
     j = op_job(subject, "k", "up_gate", subject.token_case(32), copies=copies)
     compile_jobs([j], log=lambda m: None)
     assert j.error is None
-    assert j.compiled.as_text().count(" dot(") == 2 * copies          # gate and up, once per copy
+    assert j.compiled.as_text().count(" dot(") == copies              # joined gate/up, once per copy
     assert time_job(j, 2, 1.0) > 0
+
+
+def test_the_subject_times_the_projections_as_the_engine_serves_them(subject):
+    """Joined by default (one GEMM for q/k/v, one for gate/up), as the Runner joins them; run 7's profile timed
+    three and two GEMMs while its steps ran one each. `join=False` keeps the separate weights."""
+    assert subject.projections == "joined"
+    assert hasattr(subject.layer, "qkv_proj") and hasattr(subject.layer, "gate_up_proj")
+    sep = LlamaSubject(load_config(TINY_MODEL), page_size=16, max_seqs=16, max_pages=32, join=False)
+    assert sep.projections == "separate" and hasattr(sep.layer, "q_proj")
+    for s, n in ((subject, 1), (sep, 3)):
+        j = op_job(s, "k", "kqv", s.token_case(32))
+        compile_jobs([j], log=lambda m: None)
+        assert j.error is None and j.compiled.as_text().count(" dot(") == n
 
 
 def test_the_floor_program_takes_the_ops_arguments_and_computes_nothing(subject):
@@ -29,7 +42,7 @@ def test_the_floor_program_takes_the_ops_arguments_and_computes_nothing(subject)
     fl = floor_job("floor", j)
     compile_jobs([j, fl], log=lambda m: None)
     assert j.error is None and fl.error is None
-    assert j.compiled.as_text().count(" dot(") == 4
+    assert j.compiled.as_text().count(" dot(") == 2
     hlo = fl.compiled.as_text()
     assert " dot(" not in hlo and " fusion(" not in hlo
     # every argument of the op is a parameter of the floor too (keep_unused): the same transfer and dispatch
