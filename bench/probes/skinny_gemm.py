@@ -10,6 +10,11 @@ Each variant is a child process with its own `XLA_FLAGS` (flags are read once a 
 (XLA's dot merger joins dots of one input up to 1 GB of weights, 32 MB by default). Weights rotate
 over enough copies to exceed L2; inputs are random normal bf16.
 
+Split K (`<name>_splitk<S>` rows, for the weights with N <= 6144: qkv, o, down): the weight read as S slices
+of K/S rows each (a free reshape of the (K, N) array), one batched GEMM over the slices in f32, then a sum over
+them. The question (bench/NOTES.md 24.2): o's 32 output tiles of 128 columns leave most of an H100's 132 SMs idle
+at decode sizes (1.8-2.0 TB/s); S slices give the GEMM S times the tiles. `splitk_of` is the product form.
+
 usage: python -m bench.probes.skinny_gemm [--tokens 16,64,128,256] [--variants default,exhaustive,cublas]
 """
 from __future__ import annotations
@@ -42,6 +47,18 @@ def _sets(shapes: list[tuple], seed: int, min_bytes: float = 200e6):
         ks = jax.random.split(jax.random.fold_in(key, i), len(shapes))
         out.append(tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(ks, shapes)))
     return out
+
+
+SPLITS = (2, 4, 8)
+
+
+def splitk_of(x, w, s: int):
+    """x @ w with K split into `s` slices: one batched GEMM over the slices, summed in f32."""
+    import jax.numpy as jnp
+    m, k = x.shape
+    xs = x.reshape(m, s, k // s).transpose(1, 0, 2)                        # (s, m, k/s): a small copy
+    part = jnp.einsum("smk,skn->smn", xs, w.reshape(s, k // s, w.shape[1]), preferred_element_type=jnp.float32)
+    return part.sum(0).astype(x.dtype)
 
 
 def emit(key: str, value) -> None:
@@ -85,6 +102,14 @@ def child(tokens: list[int]) -> None:
             err = float(jnp.linalg.norm(many(xs, ws)[0].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
             us = kernel_us(many, (xs, ws), len(ws))
             emit(f"{name}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
+            if n > 6144:
+                continue
+            for sp in SPLITS:
+                split = jax.jit(lambda xs, ws, sp=sp: [splitk_of(x, w, sp) for x, w in zip(xs, ws)])
+                got = split(xs, ws)[0].astype(jnp.float32)
+                err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                us = kernel_us(split, (xs, ws), len(ws))
+                emit(f"{name}_splitk{sp}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
         del ws
 
     # q, k and v as the engine holds them: three weights of one input (XLA's dot merger may join them)

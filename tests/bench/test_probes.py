@@ -157,3 +157,14 @@ def test_thread_log_records_own_rusage_and_names_a_busy_thread_beside_the_launch
     assert out["slow"]["user_ms"] + out["slow"]["sys_ms"] >= 25 > out["rest"]["user_ms"] + out["rest"]["sys_ms"]
     assert out["slow"]["ms"] > out["rest"]["ms"]
     assert out["slow_busiest_others"][0][0] == "busy-neighbor"
+
+
+def test_split_k_gemm_equals_the_plain_product():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.probes.skinny_gemm import SPLITS, splitk_of
+    x = jax.random.normal(jax.random.key(0), (5, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (64, 24), jnp.float32)
+    for s in SPLITS:
+        np.testing.assert_allclose(np.asarray(splitk_of(x, w, s)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
