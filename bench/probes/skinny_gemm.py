@@ -156,7 +156,7 @@ def child(tokens: list[int]) -> None:
 def run_variant(v: str, env: dict, tokens: str, timeout_s: float) -> dict:
     """The child's rows, printed as they arrive; a child past `timeout_s` is killed and its rows kept."""
     proc = subprocess.Popen(module_command("bench.probes.skinny_gemm", "--child", "--tokens", tokens), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, text=True)      # its errors reach our stderr
     timer = threading.Timer(timeout_s, proc.kill)
     timer.start()
     rows = {}
