@@ -13,8 +13,9 @@ Python garbage collection that ran inside the gap (generation, ms, from `gc.call
   change since the step before (reading an address may wait for the buffer: its time is recorded apart);
 - threads: every step's launch (`Runner.launch`) wrapped to record the engine thread's own rusage over it (user
   and system CPU, page faults, context switches, run-queue wait from /proc's schedstat) and, since the launch
-  before, the CPU time of every other thread of the process (by its name). The question (NOTES 25): is the engine
-  thread's slow, CPU-busy launch slowed by itself (faults, system time) or beside a busy thread?
+  before, the CPU time of every other thread of the process (by its name), and the hypervisor's steal time (all
+  vCPUs, and the one the thread ran on). The question (NOTES 25.1): is the engine thread's slow, CPU-busy launch
+  slowed by itself (faults, system time), beside a busy thread, or by a vCPU taken away?
 The largest gaps of each repeat are printed with their steps and collections; all gaps go to the JSON.
 
 usage: python -m bench.probes.itl_spikes --shape llama3-8b [--repeats 4] [--out DIR]
@@ -131,6 +132,39 @@ def _schedstat(tid) -> tuple[int, int]:
         return 0, 0
 
 
+_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _steal_ms() -> tuple[float, dict[str, float]]:
+    """CPU time the hypervisor took from this machine's vCPUs (/proc/stat's steal column), ms: all CPUs, and by CPU
+    ("cpu3": ms). A guest counts a descheduled vCPU's time as its running thread's CPU time, so a thread slowed this
+    way looks busy (the slow launches of 25.1). 10 ms ticks."""
+    total, per = 0.0, {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                parts = line.split()
+                ms = int(parts[8]) * _TICK_MS if len(parts) > 8 else 0.0
+                if parts[0] == "cpu":
+                    total = ms
+                else:
+                    per[parts[0]] = ms
+    except (OSError, ValueError):
+        pass
+    return total, per
+
+
+def _cpu_of(tid) -> str:
+    """The CPU a thread last ran on ("cpu3"), from its /proc stat (field 39)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return "cpu" + f.read().rsplit(")", 1)[1].split()[36]
+    except (OSError, IndexError):
+        return "?"
+
+
 def _thread_name(tid) -> str:
     try:
         with open(f"/proc/self/task/{tid}/comm") as f:
@@ -152,9 +186,12 @@ class ThreadLog:
         fn = runner.launch
 
         def launch(batch):
-            r0, s0, t0 = self._ru(self._who), _schedstat(threading.get_native_id()), time.perf_counter()
+            me = threading.get_native_id()
+            st0 = _steal_ms()
+            r0, s0, t0 = self._ru(self._who), _schedstat(me), time.perf_counter()
             out = fn(batch)
-            t1, r1, s1 = time.perf_counter(), self._ru(self._who), _schedstat(threading.get_native_id())
+            t1, r1, s1 = time.perf_counter(), self._ru(self._who), _schedstat(me)
+            st1, cpu = _steal_ms(), _cpu_of(me)
             now = self._others()
             busy = {tid: ns - self._last.get(tid, 0) for tid, ns in now.items()}
             self._last = now
@@ -163,7 +200,8 @@ class ThreadLog:
                               "sys_ms": (r1.ru_stime - r0.ru_stime) * 1e3, "minflt": r1.ru_minflt - r0.ru_minflt,
                               "majflt": r1.ru_majflt - r0.ru_majflt, "nvcsw": r1.ru_nvcsw - r0.ru_nvcsw,
                               "nivcsw": r1.ru_nivcsw - r0.ru_nivcsw, "runq_ms": (s1[1] - s0[1]) / 1e6,
-                              "others_cpu_ms": sum(busy.values()) / 1e6,
+                              "others_cpu_ms": sum(busy.values()) / 1e6, "steal_ms": st1[0] - st0[0],
+                              "steal_own_cpu_ms": st1[1].get(cpu, 0.0) - st0[1].get(cpu, 0.0),
                               "top_others": [(self._name(tid), ns / 1e6) for ns, tid in top]})
             return out
         runner.launch = launch
@@ -190,7 +228,8 @@ def thread_summary(rows: list[dict]) -> dict:
     order = sorted(range(len(rows)), key=lambda i: -rows[i]["ms"])
     k = max(1, len(rows) // 5)
     slow, rest = order[:k], order[k:]
-    keys = ("ms", "user_ms", "sys_ms", "minflt", "majflt", "nvcsw", "nivcsw", "runq_ms", "others_cpu_ms")
+    keys = ("ms", "user_ms", "sys_ms", "minflt", "majflt", "nvcsw", "nivcsw", "runq_ms", "others_cpu_ms",
+            "steal_ms", "steal_own_cpu_ms")
 
     def means(ix):
         return {key: statistics.mean(rows[i][key] for i in ix) if ix else 0.0 for key in keys}
@@ -259,7 +298,8 @@ def main(argv=None) -> int:
                     m = t[part]
                     print(f"[{mode} {r}] {part} launches: {m['ms']:.2f} ms (user {m['user_ms']:.2f}, sys "
                           f"{m['sys_ms']:.2f}, run queue {m['runq_ms']:.2f}), faults {m['minflt']:.0f}, switches "
-                          f"{m['nvcsw']:.1f}/{m['nivcsw']:.1f}; other threads {m['others_cpu_ms']:.1f} ms", flush=True)
+                          f"{m['nvcsw']:.1f}/{m['nivcsw']:.1f}; other threads {m['others_cpu_ms']:.1f} ms; stolen "
+                          f"{m['steal_own_cpu_ms']:.2f} ms on its CPU, {m['steal_ms']:.2f} on all", flush=True)
                 print(f"[{mode} {r}] busiest beside the slow ones: "
                       f"{[(n, round(ms, 1)) for n, ms in t['slow_busiest_others'][:5]]}", flush=True)
             gcs = x["gc_in_stream"]

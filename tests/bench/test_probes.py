@@ -157,6 +157,7 @@ def test_thread_log_records_own_rusage_and_names_a_busy_thread_beside_the_launch
     assert out["slow"]["user_ms"] + out["slow"]["sys_ms"] >= 25 > out["rest"]["user_ms"] + out["rest"]["sys_ms"]
     assert out["slow"]["ms"] > out["rest"]["ms"]
     assert out["slow_busiest_others"][0][0] == "busy-neighbor"
+    assert all(r["steal_ms"] >= 0 and r["steal_own_cpu_ms"] >= 0 for r in out["rows"])    # /proc/stat's counter
 
 
 def test_split_k_gemm_equals_the_plain_product():
