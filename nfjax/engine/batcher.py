@@ -494,8 +494,9 @@ class Batcher:
     def _step_limits(self, batch: Batch) -> tuple[int, int]:
         """(token budget, prefill chunks) of the step being formed: the largest token bucket's and
         `max_prefill_seqs`, or the prefill bucket's when the step holds no decode and the prompts first in line
-        (running prefills, then waiting requests) would fill at least (1 - SHORTEN_PAD) of it, none of them
-        needing the full head (not compiled for that bucket: its all-token logits would take GiBs)."""
+        (running prefills, then waiting requests, less what the prefix cache holds of them) would fill at least
+        (1 - SHORTEN_PAD) of it, none of them needing the full head (not compiled for that bucket: its all-token
+        logits would take GiBs)."""
         normal = (self.budget, self.cfg.max_prefill_seqs)
         if not self.prefill_budget or batch.num_decode or batch.seqs or self.swapped:
             return normal
@@ -504,10 +505,21 @@ class Batcher:
         firsts += [self.waiting[i] for i in range(min(len(self.waiting), cap - len(firsts)))]
         if any(r.penalized or r.full_when_sampling for r in firsts):
             return normal
-        tokens = sum(r.prompt_len - r.num_computed for r in firsts)
+        tokens = sum(r.prompt_len - r.num_computed - self._cached_prefix(r) for r in firsts)
         if tokens < (1 - self.SHORTEN_PAD) * self.prefill_budget:
             return normal
         return self.prefill_budget, cap
+
+    def _cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of a waiting request the GPU prefix cache holds now (its leading full pages; the last
+        prompt token is always computed): what its admission would not prefill."""
+        hashes = self._wants.get(req.request_id)
+        if not hashes or req.num_computed:
+            return 0
+        n = 0
+        while n < len(hashes) and self.allocator.contains(hashes[n]):
+            n += 1
+        return min(n * self.cache.page_size, req.prompt_len - 1)
 
     def _blocked(self, req: Request, left: int, rest: int) -> bool:
         """kivi64: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,

@@ -312,3 +312,17 @@ def test_prefill_bucket_must_lie_above_the_token_buckets():
         BatcherConfig(token_buckets=(16, 64), prefill_bucket=64)
     with pytest.raises(ConfigError, match="prefill_bucket"):
         BatcherConfig(prefill_bucket=-1)
+
+
+def test_prompts_the_prefix_cache_holds_do_not_count_toward_the_prefill_bucket():
+    b = _prefill_batcher(prefill_bucket=1024)      # up to 1024 // 128 = 8 chunks, against max_prefill_seqs 4
+    for i in range(8):                             # 8 x 128 = 1024 tokens: one prefill-bucket step
+        b.add(_req(str(i), 128, 2))
+    first = _step(b)
+    assert first.bucket == 1024 and len(first.seqs) == 8
+    while b.has_work():
+        _step(b)
+    for i in range(8):                             # the same prompts again: 7 full pages of each cached (the
+        b.add(_req(f"again{i}", 128, 2))           # page of the last token is always computed): 16 tokens each
+    again = _step(b)                               # 128 tokens to go: the token buckets, 4 chunks, not 1024
+    assert again.bucket == 64 and len(again.seqs) == 4 and again.reused_tokens == 4 * 112
