@@ -7,9 +7,17 @@ import pytest
 from sched_common import ALL, CFG, LABELS, engine, run
 
 
+# One test per TP degree asserts everything about that degree's engine: its strategies' tokens, and (TP 1, 2) its
+# compiled merges and cache writes, (TP 2) its split variants' options. The engines are cached per process
+# (sched_common), but pytest-xdist may send tests of one module to different workers: as separate tests, a worker
+# that got only the HLO checks compiled the whole engine again (~100 s of a CI run).
 @pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda t: f"tp{t}")
 def test_every_strategy_matches_sequential(tp):
     eng = engine(tp)
+    if tp in (1, 2):
+        check_merges_and_cache_writes_compile_without_copies(eng)
+    if tp == 2:
+        check_split_variants_compile_without_the_dot_merger(eng)
     assert eng.runner.num_compiled == len(ALL) + 1          # every variant compiled for the one bucket
     ref, steps, counts = run(eng, "sequential")
     assert counts == {"sequential": len(steps)}
@@ -33,13 +41,11 @@ def _shape(dtype, dims) -> str:
     return f"{'f32' if str(dtype) == 'float32' else 'bf16'}[{','.join(map(str, dims))}]"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_merges_and_cache_writes_compile_without_copies(tp):
+def check_merges_and_cache_writes_compile_without_copies(eng):
     """Optimized HLO of each compiled step: no `copy` (nor async copy-start) produces an array of the shape of
     the per-device KV cache, of a merged nano-batch buffer (recorded while tracing), or of a residual-stream piece
     carried between layers. A copy of the cache would mean an in-place write that XLA could not order after its
     readers; a copy of a merged buffer would mean the merge was not built once from complete pieces."""
-    eng = engine(tp)
     r = eng.runner
     kv = r.kv.k.addressable_shards[0].data
     kv_shape = _shape(kv.dtype, kv.shape)
@@ -60,9 +66,9 @@ def test_merges_and_cache_writes_compile_without_copies(tp):
     assert merged_any
 
 
-def test_split_variants_compile_without_the_dot_merger():
+def check_split_variants_compile_without_the_dot_merger(eng):
     """A split variant compiles with XLA's dot merger off (a DebugOptions field, accepted on CPU); the plain one
     with no options."""
-    v = engine(2).runner.variants.by_bucket[64]
+    v = eng.runner.variants.by_bucket[64]
     assert v["dual_batch:1-1"].compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
     assert v["sequential"].compiler_options() == {}
