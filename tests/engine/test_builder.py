@@ -80,9 +80,11 @@ def test_from_pretrained_refuses_an_unknown_setting():
         Engine.from_pretrained(max_seq=4)
 
 
-def test_compile_cache_a_second_start_compiles_nothing(tmp_path):
+def test_compile_cache_a_second_start_compiles_nothing_and_generate_prints_the_tier_rule(tmp_path):
     """`--compile-cache DIR`: the first `nfjax generate` writes its programs there, a second identical one finds
-    every program (no new entry) and prints the same text."""
+    every program (no new entry) and prints the same text. With a host tier (here in both runs, so the tier's
+    programs are cached too), the CLI says at start which tiers beat recomputing here and at what rates.
+    (One test for both: each `nfjax generate` start compiles the engine, ~15 s on a CPU.)"""
     import os
     import subprocess
     import sys
@@ -91,9 +93,11 @@ def test_compile_cache_a_second_start_compiles_nothing(tmp_path):
 
     def run():
         p = subprocess.run([sys.executable, "-m", "nfjax.cli", "generate", "--compile-cache", str(cache),
-                            "--max-tokens", "6", "--temperature", "0", "Hello"], cwd=root, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            "--host-cache-gb", "0.01", "--max-tokens", "6", "--temperature", "0", "Hello"], cwd=root,
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert p.returncode == 0, p.stderr[-2000:]
+        line = next(x for x in p.stderr.splitlines() if x.startswith("[prefix tiers:"))
+        assert "recomputes in" in line and "from host" in line and "host rows: numpy" in line
         return p.stdout, sorted(os.listdir(cache))
     out1, files1 = run()
     out2, files2 = run()
@@ -102,17 +106,3 @@ def test_compile_cache_a_second_start_compiles_nothing(tmp_path):
 
 def test_compile_cache_flag_is_an_execution_setting():
     assert overrides_from_args(_parse("--compile-cache", "/tmp/x")) == {"execution": {"compile_cache_dir": "/tmp/x"}}
-
-
-def test_generate_prints_the_tier_rule_at_start(tmp_path):
-    """With a host tier, the CLI says at start which tiers beat recomputing here and at what rates."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.run([sys.executable, "-m", "nfjax.cli", "generate", "--host-cache-gb", "0.01", "--max-tokens", "2",
-                        "--temperature", "0", "Hello"], cwd=root, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert p.returncode == 0, p.stderr[-2000:]
-    line = next(x for x in p.stderr.splitlines() if x.startswith("[prefix tiers:"))
-    assert "recomputes in" in line and "from host" in line and "host rows: numpy" in line
