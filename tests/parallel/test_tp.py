@@ -29,25 +29,38 @@ def prompt_logits(engine):
     return tp_prompt_logits(engine, [engine.tokenizer.encode(p) for p in PROMPTS], 64)
 
 
+GREEDY = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+_TP1: dict = {}
+
+
+def tp1_reference(name: str, cfg):
+    """The TP = 1 engine and its greedy tokens (`GREEDY`, its first and only generate); once a process (an engine
+    compile each: test_tp_full_head_... takes its unpenalized tokens from here)."""
+    if name not in _TP1:
+        base = engine_for(cfg, 1)
+        _TP1[name] = (base, [o.token_ids for o in base.generate(PROMPTS, GREEDY)])
+    return _TP1[name]
+
+
 @pytest.mark.parametrize("cfg,tps", [(LLAMA3, (2, 4, 8)), (QWEN2, (2, 4))], ids=["llama3-gqa", "qwen2-bias"])
 def test_tp_matches_tp1(cfg, tps):
-    sp = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
-    base = engine_for(cfg, 1)
-    ref_tokens = [o.token_ids for o in base.generate(PROMPTS, sp)]
+    base, ref_tokens = tp1_reference("llama3" if cfg is LLAMA3 else "qwen2", cfg)
     ref_logits = prompt_logits(base)
     for tp in tps:
         eng = engine_for(cfg, tp)
         assert eng.runner.kv.k.sharding.spec[3] == "tp"
         if tp > cfg.num_kv_heads:      # fewer KV heads than devices: heads replicated, one per device
             assert eng.runner.kv.k.shape[3] == tp
+        if cfg is LLAMA3 and tp == 4:  # this engine's weights (checked here, not by a second TP = 4 compile)
+            check_weights_are_sharded_not_replicated(eng)
         got = prompt_logits(eng)
         np.testing.assert_allclose(got, ref_logits, rtol=2e-2, atol=2e-2 * np.abs(ref_logits).max())
-        assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == ref_tokens, f"tp={tp}"
+        assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == ref_tokens, f"tp={tp}"
         assert eng.pages_used == 0
 
 
-def test_weights_are_sharded_not_replicated():
-    eng = engine_for(LLAMA3, 4)
+def check_weights_are_sharded_not_replicated(eng):
+    """LLAMA3 at TP = 4: each device holds a quarter of the q/k/v and o projections."""
     q = eng.runner.layer_states[0]["qkv_proj"]["kernel"]      # q/k/v joined (nfjax/models/fused.py)
     o = eng.runner.layer_states[0]["o_proj"]["kernel"]
     q, o = q[...], o[...]
@@ -88,8 +101,10 @@ def test_tp_full_head_penalties_and_logprobs_match_tp1():
               SamplingParams.greedy(max_tokens=12, min_tokens=6, stop_token_ids=(101,), logprobs=0),
               SamplingParams.greedy(max_tokens=12, ignore_eos=True)]
     outs = {tp: engine_for(LLAMA3, tp).generate(PROMPTS, params) for tp in (1, 2)}
-    plain = engine_for(LLAMA3, 1).generate(PROMPTS, SamplingParams.greedy(max_tokens=12, ignore_eos=True))
-    assert outs[1][0].token_ids != plain[0].token_ids          # the penalty changed something
+    # TP = 1 without penalties, from a fresh engine (test_tp_matches_tp1's; greedy, the same batch: its first 12 of
+    # 16 tokens are a 12-token run's)
+    plain = [t[:12] for t in tp1_reference("llama3", LLAMA3)[1]]
+    assert outs[1][0].token_ids != plain[0]                    # the penalty changed something
     for a, b in zip(outs[1], outs[2]):
         assert a.token_ids == b.token_ids
         if a.logprobs is not None:
