@@ -1,6 +1,6 @@
 """Quantized K/V tiles inside the attention kernels: the formats of kv_quant.py turned back into bfloat16 tiles.
 
-A quantized cache's stage buffers hold the values as stored (fp8 [block_kv, D], or int4 bytes [block_kv, D / 2])
+A quantized cache's stage buffers hold the values as stored (fp8 / int8 [block_kv, D], or int4 bytes [block_kv, D / 2])
 and each block's aux rows ([block_kv, W] bfloat16, copied by TMA beside K's pages: W * 2 = 16 bytes a row). The
 consumer turns a stage into one bfloat16 [block_kv, D] SMEM tile (`k_deq` / `v_deq`), after which the kernel's
 bfloat16 matmuls run unchanged:
@@ -11,7 +11,11 @@ bfloat16 matmuls run unchanged:
   * int4: bytes loaded in WGMMA_UPCAST_2X as int16, moved to the WGMMA layout; the low nibbles are the first
     half of head_dim and the high nibbles the second (kv_quant's packing), so each half is a plain column
     slice of the output tile: (u - 7.5) * scale + center per row, with the scale and center of its group (f16
-    tiles: the codes become f16 by bit pattern, 0x6400 | u = 1024 + u, and one FMA applies scale and center).
+    tiles: the codes become f16 by bit pattern, 0x6400 | u = 1024 + u, and one FMA applies scale and center);
+  * int8: int4's arithmetic a group of 64 columns at a time: each group's column slice of the stage (64 bytes a
+    row: the stage is tiled in 64-byte swizzle tiles so a group is whole tiles) loaded in WGMMA_UPCAST_2X,
+    sign-extended to int16, moved to the WGMMA layout, and written to its column slice of the output tile as
+    (s + 0.5) * scale + center (f16 tiles: s + 0x6480 is the f16 bit pattern of 1152 + s, s in [-128, 127]).
 Interpret mode (CPU tests) does the same arithmetic with jnp on the loaded tiles.
 """
 from __future__ import annotations
@@ -23,27 +27,38 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import kv_quant
 
-QUANT_KERNEL_FORMATS = ("fp8", "int4")
+QUANT_KERNEL_FORMATS = ("fp8", "int8", "int4")
+GROUPED_HEAD_DIMS = (64, 128)       # int4 / int8 in the kernels: one or two groups (the 8-wide aux row)
 
 
 def cache_format(k_cache, aux_cache) -> str:
     """The format of a stacked cache from its arrays (the kernels' static choice)."""
     if aux_cache is None:
         return "bfloat16"
-    if k_cache.dtype == jnp.uint8:
-        return "int4"
+    if jnp.dtype(k_cache.dtype) in kv_quant.GROUP_CODE_DTYPES:
+        return kv_quant.GROUP_CODE_DTYPES[jnp.dtype(k_cache.dtype)]
     if k_cache.dtype == kv_quant.FP8:
         return "fp8"
-    raise ValueError(f"a quantized cache holds fp8 or uint8 (int4) values, got {k_cache.dtype}")
+    raise ValueError(f"a quantized cache holds fp8, int8 or uint8 (int4) values, got {k_cache.dtype}")
+
+
+def kernel_refusal(fmt: str, head_dim: int) -> str | None:
+    """Why the kernels cannot read `fmt` at `head_dim` (None: they can; bfloat16 needs only check_block's)."""
+    if fmt == "bfloat16":
+        return None
+    if fmt not in QUANT_KERNEL_FORMATS:
+        return f"the kernels read the KV formats {QUANT_KERNEL_FORMATS}, not {fmt!r}"
+    if fmt in kv_quant.GROUPED and head_dim not in GROUPED_HEAD_DIMS:
+        return f"{fmt} in the kernels needs head_dim 64 or 128 (one or two groups), got {head_dim}"
+    return None
 
 
 def check_format(fmt: str, head_dim: int, aux_width: int) -> None:
     if fmt == "bfloat16":
         return
-    if fmt not in QUANT_KERNEL_FORMATS:
-        raise ValueError(f"the kernels read the KV formats {QUANT_KERNEL_FORMATS}, got {fmt!r}")
-    if fmt == "int4" and head_dim not in (64, 128):
-        raise ValueError(f"int4 KV in the kernels needs head_dim 64 or 128 (one group a half), got {head_dim}")
+    why = kernel_refusal(fmt, head_dim)
+    if why:
+        raise ValueError(why)
     if aux_width != kv_quant.aux_width(fmt, head_dim):
         raise ValueError(f"aux rows of width {aux_width}; the {fmt} format at head_dim {head_dim} has "
                          f"{kv_quant.aux_width(fmt, head_dim)}")
@@ -55,8 +70,9 @@ def _transforms(row_bytes: int, itemsize: int) -> tuple:
 
 
 def stage_transforms(fmt: str, head_dim: int) -> tuple:
-    """SMEM tiling of a stage of stored values (a TMA destination): [block_kv, D] fp8 or [block_kv, D / 2] u8."""
-    return _transforms(head_dim // 2 if fmt == "int4" else head_dim, 1)
+    """SMEM tiling of a stage of stored values (a TMA destination): [block_kv, D] fp8 / int8 or [block_kv, D / 2]
+    u8 (int4). int8 takes 64-byte tiles, so that each group of 64 columns is whole tiles (`dequant_tile`)."""
+    return _transforms(kv_quant.GROUP if fmt == "int8" else kv_quant.value_width(fmt, head_dim), 1)
 
 
 def deq_transforms(fmt: str, head_dim: int) -> tuple:
@@ -66,7 +82,7 @@ def deq_transforms(fmt: str, head_dim: int) -> tuple:
 
 
 def value_shape(fmt: str, block_kv: int, head_dim: int) -> tuple[int, int]:
-    return (block_kv, head_dim // 2 if fmt == "int4" else head_dim)
+    return (block_kv, kv_quant.value_width(fmt, head_dim))
 
 
 def quant_scratch(fmt: str, num_stages: int, block_kv: int, head_dim: int, aux_width: int) -> list:
@@ -77,13 +93,13 @@ def quant_scratch(fmt: str, num_stages: int, block_kv: int, head_dim: int, aux_w
 
 
 def aux_columns(fmt: str, head_dim: int, which: str) -> list[tuple[int, int | None]]:
-    """(scale column, center column or None) of K's or V's aux row, one pair per half of head_dim (int4) or a
-    single pair (fp8)."""
+    """(scale column, center column or None) of K's or V's aux row, one pair per half of head_dim (int4), per group
+    of 64 columns (int8) or a single pair (fp8)."""
     if fmt == "fp8":
         return [(0 if which == "k" else 1, None)]
-    g = head_dim // kv_quant.INT4_GROUP
+    g = head_dim // kv_quant.GROUP
     base = 0 if which == "k" else 2 * g
-    groups = [0, 0] if g == 1 else [0, 1]                  # the group of each half
+    groups = range(g) if fmt == "int8" else [0, 0] if g == 1 else [0, 1]     # int4: the group of each half
     return [(base + 2 * gi, base + 2 * gi + 1) for gi in groups]
 
 
@@ -101,6 +117,28 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
+def _upcast(src, interpret: bool):
+    """A stage tile of 8-bit codes (uint8: zero-extended; int8: sign-extended) as int16 in the WGMMA layout."""
+    if interpret:
+        return src[...].astype(jnp.int16)
+    u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)
+    return plgpu.layout_cast(u, plgpu.Layout.WGMMA)
+
+
+def _levels(codes, f16_bias: int, mid: float, scale, center, math):
+    """(codes - mid) * scale + center per row over int16 codes in `math` (f32, or f16 two values an instruction:
+    the codes become f16 by bit pattern, 0x6400 + f16_bias + c being the f16 1024 + f16_bias + c for c in
+    [-f16_bias, 1023 - f16_bias] (int4: codes | 0x6400, the same for its codes in [0, 15]), then one fused
+    multiply-add with the row's scale and center - mid * scale)."""
+    if math == jnp.float16:
+        bits = codes | 0x6400 if f16_bias == 0 else codes + (0x6400 + f16_bias)
+        c = lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1024 + f16_bias)
+        zp = (center - mid * scale).astype(math)
+        return c * _rows(scale.astype(math), c.shape) + _rows(zp, c.shape)
+    c = codes.astype(math)
+    return (c - mid) * _rows(scale.astype(math), c.shape) + _rows(center.astype(math), c.shape)
+
+
 def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None:
     """Stored stage tile `src` -> `dst` [rows, D] (bf16: the arithmetic in f32; f16: in f16, two values an
     instruction) with the per-row parameters `rows` (`load_rows`) at the columns `pairs` (`aux_columns`)."""
@@ -114,23 +152,22 @@ def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)
         dst[...] = (x * _rows(rows[sc].astype(math), x.shape)).astype(dst.dtype)
         return
+    if fmt == "int8":
+        # int4's pattern a group at a time. New against int4 on the GPU: int8 (signed) stage refs, so the load's
+        # astype(int16) is a sign extension (extsi, where int4's uint8 takes extui); the load from a column slice
+        # of the stage (whole 64-byte swizzle tiles, stage_transforms); the f16 path's integer add in place of
+        # an or. The stores to column slices of dst are int4's at head_dim 128.
+        w = kv_quant.GROUP
+        for gi, (sc, cc) in enumerate(pairs):
+            part = src if len(pairs) == 1 else src.at[:, pl.ds(gi * w, w)]
+            x = _levels(_upcast(part, interpret), 128, -0.5, rows[sc], rows[cc], math)
+            dst[:, pl.ds(gi * w, w)] = x.astype(dst.dtype)
+        return
     h = src.shape[1]                                       # D / 2
-    if interpret:
-        u = src[...].astype(jnp.int16)
-    else:
-        u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)
-        u = plgpu.layout_cast(u, plgpu.Layout.WGMMA)
+    u = _upcast(src, interpret)
     for half, codes in enumerate((u & 15, u >> 4)):
         sc, cc = pairs[half]
-        if math == jnp.float16:
-            # f16 0x6400 | u is 1024 + u: the codes as f16 values in two 2-wide integer ops (no conversions),
-            # then one fused multiply-add with the row's scale and center - 7.5 * scale
-            c = lax.bitcast_convert_type(codes | 0x6400, jnp.float16) - jnp.float16(1024)
-            zp = (rows[cc] - 7.5 * rows[sc]).astype(math)
-            x = c * _rows(rows[sc].astype(math), c.shape) + _rows(zp, c.shape)
-        else:
-            c = codes.astype(math)
-            x = (c - 7.5) * _rows(rows[sc].astype(math), c.shape) + _rows(rows[cc].astype(math), c.shape)
+        x = _levels(codes, 0, kv_quant.INT4_HALF, rows[sc], rows[cc], math)
         dst[:, pl.ds(half * h, h)] = x.astype(dst.dtype)
 
 

@@ -13,6 +13,11 @@ Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
     middle, where rounding it to bfloat16 costs at most a fraction of a step (a bfloat16 *minimum* far from 0
     is off by up to 0.4% of its magnitude, which can exceed the whole step of a narrow group). The scale is
     (max - center, center - min) / 7.5 rounded up, so the levels always cover the group.
+  * "int8": the same group-wise asymmetric format at 8 bits: groups of 64 along head_dim, codes u in [0, 255]
+    decoding as x = (u - 127.5) * scale + center (center and scale by int4's rules, 127.5 in place of 7.5),
+    stored signed (s = u - 128: x = (s + 0.5) * scale + center), one value a byte, not rotated. At fp8's bytes
+    (and the same one aux row) it keeps SmolLM2-135M's top-1 agreement with a bfloat16 cache at 97.95% and its
+    perplexity at -0.07%, where fp8 gives 95.22% / +0.77% (docs/design.md section 14.2).
   * "kivi64": K per channel over groups of 64 positions (the group still filling kept in bfloat16 beside the
     pages), V as int4; pages of 64 (pallas_kernels/kv_kivi64.py, docs/design.md section 14.1). Served by the
     references only so far: no kernel reads it, and a GPU refuses it at start.
@@ -21,12 +26,12 @@ Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
     whole layer (the reference path on a CPU); no kernel serves it.
 
 Layout of the stacked cache (`nfjax.kv.cache.KVCache`): values k, v [L, N, PS, KH, D] (fp8: float8_e4m3fn;
-int4: uint8 [..., D / 2], byte j holding code j in its low nibble and code j + D / 2 in its high one, so the two
-nibbles of a tile unpack into its two halves of head_dim with no interleaving) and, for every quantized format,
-`aux` [L, N, PS, KH, W] bfloat16: one row of W = `aux_width` (8 for head_dim <= 128) values per token and kv head
-holding K's and V's parameters:
+int8: int8; int4: uint8 [..., D / 2], byte j holding code j in its low nibble and code j + D / 2 in its high one,
+so the two nibbles of a tile unpack into its two halves of head_dim with no interleaving) and, for every quantized
+format, `aux` [L, N, PS, KH, W] bfloat16: one row of W = `aux_width` (8 for head_dim <= 128) values per token and
+kv head holding K's and V's parameters:
   fp8 / fp8_page: [k_scale, v_scale, 0, ...]
-  int4:           [k_scale_0, k_center_0, ..., k_scale_{G-1}, k_center_{G-1}, v_scale_0, v_center_0, ...]
+  int4 / int8:    [k_scale_0, k_center_0, ..., k_scale_{G-1}, k_center_{G-1}, v_scale_0, v_center_0, ...]
 The aux rows share the values' [L, N, PS, KH] leading layout, so a page's rows move with its values (the
 writes, swapping, the tensor-parallel split over kv heads), and one page's rows of one kv head are PS x W
 contiguous-by-row bfloat16 (16 bytes a row: one TMA copy of [PS, W] per page, as for the values).
@@ -36,14 +41,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-KV_DTYPES = ("bfloat16", "fp8", "int4", "kivi64")     # the formats offered (the flag's choices)
+KV_DTYPES = ("bfloat16", "fp8", "int8", "int4", "kivi64")     # the formats offered (the flag's choices)
 INT4_CODES = ("int4", "kivi64")               # formats whose values are packed 4-bit codes
+GROUPED = ("int8", "int4", "kivi64")          # formats with a scale and a center per GROUP values of head_dim
 MEASURE_ONLY = ("fp8_page",)                    # accepted by the config, served by the references only
 ALL_KV_DTYPES = KV_DTYPES + MEASURE_ONLY
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-INT4_GROUP = 64
+GROUP = 64                                      # the grouped formats' group along head_dim
 AUX_DTYPE = jnp.bfloat16
 _TINY = 1e-30                                   # the scale of an all-zero row / constant group
 
@@ -58,35 +64,40 @@ def is_quantized(kv_dtype: str) -> bool:
     return check_kv_dtype(kv_dtype) != "bfloat16"
 
 
-def int4_groups(head_dim: int) -> int:
-    if head_dim % INT4_GROUP:
-        raise ValueError(f"int4 / kivi64 KV needs head_dim a multiple of {INT4_GROUP}, got {head_dim}")
-    return head_dim // INT4_GROUP
+def groups(head_dim: int) -> int:
+    """The groups of a grouped format's row (`GROUPED`)."""
+    if head_dim % GROUP:
+        raise ValueError(f"{' / '.join(GROUPED)} KV needs head_dim a multiple of {GROUP}, got {head_dim}")
+    return head_dim // GROUP
 
 
 def aux_width(kv_dtype: str, head_dim: int) -> int:
     """Columns of a token-and-head's aux row (0: no aux array)."""
     if not is_quantized(kv_dtype):
         return 0
-    used = 2 if kv_dtype in ("fp8", "fp8_page") else 4 * int4_groups(head_dim)
+    used = 2 if kv_dtype in ("fp8", "fp8_page") else 4 * groups(head_dim)
     return -(-used // 8) * 8                     # 16-byte rows (a TMA copy's least row width)
 
 
 def value_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
     if kv_dtype in INT4_CODES:
         return jnp.dtype(jnp.uint8)
+    if kv_dtype == "int8":
+        return jnp.dtype(jnp.int8)
     if kv_dtype in ("fp8", "fp8_page"):
         return jnp.dtype(FP8)
     check_kv_dtype(kv_dtype)
     return jnp.dtype(model_dtype)
 
 
-def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
+def value_width(kv_dtype: str, head_dim: int) -> int:
+    """The last dimension of the stored values (int4: two values a byte)."""
+    return head_dim // 2 if kv_dtype in INT4_CODES else head_dim
+
+
+def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> int:
     """Device bytes one token's K and V of one kv head take, scales included (int4 values: two a byte)."""
-    if kv_dtype in INT4_CODES:
-        values = head_dim / 2
-    else:
-        values = head_dim * value_dtype(kv_dtype, model_dtype).itemsize
+    values = value_width(kv_dtype, head_dim) * value_dtype(kv_dtype, model_dtype).itemsize
     return 2 * values + aux_width(kv_dtype, head_dim) * jnp.dtype(AUX_DTYPE).itemsize
 
 
@@ -96,6 +107,7 @@ def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> float:
 # spreads outlier channels over the group: SmolLM2's K round-trips through int4 at 8.6% rms error rotated against
 # 13.2% plain (V 9.0% against 9.6%; fp8 gains nothing: 2.5% against 2.1%), and its held-out perplexity with an
 # int4 cache was +12.9% plain, +5.9% with K rotated, +4.4% with both (docs/design.md section 14).
+# int8 is not rotated: at 256 levels a group's outliers cost little (the probe's plain64b8, docs/design.md 14.2).
 ROTATED = ("int4",)
 V_ROTATED = ("int4", "kivi64")      # kivi64 quantizes K per channel, not rotated (its outliers stay in their channels)
 
@@ -152,7 +164,33 @@ def dequantize_fp8(q, scale):
     return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
-# ---- int4 ---------------------------------------------------------------------------------------------
+# ---- int4 / int8: groups of GROUP values with a scale and a center ------------------------------------------
+INT4_HALF, INT8_HALF = 7.5, 127.5               # half the span of the codes: 16 levels, 256 levels
+
+
+def quantize_groups(x, half: float):
+    """x [..., D] -> (f32 codes [..., D] in [0, 2 half], f32 scale [..., G], f32 center [..., G]); groups of
+    GROUP along D, 2 half + 1 levels spanning each group's [min, max] (module doc: the center is the group's
+    middle rounded to bfloat16, the scale rounded up)."""
+    *lead, d = x.shape
+    g = groups(d)
+    xg = x.astype(jnp.float32).reshape(*lead, g, GROUP)
+    lo, hi = xg.min(-1), xg.max(-1)
+    center = ((lo + hi) * 0.5).astype(AUX_DTYPE).astype(jnp.float32)
+    scale = jnp.maximum(_bf16_up(jnp.maximum(hi - center, center - lo) / half), _TINY)
+    codes = jnp.clip(jnp.round((xg - center[..., None]) / scale[..., None] + half), 0, 2 * half)
+    return codes.reshape(*lead, d), scale, center
+
+
+def dequantize_groups(codes, scale, center, half: float):
+    """f32 codes [..., D] (`quantize_groups`'s) with scale, center [..., G] -> f32 [..., D]."""
+    *lead, d = codes.shape
+    g = d // GROUP
+    x = (codes.reshape(*lead, g, GROUP) - half) * scale.astype(jnp.float32)[..., None] \
+        + center.astype(jnp.float32)[..., None]
+    return x.reshape(*lead, d)
+
+
 def pack_int4(codes):
     """uint8 codes [..., D] in [0, 15] -> bytes [..., D / 2]: byte j = code j | code (j + D / 2) << 4."""
     h = codes.shape[-1] // 2
@@ -167,24 +205,28 @@ def unpack_int4(packed):
 def quantize_int4(x):
     """x [..., D] -> (packed codes uint8 [..., D / 2], f32 scale [..., G], f32 center [..., G]); groups of 64
     along D."""
-    *lead, d = x.shape
-    g = int4_groups(d)
-    xg = x.astype(jnp.float32).reshape(*lead, g, INT4_GROUP)
-    lo, hi = xg.min(-1), xg.max(-1)
-    center = ((lo + hi) * 0.5).astype(AUX_DTYPE).astype(jnp.float32)
-    scale = jnp.maximum(_bf16_up(jnp.maximum(hi - center, center - lo) / 7.5), _TINY)
-    codes = jnp.clip(jnp.round((xg - center[..., None]) / scale[..., None] + 7.5), 0, 15)
-    return pack_int4(codes.astype(jnp.uint8).reshape(*lead, d)), scale, center
+    codes, scale, center = quantize_groups(x, INT4_HALF)
+    return pack_int4(codes.astype(jnp.uint8)), scale, center
 
 
 def dequantize_int4(packed, scale, center):
     """packed [..., D / 2] with scale, center [..., G] -> f32 [..., D]."""
-    c = unpack_int4(packed).astype(jnp.float32)
-    *lead, d = c.shape
-    g = d // INT4_GROUP
-    x = (c.reshape(*lead, g, INT4_GROUP) - 7.5) * scale.astype(jnp.float32)[..., None] \
-        + center.astype(jnp.float32)[..., None]
-    return x.reshape(*lead, d)
+    return dequantize_groups(unpack_int4(packed).astype(jnp.float32), scale, center, INT4_HALF)
+
+
+def quantize_int8(x):
+    """x [..., D] -> (int8 codes u - 128 [..., D], f32 scale [..., G], f32 center [..., G]); groups of 64 along D."""
+    codes, scale, center = quantize_groups(x, INT8_HALF)
+    return (codes - 128).astype(jnp.int8), scale, center
+
+
+def dequantize_int8(q, scale, center):
+    """int8 [..., D] with scale, center [..., G] -> f32 [..., D]."""
+    return dequantize_groups(q.astype(jnp.float32) + 128, scale, center, INT8_HALF)
+
+
+GROUP_CODECS = {"int4": (quantize_int4, dequantize_int4), "int8": (quantize_int8, dequantize_int8)}
+GROUP_CODE_DTYPES = {jnp.dtype(jnp.uint8): "int4", jnp.dtype(jnp.int8): "int8"}      # stored dtype -> format
 
 
 # ---- K/V pairs with their aux rows ----------------------------------------------------------------------
@@ -196,8 +238,10 @@ def quantize_kv(kv_dtype: str, k, v):
     if kv_dtype in ("fp8", "fp8_page"):
         (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
         cols = [ks[..., None], vs[..., None]]
-    elif kv_dtype == "int4":
-        (kq, ks, kc), (vq, vs, vc) = quantize_int4(rotate(k, jnp.float32)), quantize_int4(rotate(v, jnp.float32))
+    elif kv_dtype in GROUP_CODECS:
+        quant = GROUP_CODECS[kv_dtype][0]
+        (kq, ks, kc) = quant(rotate(k, jnp.float32) if rotates(kv_dtype) else k)
+        (vq, vs, vc) = quant(rotate(v, jnp.float32) if rotates_v(kv_dtype) else v)
         cols = [jnp.stack([ks, kc], -1).reshape(*ks.shape[:-1], -1),
                 jnp.stack([vs, vc], -1).reshape(*vs.shape[:-1], -1)]
     else:
@@ -211,13 +255,14 @@ def quantize_kv(kv_dtype: str, k, v):
 def dequantize_kv(k, v, aux, dtype=jnp.float32):
     """(k, v) [..., D] in `dtype` from cache values and aux rows of any matching leading shape (values [..., D],
     int4 [..., D / 2]; aux [..., W]); aux None: the values as they are. The format follows the values' dtype
-    (uint8: int4; kivi64's pages read through pallas_kernels/kv_kivi64.py `read_pages`)."""
+    (uint8: int4, int8: int8, else fp8; kivi64's pages read through pallas_kernels/kv_kivi64.py `read_pages`)."""
     if aux is None:
         return k.astype(dtype), v.astype(dtype)
-    if k.dtype == jnp.uint8:
-        g = 2 * k.shape[-1] // INT4_GROUP
+    fmt = GROUP_CODE_DTYPES.get(jnp.dtype(k.dtype))
+    if fmt is not None:
+        deq = GROUP_CODECS[fmt][1]
+        g = groups(k.shape[-1] * (2 if fmt in INT4_CODES else 1))
         a = aux.astype(jnp.float32)
         kp, vp = a[..., :2 * g].reshape(*a.shape[:-1], g, 2), a[..., 2 * g:4 * g].reshape(*a.shape[:-1], g, 2)
-        return (dequantize_int4(k, kp[..., 0], kp[..., 1]).astype(dtype),
-                dequantize_int4(v, vp[..., 0], vp[..., 1]).astype(dtype))
+        return deq(k, kp[..., 0], kp[..., 1]).astype(dtype), deq(v, vp[..., 0], vp[..., 1]).astype(dtype)
     return dequantize_fp8(k, aux[..., 0]).astype(dtype), dequantize_fp8(v, aux[..., 1]).astype(dtype)

@@ -46,8 +46,9 @@ SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (
 # two dequantizers against 0.16 / 0.17 in the consumer. fp8 depends on the batch (kv_fp8_wgs-repeat-20261125.json,
 # three repeats in one process): one dequantizer 1.03-1.05 ms against the consumer's 1.33-1.38 at batch 256, but
 # 0.80-1.11 against 0.53-0.58 at batch 64 (not understood); so fp8 takes one from FP8_DEQUANT_MIN_WORK work items
-# (sequences x KV heads; batch 256 at 8 KV heads) and the consumer's path below.
-DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int4": None}
+# (sequences x KV heads; batch 256 at 8 KV heads) and the consumer's path below. int8 (not measured yet) takes int4's
+# choice: its dequantizing is int4's integer ops and FMA, a group at a time; its stages (fp8's size) fit two deep.
+DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int8": None, "int4": None}
 FP8_DEQUANT_MIN_WORK = 2048
 
 
@@ -81,7 +82,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     second wgmma, ones @ P^T, beside V^T P^T (no cross-warp reduction; the sum of the bf16 P the numerator
     uses); "reduce" = P's column sums in f32, a cross-warp reduction per block.
 
-    A quantized cache (`kv_format` fp8 / int4, its aux rows in `aux_hbm`; `quant` from `prepare`): the
+    A quantized cache (`kv_format` fp8 / int8 / int4, its aux rows in `aux_hbm`; `quant` from `prepare`): the
     producer copies each block's aux rows with K; `dequant_wgs` more warpgroups (2 + j) turn each stage into f16
     tiles (pallas_kernels/_kv_dequant.py), double-buffered (`deq_ready` / `deq_free`), so dequantizing a block runs
     beside the consumer's matmuls and softmax on the one before; block g is dequantizer g % dequant_wgs's, into
@@ -245,9 +246,9 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
-    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8 or int4 values, kv_quant.py), dequantized here by
-    `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8; the f16 tiles take
-    the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
+    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
+    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
+    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs

@@ -57,7 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pages (default: what fits in --kv-memory-fraction of free GPU memory; 512 on CPU)")
     g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="KV cache format: bfloat16 (unquantized, the default), fp8 (e4m3, a scale per token and kv "
-                        "head) or int4 (groups of 64 with a scale and center each, two values a byte)")
+                        "head), int8 (groups of 64 with a scale and center each: fp8's bytes, closer to bfloat16), "
+                        "int4 (the same groups, two values a byte) or kivi64 (K per channel, pages of 64)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
                    help="do not reuse the KV pages of equal prompt prefixes (the prefix cache is on by default)")
     g.add_argument("--host-cache-gb", type=float, default=None,

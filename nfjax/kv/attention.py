@@ -30,12 +30,13 @@ from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 from pallas_kernels.kv_quant import KV_DTYPES, is_quantized, rotate, rotates, rotates_v
+from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS, kernel_refusal
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
 
 # KV formats the Pallas kernels read (dequantizing in the kernel: pallas_kernels/_kv_dequant.py); the references
 # read every format.
-KERNEL_KV_DTYPES = ("bfloat16", "fp8", "int4")
+KERNEL_KV_DTYPES = ("bfloat16",) + QUANT_KERNEL_FORMATS
 
 
 def kernels_support(q, kv: KVCache) -> bool:
@@ -45,8 +46,8 @@ def kernels_support(q, kv: KVCache) -> bool:
         return False
     if not (d % 64 == 0 and h % kvh == 0 and h // kvh <= 64):
         return False
-    if kv.aux is not None:                      # quantized: bf16 queries; int4 takes one group a half of head_dim
-        return q.dtype == jnp.bfloat16 and (kv.kv_dtype != "int4" or d in (64, 128))
+    if kv.aux is not None:                      # quantized: bf16 queries; int4 / int8 take one or two groups
+        return q.dtype == jnp.bfloat16 and kernel_refusal(kv.kv_dtype, d) is None
     return jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype
 
 
@@ -71,9 +72,7 @@ def _gpu_refusal(model: ModelConfig, kv_dtype: str) -> str | None:
     if model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
         return (f"the kernels need head_dim % 64 == 0, at most 64 query heads a kv head and bfloat16 activations "
                 f"(head_dim {model.head_dim}, {model.num_heads}/{model.num_kv_heads} heads, {model.dtype})")
-    if kv_dtype == "int4" and model.head_dim not in (64, 128):
-        return f"int4 in the kernels needs head_dim 64 or 128 (this model's is {model.head_dim})"
-    return None
+    return kernel_refusal(kv_dtype, model.head_dim)
 
 
 def _use_kernels(use_kernels, q, kv) -> bool:

@@ -37,7 +37,7 @@ class KVCache:
         fmt = cache.kv_dtype
         check_format(model, fmt)
         lead = (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads)
-        width = model.head_dim // 2 if fmt in kv_quant.INT4_CODES else model.head_dim     # two values a byte
+        width = kv_quant.value_width(fmt, model.head_dim)          # int4: two values a byte
         dt = kv_quant.value_dtype(fmt, dtype or model.dtype)
         mk = jax.jit(lambda: jnp.zeros(lead + (width,), dt), out_shardings=sharding)
         aux = None
@@ -136,8 +136,8 @@ def check_format(model: ModelConfig, kv_dtype: str) -> None:
     if kv_dtype not in kv_quant.ALL_KV_DTYPES:
         raise ConfigError(f"cache.kv_dtype (--kv-dtype) {kv_dtype!r} is not a KV format; choices: "
                           f"{', '.join(kv_quant.KV_DTYPES)}")
-    if kv_dtype in kv_quant.INT4_CODES and model.head_dim % kv_quant.INT4_GROUP:
-        raise ConfigError(f"--kv-dtype {kv_dtype} needs head_dim a multiple of {kv_quant.INT4_GROUP} (its groups); this "
+    if kv_dtype in kv_quant.GROUPED and model.head_dim % kv_quant.GROUP:
+        raise ConfigError(f"--kv-dtype {kv_dtype} needs head_dim a multiple of {kv_quant.GROUP} (its groups); this "
                           f"model's is {model.head_dim}; choices: {', '.join(kv_quant.KV_DTYPES)}")
 
 

@@ -129,8 +129,8 @@ def check_model(cfg: ModelConfig) -> None:
 def check(cfg: ModelConfig, policy: Policy, max_len: int, limits: dict[str, float | None]) -> dict[str, int]:
     """Bytes per tier; a tier over its cap is a PolicyError naming the cap's field and what fills the tier."""
     check_model(cfg)
-    if policy.compress_cache and cfg.head_dim % kv_quant.INT4_GROUP:
-        raise PolicyError(f"policy compress_cache: the int4 KV format groups head_dim in {kv_quant.INT4_GROUP}s; "
+    if policy.compress_cache and cfg.head_dim % kv_quant.GROUP:
+        raise PolicyError(f"policy compress_cache: the int4 KV format groups head_dim in {kv_quant.GROUP}s; "
                           f"this model's head_dim is {cfg.head_dim}")
     ns = needs(cfg, policy, max_len)
     total = {t: sum(n.bytes for n in ns if n.tier == t) for t in CAP_FIELDS}

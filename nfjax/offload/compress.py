@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_quant import INT4_GROUP, dequantize_int4, quantize_int4
+from pallas_kernels.kv_quant import GROUP, dequantize_int4, quantize_int4
 
 PARAM_DTYPE = jnp.bfloat16          # the stored scale and center
 
@@ -36,13 +36,13 @@ class Packed:
 
 
 def compressible(shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and shape[0] % INT4_GROUP == 0
+    return len(shape) == 2 and shape[0] % GROUP == 0
 
 
 def packed_bytes(shape: tuple[int, ...]) -> int:
     """Bytes a weight of `shape` takes compressed."""
     n = int(np.prod(shape))
-    return n // 2 + 2 * (n // INT4_GROUP) * jnp.dtype(PARAM_DTYPE).itemsize
+    return n // 2 + 2 * (n // GROUP) * jnp.dtype(PARAM_DTYPE).itemsize
 
 
 @jax.jit

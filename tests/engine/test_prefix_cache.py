@@ -129,11 +129,11 @@ def test_repetition_penalty_sees_the_reused_prompt(off, tiered):
     assert_no_leaks(tiered)
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int8", "int4"])
 def test_each_kv_format_with_the_cache(fmt):
     """Each format's pages (values and scales) are reused and move through the host tier as stored. The
     reference is the same engine with lookups and registration off (allocator.prefix False): no reuse at all."""
-    row = 2 * PS * 2 * {"bfloat16": 64 * 2 * 2, "fp8": 64 * 2 + 16, "int4": 64 + 16}[fmt]
+    row = 2 * PS * 2 * {"bfloat16": 64 * 2 * 2, "fp8": 64 * 2 + 16, "int8": 64 * 2 + 16, "int4": 64 + 16}[fmt]
     eng = make_engine(CacheConfig(page_size=PS, num_pages=24, max_pages_per_seq=16, kv_dtype=fmt,
                                   host_cache_gb=4 * row / 2 ** 30), SCHED, cfg=CFG64)
     assert eng.runner.tier_copies.row_bytes == row

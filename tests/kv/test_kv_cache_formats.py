@@ -9,6 +9,7 @@ from nfjax.kv.attention import paged_attention, rotate_outputs, rotate_queries
 from nfjax.kv.blocked_attention import blocked_paged_attention
 from nfjax.kv.cache import KVCache, bytes_per_token
 from nfjax.kv.metadata import PADDING_SLOT, build_metadata
+from nfjax.kv.prefix_cache import pack_pages, unpack_pages
 from pallas_kernels import kv_quant as kq
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
@@ -20,11 +21,12 @@ def _cache(fmt, num_pages=6, ps=16):
     return KVCache.create(MODEL, CacheConfig(page_size=ps, num_pages=num_pages, kv_dtype=fmt))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_write_quantizes_rows_and_drops_padding(fmt):
     kv = _cache(fmt)
     w = kq.aux_width(fmt, 64)
     assert kv.k.shape == (2, 6, 16, 2, 32 if fmt == "int4" else 64) and kv.aux.shape == (2, 6, 16, 2, w)
+    assert kv.k.dtype == kq.value_dtype(fmt, None)
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal((5, 2, 64)), jnp.bfloat16) for _ in range(2))
     slots = jnp.asarray([3 * 16 + 5, 17, 40, PADDING_SLOT, PADDING_SLOT + 1], jnp.int32)
@@ -67,8 +69,9 @@ def test_page_scaled_fp8_keeps_one_scale_per_page_and_head():
     assert all(np.array_equal(b, np.asarray(a[0, 2])) for a, b in zip(kv.arrays(), before))
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int8", "int4"])
 def test_take_and_put_pages_move_pages_as_stored(fmt):
+    """Swapping's page copies, and the prefix tiers' uint8 rows (pack_pages / unpack_pages), keep pages as stored."""
     kv = _cache(fmt)
     rng = np.random.default_rng(2)
     k, v = (jnp.asarray(rng.standard_normal((96, 2, 64)), jnp.float32) for _ in range(2))
@@ -80,9 +83,13 @@ def test_take_and_put_pages_move_pages_as_stored(fmt):
     for a, b in zip(moved.arrays(), kv.arrays()):
         assert np.array_equal(np.asarray(a[:, 5]), np.asarray(b[:, 1]))
         assert np.array_equal(np.asarray(a[:, :5]), np.asarray(b[:, :5]))
+    rows = pack_pages(kv, jnp.asarray([1, 4]))
+    assert rows.dtype == jnp.uint8
+    for a, b in zip(unpack_pages(kv, jnp.asarray([5, 99]), rows).arrays(), moved.arrays()):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("fmt,ps", [("fp8", 16), ("int4", 16), ("int4", 64), ("fp8_page", 16)])
+@pytest.mark.parametrize("fmt,ps", [("fp8", 16), ("int8", 64), ("int4", 16), ("int4", 64), ("fp8_page", 16)])
 def test_references_read_quantized_pages(fmt, ps):
     """Both kernel-less paths (the reference, and the blocked loop the CPU runs) on a mixed batch: a quantized
     cache gives the reference's output on its dequantized pages; int4 stores K and V rotated, so the queries go in
@@ -114,7 +121,7 @@ def test_references_read_quantized_pages(fmt, ps):
     np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], rtol=2e-5, atol=2e-5)
     exact = ragged_paged_attention_ref(q, *_unquantized(k, v, all_slots, ps, n_pages), *args)   # f32 pages
     err = np.linalg.norm(np.asarray(ref - exact)[:live]) / np.linalg.norm(np.asarray(exact)[:live])
-    assert err < (0.05 if fmt.startswith("fp8") else 0.16), err      # e4m3: 2^-4 / sqrt(3) rms a value
+    assert err < (0.05 if fmt.startswith("fp8") else 0.01 if fmt == "int8" else 0.16), err   # e4m3: 2^-4 / sqrt(3) rms
 
 
 def _unquantized(k, v, slots, ps, n_pages):
@@ -127,7 +134,8 @@ def test_bytes_per_token_counts_compressed_values_and_scales():
     assert bytes_per_token(MODEL) == 2 * 2 * 2 * 64 * 2                              # bf16 K and V
     assert bytes_per_token(MODEL, kv_dtype="fp8") == 2 * 2 * (2 * 64 + 16)
     assert bytes_per_token(MODEL, kv_dtype="int4") == 2 * 2 * (2 * 32 + 16)
-    for fmt in ("fp8", "int4"):       # what the cache really allocates
+    assert bytes_per_token(MODEL, kv_dtype="int8") == 2 * 2 * (2 * 64 + 16)
+    for fmt in ("fp8", "int8", "int4"):       # what the cache really allocates
         kv = _cache(fmt, num_pages=4)
         held = sum(a.size * a.dtype.itemsize for a in kv.arrays())
         assert held == bytes_per_token(MODEL, kv_dtype=fmt) * 4 * 16

@@ -18,7 +18,7 @@ from nfjax.models.llama import LlamaModel
 from nfjax.parallel import make_mesh, shard_model
 from tests.engine.conftest import make_engine
 
-# head_dim 64: int4's groups are 64 wide
+# head_dim 64: int4's and int8's groups are 64 wide
 CFG = ModelConfig(vocab_size=258, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=64, max_position_embeddings=256, eos_token_ids=(257,), bos_token_id=256, dtype="bfloat16")
 
@@ -32,22 +32,24 @@ def _parse(*argv):
 def test_flag_and_config_field(capsys):
     assert overrides_from_args(_parse("--kv-dtype", "int4"))["cache"]["kv_dtype"] == "int4"
     assert engine_config(CFG, overrides_from_args(_parse("--kv-dtype", "fp8"))).cache.kv_dtype == "fp8"
+    assert engine_config(CFG, overrides_from_args(_parse("--kv-dtype", "int8"))).cache.kv_dtype == "int8"
     assert engine_config(CFG).cache.kv_dtype == "bfloat16"
     with pytest.raises(SystemExit):
-        _parse("--kv-dtype", "int8")
+        _parse("--kv-dtype", "int2")
     err = capsys.readouterr().err
-    assert "--kv-dtype" in err and "'bfloat16', 'fp8', 'int4'" in err
-    with pytest.raises(ConfigError, match=r"cache.kv_dtype \(--kv-dtype\) 'int8'.*choices: bfloat16, fp8, int4"):
-        engine_config(CFG, {"cache": {"kv_dtype": "int8"}})
+    assert "--kv-dtype" in err and "'bfloat16', 'fp8', 'int8', 'int4'" in err
+    with pytest.raises(ConfigError, match=r"cache.kv_dtype \(--kv-dtype\) 'int2'.*choices: bfloat16, fp8, int8, int4"):
+        engine_config(CFG, {"cache": {"kv_dtype": "int2"}})
 
 
 def test_pool_is_sized_by_compressed_bytes():
     free = 1 << 30
     pages = {f: resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=free, on_gpu=False).cache.num_pages
-             for f in ("bfloat16", "fp8", "int4")}
+             for f in ("bfloat16", "fp8", "int8", "int4")}
     for f, n in pages.items():     # the pool takes the KV share (less the sampler's penalty slots) in whole pages
         assert 0.95 * free * 0.9 < n * bytes_per_token(CFG, kv_dtype=f) * 16 <= free * 0.9
     assert pages["fp8"] / pages["bfloat16"] == pytest.approx(256 / 144, rel=1e-3)     # 64 values: 128 B -> 64 + 8
+    assert pages["int8"] == pages["fp8"]                                                # the same bytes
     assert pages["int4"] / pages["bfloat16"] == pytest.approx(256 / 80, rel=1e-3)     # 64 values: 128 B -> 32 + 8
 
 
@@ -60,9 +62,11 @@ def test_formats_the_device_cannot_serve_fail_at_start():
     with pytest.raises(ConfigError, match=r"'fp8' cannot be served on this GPU.*float32.*choices here: bfloat16 \("):
         resolve(engine_config(CFG.replace(dtype="float32"), {"cache": {"kv_dtype": "fp8"}}), free_bytes=1 << 30,
                 on_gpu=True)
-    with pytest.raises(ConfigError, match=r"'int4' cannot be served.*head_dim 64 or 128.*choices here: bfloat16, fp8 "):
-        resolve(engine_config(CFG.replace(head_dim=256), {"cache": {"kv_dtype": "int4"}}), free_bytes=1 << 30,
-                on_gpu=True)
+    for f in ("int4", "int8"):
+        with pytest.raises(ConfigError, match=rf"'{f}' cannot be served.*head_dim 64 or 128.*choices here: bfloat16, "
+                                              r"fp8 \(all: bfloat16, fp8, int8, int4, kivi64\)"):
+            resolve(engine_config(CFG.replace(head_dim=256), {"cache": {"kv_dtype": f}}), free_bytes=1 << 30,
+                    on_gpu=True)
     with pytest.raises(ConfigError, match=r"'kivi64' cannot be served on this GPU: no attention kernel reads it yet"):
         resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64}}), free_bytes=1 << 30,
                 on_gpu=True)
@@ -71,7 +75,7 @@ def test_formats_the_device_cannot_serve_fail_at_start():
     with pytest.raises(ConfigError, match=r"kivi64 needs a token budget \(the largest of --token-buckets.*got 48"):
         resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64},
                                     "batcher": {"token_buckets": [16, 48]}}), free_bytes=None, on_gpu=False)
-    for f in ("fp8", "int4"):          # the kernels serve both on a GPU
+    for f in ("fp8", "int8", "int4"):          # the kernels serve them on a GPU
         resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
 
 
@@ -108,7 +112,7 @@ def test_logits_close_to_the_unquantized_cache():
     tokens[:sum(map(len, seqs))] = np.concatenate(seqs)
     logits = {}
     mesh = make_mesh(1)
-    for f in ("bfloat16", "fp8", "int4"):
+    for f in ("bfloat16", "fp8", "int8", "int4"):
         cfg = EngineConfig(CFG, CacheConfig(page_size=8, num_pages=40, max_pages_per_seq=12, kv_dtype=f),
                            BatcherConfig(token_buckets=(16,), max_seqs=4))
         # The engine's Runner, set up as Engine does at TP 1, without compiling its step programs: Runner.logits
@@ -117,7 +121,7 @@ def test_logits_close_to_the_unquantized_cache():
         shard_model(model, mesh)
         logits[f] = np.asarray(Runner(model, cfg, mesh).logits(tokens, meta), np.float32)
     ref = logits["bfloat16"]
-    for f, tol in (("fp8", 0.05), ("int4", 0.15)):       # measured 0.025 and 0.087
+    for f, tol in (("fp8", 0.05), ("int8", 0.02), ("int4", 0.15)):       # measured 0.025, 0.007 and 0.087
         err = np.linalg.norm(logits[f] - ref) / np.linalg.norm(ref - ref.mean(-1, keepdims=True))
         assert err < tol, (f, err)
         assert (logits[f].argmax(-1) == ref.argmax(-1)).all(), f

@@ -1,4 +1,4 @@
-"""The attention kernels on quantized caches (fp8, int4; pallas_kernels/_kv_dequant.py) in Mosaic GPU interpret
+"""The attention kernels on quantized caches (fp8, int8, int4; pallas_kernels/_kv_dequant.py) in Mosaic GPU interpret
 mode against their references, which dequantize the whole cache first; GPU lowering checked by cross-lowering for
 CUDA. Ragged lengths, pages of 16 and 64, GQA 1/4/8, head_dim 64/128."""
 import jax
@@ -10,10 +10,19 @@ from pallas_kernels import kv_quant
 from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 
+def _cache_types(fmt, ps, d):
+    """The stacked values' and aux rows' types of a quantized cache (8 kv heads, 4096 pages of `ps`)."""
+    sds = jax.ShapeDtypeStruct
+    lead = (2, 4096, ps, 8)
+    return (sds((*lead, kv_quant.value_width(fmt, d)), kv_quant.value_dtype(fmt, jnp.bfloat16)),
+            sds((*lead, kv_quant.aux_width(fmt, d)), kv_quant.AUX_DTYPE))
+
+
 # (format, page_size, group, head_dim, block_kv, num_splits, programs, stages, dequantizing warpgroups)
 # (None: the format's default, int4's 2 over an even number of stages, else 1; 0: the consumer dequantizes)
 DECODE = [("fp8", 16, 4, 64, 64, None, 3, 2, 2), ("int4", 64, 8, 128, 64, 3, 4, 3, None),
-          ("int4", 16, 1, 64, 128, 2, 5, 4, 2), ("fp8", 64, 1, 128, 128, 1, 2, 2, 0)]
+          ("int4", 16, 1, 64, 128, 2, 5, 4, 2), ("fp8", 64, 1, 128, 128, 1, 2, 2, 0),
+          ("int8", 64, 4, 128, 64, 3, 3, 2, None), ("int8", 16, 8, 64, 64, 2, 2, 2, 0)]
 
 
 @pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs,stages,nd", DECODE)
@@ -35,20 +44,18 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
 @pytest.mark.parametrize("fmt,ps,d,kw", [("fp8", 16, 128, {}), ("int4", 16, 128, {}),
                                          ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
                                          ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma", "dequant_wgs": 2}),
-                                         ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1})])
+                                         ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1}),
+                                         ("int8", 16, 128, {}), ("int8", 64, 64, {"block_kv": 64, "dequant_wgs": 0})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
-    vd = d // 2 if fmt == "int4" else d
-    dt = jnp.uint8 if fmt == "int4" else kv_quant.FP8
-    cache = sds((2, 4096, ps, 8, vd), dt)
-    aux = sds((2, 4096, ps, 8, kv_quant.aux_width(fmt, d)), jnp.bfloat16)
+    cache, aux = _cache_types(fmt, ps, d)
     args = (sds((64, 32, d), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
     paged_decode_attention_swapped.trace(*args, scale=d ** -0.5, aux_cache=aux, **kw).lower(
         lowering_platforms=("cuda",))
 
 
-HEADS = [("fp8", 16, 8, 128, 64, 2, 3), ("int4", 64, 4, 64, 128, None, 2)]
+HEADS = [("fp8", 16, 8, 128, 64, 2, 3), ("int4", 64, 4, 64, 128, None, 2), ("int8", 16, 1, 128, 64, 2, 3)]
 
 
 @pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs", HEADS)
@@ -66,7 +73,7 @@ def test_heads_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, pro
 
 # (format, page_size, group, head_dim, programs, first_seq)
 PREFILL = [("fp8", 16, 4, 64, None, 1), ("int4", 64, 8, 128, 3, 0), ("int4", 16, 1, 64, None, 0),
-           ("fp8", 64, 4, 128, 4, 1)]
+           ("fp8", 64, 4, 128, 4, 1), ("int8", 64, 8, 64, None, 1), ("int8", 16, 4, 128, 3, 0)]
 
 
 @pytest.mark.parametrize("fmt,ps,g,d,progs,first", PREFILL)
@@ -86,15 +93,13 @@ def test_prefill_on_quantized_cache(paged_case, fmt, ps, g, d, progs, first):
     assert np.all(out[:qlens[0] if first else 0] == 0) and np.all(out[sum(qlens):] == 0)
 
 
-@pytest.mark.parametrize("fmt,d", [("fp8", 128), ("int4", 64)])
+@pytest.mark.parametrize("fmt,d", [("fp8", 128), ("int4", 64), ("int8", 128)])
 def test_prefill_heads_and_fused_on_quantized_cache_lower_for_gpu(fmt, d):
     from pallas_kernels.attention_beside_gemm import decode_attention_beside_gemm
     from pallas_kernels.paged_decode_attention import paged_decode_attention
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     sds = jax.ShapeDtypeStruct
-    vd, dt = (d // 2, jnp.uint8) if fmt == "int4" else (d, kv_quant.FP8)
-    cache = sds((2, 4096, 16, 8, vd), dt)
-    aux = sds((2, 4096, 16, 8, kv_quant.aux_width(fmt, d)), jnp.bfloat16)
+    cache, aux = _cache_types(fmt, 16, d)
     lay, pt, lens = sds((), jnp.int32), sds((4, 256), jnp.int32), sds((4,), jnp.int32)
     paged_prefill_attention.trace(sds((2048, 32, d), jnp.bfloat16), cache, cache, lay, pt, lens,
                                   sds((5,), jnp.int32), sds((), jnp.int32), scale=0.1, aux_cache=aux).lower(
