@@ -3,7 +3,7 @@ all SMs), per kv_dtype: correctness of every kernel on quantized caches against 
 bandwidth at context 1k/4k/16k, batch 64 and 256, with the bytes each format actually reads (values + aux rows +
 queries) against the measured device copy. One device call; `bench/kernels/attention.py --kv-dtype` runs it.
 
-usage: python -m bench.kernels.kv_decode [--kv-dtype bfloat16,fp8,int4] [--quick] [--out DIR] [--smoke]
+usage: python -m bench.kernels.kv_decode [--kv-dtype bfloat16,fp8,int8,int4] [--quick] [--out DIR] [--smoke]
 Writes <out>/attention_kv-<YYYYMMDD>.json (+ .png); summary keys decode_bw_fraction_of_copy_4k_<fmt>.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def relerr(out, ref) -> float:
 
 def make_cache(key, fmt, pages, ps, d=D, kvh=KVH):
     """One layer's cache in `fmt`, drawn directly in its stored form (no f32 copy of a 16 GB cache): fp8 from
-    random bytes (NaN codes replaced), int4 random bytes, aux scales ~ 0.02, int4 centers ~ N(0, 0.1)."""
+    random bytes (NaN codes replaced), int8 / int4 random bytes, aux scales ~ 0.02, their centers ~ N(0, 0.1)."""
     ks = jax.random.split(key, 4)
     shape = (1, pages, ps, kvh, d)
     if fmt == "bfloat16":        # random bits: sign, exponent 2^-1..2^0, 7 mantissa bits (no f32 temporary)
@@ -50,14 +50,15 @@ def make_cache(key, fmt, pages, ps, d=D, kvh=KVH):
         return bf(ks[0]), bf(ks[1]), None
 
     def vals(k):
-        if fmt == "int4":
-            return jax.random.bits(k, shape[:-1] + (d // 2,), jnp.uint8)
+        if fmt in kv_quant.GROUP_CODECS:
+            b = jax.random.bits(k, shape[:-1] + (kv_quant.value_width(fmt, d),), jnp.uint8)
+            return jax.lax.bitcast_convert_type(b, kv_quant.value_dtype(fmt, None))
         b = jax.random.bits(k, shape, jnp.uint8)
         b = jnp.where((b & 0x7F) == 0x7F, b ^ 1, b)
         return jax.lax.bitcast_convert_type(b, kv_quant.FP8)
     w = kv_quant.aux_width(fmt, d)
     aux = jax.random.uniform(ks[2], shape[:-1] + (w,), jnp.float32, 0.01, 0.03)
-    if fmt == "int4":
+    if fmt in kv_quant.GROUP_CODECS:
         cen = 0.1 * jax.random.normal(ks[3], aux.shape)
         aux = jnp.where(jnp.arange(w) % 2 == 1, cen, aux)
     return vals(ks[0]), vals(ks[1]), aux.astype(jnp.bfloat16)
@@ -149,7 +150,7 @@ def decode_case(fmt, b, ctx, ps, nsm, iters, **kw):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kv-dtype", default="bfloat16,fp8,int4", help="comma-separated formats")
+    ap.add_argument("--kv-dtype", default="bfloat16,fp8,int8,int4", help="comma-separated formats")
     ap.add_argument("--quick", action="store_true", help="checks + context 4k only")
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--compare-dequant-wgs", action="store_true", help="also time one dequantizing warpgroup")
