@@ -43,6 +43,8 @@ def model_config(args):
     if a.get("shape") not in SHAPES:
         raise SystemExit(f"--shape: expected one of {', '.join(SHAPES)}, got {a.get('shape')!r}")
     cfg = SHAPES[a["shape"]]
+    from nfjax import device_allocator       # every bench reads its shape before it touches a device
+    device_allocator.for_model(cfg, log=print)
     if a.get("layers"):
         cfg = cfg.replace(num_layers=a["layers"])
     if a.get("dtype"):

@@ -4,7 +4,11 @@ The grid is `num_ctas` persistent CTAs; output tile t is computed by CTA t % P. 
 is NanoFlow's resource share: with P < #SMs the GEMM leaves SMs free for a kernel on another stream.
 
 Tiling: a CTA tile is block_m x block_n; W = 2 consumer warpgroups each own block_m / 2 rows of it (their
-accumulator, block_m / 2 x block_n f32, lives in registers) and share the B tile. K streams through SMEM in
+accumulator, block_m / 2 x block_n f32, lives in registers) and share the B tile. With `split_n` they split the
+columns instead: each owns block_n / 2 columns of all block_m rows and shares the A tile, which allows 64-row tiles
+(a warpgroup's wgmma is 64 rows at least; the grouped GEMM pads each expert's rows to a multiple of block_m). At
+Mixtral's decode sizes on an H200 the 64-row tiles were within -9% / +4% of the 128-row ones, so no model uses them
+(bench/NOTES.md section 26); the config stays for the kernel benches. K streams through SMEM in
 block_k slabs `stages` deep with TMA copies. The stream of (tile, k-step) pairs of one CTA is ONE
 pipeline: the copies of the next tile's first slabs are in flight while the current tile's epilogue runs.
 Each consumer keeps one wgmma in flight: after issuing step s it waits for step s - 1 and releases that slot.
@@ -53,20 +57,32 @@ class TileConfig(NamedTuple):
     stages: int = 4
     group_m: int = 16        # M-tiles per tile group (>= M / block_m: all M tiles of a column block together)
     producer: bool = True    # a dedicated TMA warpgroup (warp specialisation)
-    epi_cols: int = 128      # epilogue columns per SMEM round trip (block_n: one round)
+    epi_cols: int = 128      # epilogue columns per SMEM round trip (a warpgroup's columns: one round)
+    split_n: bool = False    # the consumer warpgroups split the tile's columns, not its rows
+
+    @property
+    def wg_rows(self) -> int:
+        """Rows of a consumer warpgroup's accumulator (and of each A box)."""
+        return self.block_m if self.split_n else self.block_m // NUM_WGS
+
+    @property
+    def wg_cols(self) -> int:
+        """Columns of a consumer warpgroup's accumulator (and of each B box)."""
+        return self.block_n // NUM_WGS if self.split_n else self.block_n
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         stage = (self.block_m + self.block_n) * self.block_k * itemsize
-        return self.stages * stage + self.block_m * self.epi_cols * itemsize
+        return self.stages * stage + NUM_WGS * self.wg_rows * self.epi_cols * itemsize
 
     def check(self):
-        rows = self.block_m // NUM_WGS
-        if rows % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k % 64:
-            raise ValueError(f"{self}: need block_m = 2 * 64k, block_n % 64 == 0 <= 256, block_k % 64 == 0")
-        if rows * self.block_n > 128 * 128:
+        rows, cols = self.wg_rows, self.wg_cols
+        if rows % 64 or cols % 64 or cols > 256 or self.block_k % 64:
+            raise ValueError(f"{self}: need a warpgroup's rows and columns multiples of 64 (columns <= 256) and "
+                             "block_k % 64 == 0")
+        if rows * cols > 128 * 128:
             raise ValueError(f"{self}: a warpgroup's f32 accumulator over 128 registers per thread")
-        if self.block_n % self.epi_cols or self.epi_cols % 64:
-            raise ValueError(f"{self}: epi_cols must divide block_n and be a multiple of 64")
+        if cols % self.epi_cols or self.epi_cols % 64:
+            raise ValueError(f"{self}: epi_cols must divide a warpgroup's columns and be a multiple of 64")
         if self.smem_bytes() > SMEM_BYTES - 1024:
             raise ValueError(f"{self}: {self.smem_bytes()} bytes of SMEM > {SMEM_BYTES - 1024}")
 
@@ -76,6 +92,7 @@ TILE_CONFIGS = {
     "128x256_s3": TileConfig(128, 256, 64, 3, 16, False, 256),
     "128x128_s5_ws": TileConfig(128, 128, 64, 5, 16, True, 128),
     "256x128_s4_ws": TileConfig(256, 128, 64, 4, 8, True, 64),
+    "64x256_s5_ws_n": TileConfig(64, 256, 64, 5, 16, True, 64, split_n=True),
 }
 DEFAULT_CONFIG = "128x256_s4_ws"
 
@@ -123,7 +140,8 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
     m, k_dim = x_hbm.shape
     n = bounds[-1]
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
-    rows = bm // NUM_WGS
+    rows, cols = cfg.wg_rows, cfg.wg_cols
+    a_boxes = 1 if cfg.split_n else NUM_WGS          # A boxes a stage (one per consumer, or one shared)
     k_steps = k_dim // bk
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
@@ -139,11 +157,13 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
         t = pid + lax.div(s, k_steps) * num_ctas
         m0, n0 = origin(t)
         k0 = lax.rem(s, k_steps) * bk
-        for i in range(NUM_WGS):      # one A box per consumer: each wgmma reads an untransposed [rows, bk] tile
+        for i in range(a_boxes):      # untransposed [rows, bk] A boxes: one per consumer (split_n: one shared)
             plgpu.copy_gmem_to_smem(x_hbm.at[pl.ds(m0 + i * rows, rows), pl.ds(k0, bk)], a_s.at[slot, i],
                                     full.at[slot])
-        for_weight(n0, lambda w_i, o_i, n_i: plgpu.copy_gmem_to_smem(
-            grid.weight(w_i, t).at[pl.ds(k0, bk), pl.ds(n_i, bn)], b_s.at[slot], full.at[slot]))
+        for i in range(NUM_WGS + 1 - a_boxes):      # [bk, cols] B boxes: one shared (split_n: one per consumer)
+            for_weight(n0, lambda w_i, o_i, n_i, i=i: plgpu.copy_gmem_to_smem(
+                grid.weight(w_i, t).at[pl.ds(k0, bk), pl.ds(n_i + i * cols, cols)], b_s.at[slot, i],
+                full.at[slot]))
 
     def for_weight(n0, fn):
         """fn(w_i, o_i, column in w_i) for the weight holding virtual column n0."""
@@ -181,21 +201,26 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
                     s = s0 + kk
                     slot = lax.rem(s, stages)
                     plgpu.barrier_wait(full.at[slot])
-                    plgpu.wgmma(acc_ref, a_s.at[slot, wg], b_s.at[slot])
+                    if cfg.split_n:
+                        plgpu.wgmma(acc_ref, a_s.at[slot, 0], b_s.at[slot, wg])
+                    else:
+                        plgpu.wgmma(acc_ref, a_s.at[slot, wg], b_s.at[slot, 0])
                     plgpu.wgmma_wait(1)                   # step s - 1 is done reading its slot
                     pl.when(kk > 0)(lambda: release(s - 1))
                     return c
                 lax.fori_loop(0, k_steps, kstep, None)
                 return acc_ref[...]                       # waits for the last wgmma
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, bn), jnp.float32))
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, cols), jnp.float32))
             release(s0 + k_steps - 1)
             mine = o_s.at[wg]
-            for c in range(bn // cfg.epi_cols):
+            r0 = m0 if cfg.split_n else m0 + wg * rows
+            c0 = wg * cols if cfg.split_n else 0
+            for c in range(cols // cfg.epi_cols):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has left the buffer
                 mine[...] = acc[:, c * cfg.epi_cols:(c + 1) * cfg.epi_cols].astype(mine.dtype)
                 plgpu.commit_smem()
                 for_weight(n0, lambda w_i, o_i, n_i, c=c: plgpu.copy_smem_to_gmem(
-                    mine, o_i.at[pl.ds(m0 + wg * rows, rows), pl.ds(n_i + c * cfg.epi_cols, cfg.epi_cols)]))
+                    mine, o_i.at[pl.ds(r0, rows), pl.ds(n_i + c0 + c * cfg.epi_cols, cfg.epi_cols)]))
             return carry
         lax.fori_loop(0, n_mine, tile, None)
         plgpu.wait_smem_to_gmem(0)
@@ -230,9 +255,10 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
 def gemm_scratch(cfg: TileConfig, dtype) -> list:
     """SMEM stages, epilogue buffer and barriers of `gemm_kernel`."""
     tf = smem_tile_transforms(dtype)
-    stages, rows = cfg.stages, cfg.block_m // NUM_WGS
-    return [plgpu.SMEM((stages, NUM_WGS, rows, cfg.block_k), dtype, transforms=tf),
-            plgpu.SMEM((stages, cfg.block_k, cfg.block_n), dtype, transforms=tf),
+    stages, rows, cols = cfg.stages, cfg.wg_rows, cfg.wg_cols
+    a_boxes = 1 if cfg.split_n else NUM_WGS
+    return [plgpu.SMEM((stages, a_boxes, rows, cfg.block_k), dtype, transforms=tf),
+            plgpu.SMEM((stages, NUM_WGS + 1 - a_boxes, cfg.block_k, cols), dtype, transforms=tf),
             plgpu.SMEM((NUM_WGS, rows, cfg.epi_cols), dtype, transforms=tf),
             plgpu.Barrier(num_arrivals=NUM_WGS + 1, num_barriers=stages),   # A boxes + B box
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)]      # one per consumer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,6 @@ def engine_config(model: ModelConfig, overrides: dict | None = None) -> EngineCo
     from nfjax.schedule.auto import resolve_auto
     parts["execution"], auto = resolve_auto(parts["execution"], model, parts["parallel"].tp)   # --plan auto
     if auto:
-        import sys
         print(f"[{auto}]", file=sys.stderr, flush=True)
     return EngineConfig(model, **parts)
 
@@ -256,7 +256,10 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
         path = Path(model_dir) if model_dir is not None else TINY_MODEL
         if not path.is_dir():
             raise UserError(f"{path}: no such model folder")
-        tp_config(load_config(path), tp)             # a clear error before any weight is read
+        cfg = load_config(path)
+        tp_config(cfg, tp)                           # a clear error before any weight is read
+        from nfjax import device_allocator           # before the mesh starts the GPU client
+        device_allocator.for_model(cfg, log=lambda m: print(f"nfjax: {m}", file=sys.stderr))
         mesh = mesh or make_mesh(tp)
         model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
         tokenizer = tokenizer or load_tokenizer(path, token_ids_only=True)   # no tokenizer files: ids only
@@ -269,7 +272,6 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
 def from_flags(args: argparse.Namespace, *, progress: bool = False, **kw):
     """`build_engine` from parsed `add_engine_args` flags (plus `--model`, if the parser has it); prints what the
     engine holds (KV capacity, context, sequences, buckets) to stderr."""
-    import sys
     if getattr(args, "offload", None):
         from nfjax.offload.engine import from_flags as offload_engine
         engine = offload_engine(args, progress=progress)

@@ -25,7 +25,8 @@ def _seed() -> int:
 # several seconds of CPU, so the case covers: an empty expert between two others, a group of two M tiles, a
 # static tail nobody computes, N=384 over 256-wide tiles (the last N tile shifted back), 3 programs over 8 tiles
 # (pipelines crossing tiles of different experts), 2 K steps.
-CASES = [((1, 0, 2), 1, 128, 384, "128x256_s4_ws", 3)]
+CASES = [((1, 0, 2), 1, 128, 384, "128x256_s4_ws", 3),
+         ((1, 0, 3), 1, 128, 384, "64x256_s5_ws_n", 3)]    # 64-row tiles: the consumers split the columns
 
 
 @pytest.mark.parametrize("groups,tail,k,n,config,programs", CASES)
