@@ -1,8 +1,8 @@
 """Device KV arrays for all layers, stacked so the layer loop can carry them and update in place.
 
-The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int4
-values with one bfloat16 `aux` row of scales (and int4 centers) per token and kv head; kivi64 also keeps each
-sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
+The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int8 /
+int4 values with one bfloat16 `aux` row of scales (and int8 / int4 centers) per token and kv head; kivi64 also
+keeps each sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
 enter the cache (`write`); attention dequantizes what it reads.
 """
 from __future__ import annotations
