@@ -70,13 +70,21 @@ def grouped_tile_grid(table_hbm, *, n: int, block_m: int, block_n: int, group_m:
     return TileGrid(num_tiles, origin, weight)
 
 
-@functools.partial(jax.jit, static_argnames=("num_ctas", "config", "interpret"), inline=True)
+def swiglu_block(config: TileConfig | str = DEFAULT_CONFIG) -> int:
+    """The column block a gate/up weight interleaves its gate and up columns in for `grouped_gemm(act="swiglu")`:
+    [gate 0 | up 0 | gate 1 | up 1 | ...], each block half a tile's width."""
+    return (TILE_CONFIGS[config] if isinstance(config, str) else config).block_n // 2
+
+
+@functools.partial(jax.jit, static_argnames=("num_ctas", "config", "act", "interpret"), inline=True)
 def grouped_gemm(x: Float[Array, "M K"], w: Float[Array, "E K N"], group_sizes: Int[Array, "E"], *,
-                 num_ctas: int | None = None, config: TileConfig | str = DEFAULT_CONFIG,
+                 num_ctas: int | None = None, config: TileConfig | str = DEFAULT_CONFIG, act: str | None = None,
                  interpret: bool = False) -> Float[Array, "M N"]:
     """y[r] = x[r] @ w[e] for the rows r of group e (bf16 in, f32 accumulation, x.dtype out) on `num_ctas`
     persistent CTAs (None: one per SM). Groups are consecutive row ranges of `group_sizes` rows, each a multiple
-    of `group_alignment(config)`; M must be one too. Rows past the groups are left unwritten."""
+    of `group_alignment(config)`; M must be one too. Rows past the groups are left unwritten.
+    `act="swiglu"`: w's columns interleave gate and up in blocks of `swiglu_block(config)` (N a multiple of the
+    tile width) and the result is silu(gate) * up, [M, N / 2], with no [M, N] array written."""
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
     m, k_dim = x.shape
@@ -88,6 +96,8 @@ def grouped_gemm(x: Float[Array, "M K"], w: Float[Array, "E K N"], group_sizes: 
         raise ValueError(f"need matching 16-bit dtypes, got {x.dtype} and {w.dtype}")
     if m % cfg.block_m:
         raise ValueError(f"M={m} rows must be a multiple of block_m={cfg.block_m} (groups padded to it)")
+    if act and (n % cfg.block_n or k_dim % cfg.block_k):
+        raise ValueError(f"act={act!r} needs N={n} a multiple of block_n={cfg.block_n} and K={k_dim} of block_k")
     kp = cdiv(k_dim, cfg.block_k) * cfg.block_k
     np_ = max(cdiv(n, 64) * 64, cfg.block_n)
     if kp != k_dim:
@@ -100,11 +110,11 @@ def grouped_gemm(x: Float[Array, "M K"], w: Float[Array, "E K N"], group_sizes: 
 
     def body(table_hbm, x_hbm, w_hbm, o_hbm, *scratch):
         grid = grouped_tile_grid(table_hbm, n=np_, block_m=cfg.block_m, block_n=cfg.block_n, group_m=cfg.group_m)
-        gemm_kernel(x_hbm, w_hbm, o_hbm, *scratch, cfg=cfg, num_ctas=progs, grid=grid)
+        gemm_kernel(x_hbm, w_hbm, o_hbm, *scratch, cfg=cfg, num_ctas=progs, grid=grid, act=act)
 
     y = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, np_), x.dtype),
+        out_type=jax.ShapeDtypeStruct((m, np_ // 2 if act else np_), x.dtype),
         scratch_types=gemm_scratch(cfg, x.dtype),
         grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
         compiler_params=compiler_params(),

@@ -20,3 +20,17 @@ def grouped_gemm_ref(x: Float[Array, "M K"], w: Float[Array, "E K N"],
     for e in range(w.shape[0]):
         y = jnp.where((gid == e)[:, None], xf @ w[e].astype(jnp.float32), y)
     return y.astype(x.dtype)
+
+
+def deinterleave(y: Float[Array, "M N"], block: int) -> tuple[Float[Array, "M H"], Float[Array, "M H"]]:
+    """(gate, up) from columns interleaved in blocks of `block`: [gate 0 | up 0 | gate 1 | up 1 | ...]."""
+    m, n = y.shape
+    z = y.reshape(m, n // (2 * block), 2, block)
+    return z[:, :, 0].reshape(m, n // 2), z[:, :, 1].reshape(m, n // 2)
+
+
+def interleave(gate: Float[Array, "... H"], up: Float[Array, "... H"], block: int) -> Float[Array, "... N"]:
+    """`deinterleave`'s inverse along the last axis."""
+    *lead, h = gate.shape
+    z = jnp.stack([gate.reshape(*lead, h // block, block), up.reshape(*lead, h // block, block)], axis=-2)
+    return z.reshape(*lead, 2 * h)

@@ -123,14 +123,28 @@ class TileGrid(NamedTuple):
     weight: object
 
 
+def swiglu_tile(acc, dtype):
+    """[rows, 2h] f32 tile of [gate | up] columns -> silu(gate) * up [rows, h] in f32, rounded as the unfused
+    path rounds (nfjax.models.llama.swiglu on the GEMM's `dtype` outputs): gate and up to `dtype`, the silu in f32
+    to `dtype`, their product."""
+    h = acc.shape[1] // 2
+    g = acc[:, :h].astype(dtype).astype(jnp.float32)
+    u = acc[:, h:].astype(dtype).astype(jnp.float32)
+    s = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    return s * u
+
+
 def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_ctas: int,
-                cta=None, grid: TileGrid | None = None):
+                cta=None, grid: TileGrid | None = None, act: str | None = None):
     """The kernel body, run by `num_ctas` CTAs; `cta` is this one's index among them (None:
     the grid index; a fused kernel gives other CTAs other work). `w_hbm`/`o_hbm` may be equal-length
     tuples: x @ w_i -> o_i for each i, as one GEMM over the weights side by side (each N_i a multiple of
     block_n, so no tile straddles two). `grid`: the tiles (None: every tile of x @ w, grouped order; see
-    pallas_kernels/grouped_gemm.py for the other)."""
+    pallas_kernels/grouped_gemm.py for the other). `act="swiglu"`: each tile's columns are [gate | up] halves and
+    the tile writes silu(gate) * up, block_n / 2 columns at column n0 / 2 of `o_hbm` (one weight, not split_n)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
+    if act not in (None, "swiglu") or (act and (len(ws) > 1 or cfg.split_n)):
+        raise ValueError(f"act {act!r}: None, or 'swiglu' over one weight with split_n off")
     os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
     bounds = [0]
     for w_i in ws:
@@ -215,10 +229,17 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
             mine = o_s.at[wg]
             r0 = m0 if cfg.split_n else m0 + wg * rows
             c0 = wg * cols if cfg.split_n else 0
-            for c in range(cols // cfg.epi_cols):
+            out_cols = cols
+            if act == "swiglu":
+                acc, out_cols = swiglu_tile(acc, mine.dtype), cols // 2
+            for c in range(out_cols // cfg.epi_cols):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has left the buffer
                 mine[...] = acc[:, c * cfg.epi_cols:(c + 1) * cfg.epi_cols].astype(mine.dtype)
                 plgpu.commit_smem()
+                if act:
+                    plgpu.copy_smem_to_gmem(mine, os_[0].at[pl.ds(r0, rows),
+                                                             pl.ds(lax.div(n0, 2) + c * cfg.epi_cols, cfg.epi_cols)])
+                    continue
                 for_weight(n0, lambda w_i, o_i, n_i, c=c: plgpu.copy_smem_to_gmem(
                     mine, o_i.at[pl.ds(r0, rows), pl.ds(n_i + c0 + c * cfg.epi_cols, cfg.epi_cols)]))
             return carry

@@ -23,23 +23,28 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
+from nfjax.models.grouped import SWIGLU_BLOCK
 from nfjax.parallel import TP_AXIS
+from pallas_kernels.grouped_gemm_ref import deinterleave, interleave
 
 # joined name -> the projections it joins, in column order
 JOINS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          "shared_gate_up_proj": ("shared_gate_proj", "shared_up_proj"),
          "experts_gate_up": ("experts_gate", "experts_up")}          # a MoE layer's [E, D, F] expert weights
+INTERLEAVED = ("experts_gate_up",)       # joined by alternating column blocks (the grouped SwiGLU epilogue's layout)
 
 
 class Joined(nnx.Module):
     """Linear layers of one input joined along their outputs (`nnx.Linear`'s arithmetic: operands promoted to
-    `dtype`, one dot, the bias added)."""
+    `dtype`, one dot, the bias added). `interleave` > 0: two parts whose columns alternate in blocks of that many
+    (the experts' gate/up, for the grouped GEMM's SwiGLU epilogue: nfjax/models/grouped.py)."""
 
-    def __init__(self, kernel, bias, parts: tuple[int, ...], dtype):
+    def __init__(self, kernel, bias, parts: tuple[int, ...], dtype, interleave: int = 0):
         self.kernel = nnx.Param(kernel)                          # [D, sum(parts)] (per-shard order under TP)
         self.bias = None if bias is None else nnx.Param(bias)    # [sum(parts)]
         self.parts = tuple(parts)                                # each projection's global output width
         self.dtype = dtype
+        self.interleave = interleave
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T N"]:
         y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
@@ -47,23 +52,35 @@ class Joined(nnx.Module):
 
     def split(self, y: Float[Array, "T N"]) -> list:
         """The projections' outputs from the joined one (local widths: each part's share of y's width)."""
+        if self.interleave:
+            return list(deinterleave(y, self.interleave))
         total, n = sum(self.parts), y.shape[-1]
         ends = np.cumsum([n * p // total for p in self.parts])[:-1]
         return jnp.split(y, ends, axis=-1)
 
 
 @functools.lru_cache(maxsize=None)
-def _joiner(mesh: Mesh, spec: P, n: int):
-    """One compiled join per (mesh, spec, count), reused by every layer (a jit built per call compiles anew)."""
+def _joiner(mesh: Mesh, spec: P, n: int, block: int = 0):
+    """One compiled join per (mesh, spec, count, interleave block), reused by every layer (a jit built per call
+    compiles anew)."""
     def local(*xs):
-        return jnp.concatenate(xs, axis=-1)
+        return interleave(*xs, block) if block else jnp.concatenate(xs, axis=-1)
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * n, out_specs=spec),
                    out_shardings=NamedSharding(mesh, spec))
 
 
-def _join_shards(arrays: list, mesh: Mesh, spec: P):
-    """Concatenate along the last axis shard by shard (each device its own pieces: no communication)."""
-    return _joiner(mesh, spec, len(arrays))(*arrays)
+def _join_shards(arrays: list, mesh: Mesh, spec: P, block: int = 0):
+    """Concatenate (or interleave in blocks of `block`) along the last axis shard by shard (each device its own
+    pieces: no communication)."""
+    return _joiner(mesh, spec, len(arrays), block)(*arrays)
+
+
+def _interleave_block(name: str, lins: list, mesh: Mesh) -> int:
+    """The experts' gate/up interleave block where every device's shard of F holds whole blocks; else 0."""
+    if name not in INTERLEAVED:
+        return 0
+    f_local = lins[0].kernel[...].shape[-1] // mesh.shape[TP_AXIS]
+    return SWIGLU_BLOCK if f_local % SWIGLU_BLOCK == 0 else 0
 
 
 def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
@@ -74,7 +91,8 @@ def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
         if any(lin is None for lin in lins):
             continue
         k_spec = P(*([None] * (lins[0].kernel[...].ndim - 1)), TP_AXIS)
-        kernel = _join_shards([lin.kernel[...] for lin in lins], mesh, k_spec)
+        block = _interleave_block(joined, lins, mesh)
+        kernel = _join_shards([lin.kernel[...] for lin in lins], mesh, k_spec, block)
         bias = None
         if getattr(lins[0], "bias", None) is not None:       # an Experts weight has none
             bias = _join_shards([lin.bias[...] for lin in lins], mesh, P(TP_AXIS))
@@ -85,4 +103,4 @@ def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
                 if v is not None:
                     v[...].delete()
             delattr(layer, n)
-        setattr(layer, joined, Joined(kernel, bias, parts, getattr(lins[0], "dtype", None) or kernel.dtype))
+        setattr(layer, joined, Joined(kernel, bias, parts, getattr(lins[0], "dtype", None) or kernel.dtype, block))

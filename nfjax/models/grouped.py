@@ -26,6 +26,25 @@ def group_alignment(dtype) -> int:
     return kernel_alignment()
 
 
+# The experts' joined gate/up weight alternates gate and up columns in blocks of this many (nfjax/models/fused.py):
+# half the kernel's tile width, so each tile holds matching gate and up columns and writes silu(gate) * up
+# (`pallas_kernels.grouped_gemm.swiglu_block`; tests/models/test_fused.py checks they agree)
+SWIGLU_BLOCK = 128
+
+
+def grouped_swiglu(x: Float[Array, "R K"], w: Float[Array, "E K N"], group_sizes: Int[Array, "E"], block: int,
+                   num_ctas: int | None = None) -> Float[Array, "R H"]:
+    """silu(x @ gate[e]) * (x @ up[e]) for the rows of group e, w's columns interleaving gate and up in blocks of
+    `block`: on the Pallas path in the GEMM's epilogue (no [R, N] array), elsewhere de-interleaved after it."""
+    from nfjax.models.llama import swiglu
+    from pallas_kernels.grouped_gemm_ref import deinterleave
+    fits = block == SWIGLU_BLOCK and w.shape[2] % (2 * block) == 0 and x.shape[1] % 64 == 0
+    if use_pallas(w.dtype) and x.dtype == w.dtype and fits:
+        from pallas_kernels.grouped_gemm import grouped_gemm
+        return grouped_gemm(x, w, group_sizes, num_ctas=num_ctas, act="swiglu")
+    return swiglu(*deinterleave(grouped_matmul(x, w, group_sizes, num_ctas), block))
+
+
 def grouped_matmul(x: Float[Array, "R K"], w: Float[Array, "E K N"], group_sizes: Int[Array, "E"],
                    num_ctas: int | None = None) -> Float[Array, "R N"]:
     """y[r] = x[r] @ w[e] for the rows of group e (f32 accumulation, x's dtype out)."""

@@ -4,8 +4,9 @@ Attention and norms are the Llama layer's (same modules, same ops). The MLP is a
   router          h2 -> the top-k experts of each token, its tokens copied into rows sorted by expert
                   (nfjax/models/moe_routing.py: a static-shape layout), the padded group sizes, where each
                   assignment's row went (`dest`) and its router weight;
-  expert_up_gate  the grouped GEMMs xs @ w_gate[e], xs @ w_up[e] over the sorted rows (nfjax/models/grouped.py);
-  expert_act      silu(gate) * up;
+  expert_up_gate  the grouped GEMMs xs @ w_gate[e], xs @ w_up[e] over the sorted rows and silu(gate) * up
+                  (nfjax/models/grouped.py); with the joined weight on a GPU, one GEMM whose epilogue applies
+                  SwiGLU, so the [R, 2F] gate/up array is never written;
   expert_down     the grouped GEMM a @ w_down[e];
   combine         each token's k rows gathered back, weighted by the router and summed: `d_partial`.
 Qwen2-MoE adds the shared expert (`shared_up_gate`, `shared_down`: a SwiGLU MLP whose output is scaled by
@@ -27,7 +28,7 @@ from flax import nnx
 
 from nfjax.config import ModelConfig
 from nfjax.models.dense import dense
-from nfjax.models.grouped import group_alignment, grouped_matmul
+from nfjax.models.grouped import group_alignment, grouped_matmul, grouped_swiglu
 from nfjax.models.llama import LAYER_OPS, DecoderLayer, LlamaModel, _linear, swiglu
 from nfjax.models.moe_routing import sort_by_expert, top_k_routing, unsort
 from nfjax.models.ops import OpSpec, Resource, op
@@ -68,17 +69,15 @@ class MoEDecoderLayer(DecoderLayer):
         xs, sizes, dest = sort_by_expert(h2, experts, cfg.num_experts, group_alignment(h2.dtype))
         return xs, sizes, dest, w
 
-    @op(Resource.COMPUTE, ins=("xs", "group_sizes"), outs=("e_gate", "e_up"))
+    @op(Resource.COMPUTE, ins=("xs", "group_sizes"), outs=("e_act",))
     def expert_up_gate(self, ctx, xs, group_sizes):
         if hasattr(self, "experts_gate_up"):     # joined for serving (nfjax/models/fused.py)
             j = self.experts_gate_up
-            return tuple(j.split(grouped_matmul(xs, j.kernel[...], group_sizes, ctx.num_ctas)))
-        return (grouped_matmul(xs, self.experts_gate.kernel[...], group_sizes, ctx.num_ctas),
-                grouped_matmul(xs, self.experts_up.kernel[...], group_sizes, ctx.num_ctas))
-
-    @op(Resource.MEMORY, ins=("e_gate", "e_up"), outs=("e_act",))
-    def expert_act(self, ctx, e_gate, e_up):
-        return swiglu(e_gate, e_up)
+            if j.interleave:
+                return grouped_swiglu(xs, j.kernel[...], group_sizes, j.interleave, ctx.num_ctas)
+            return swiglu(*j.split(grouped_matmul(xs, j.kernel[...], group_sizes, ctx.num_ctas)))
+        return swiglu(grouped_matmul(xs, self.experts_gate.kernel[...], group_sizes, ctx.num_ctas),
+                      grouped_matmul(xs, self.experts_up.kernel[...], group_sizes, ctx.num_ctas))
 
     @op(Resource.COMPUTE, ins=("e_act", "group_sizes"), outs=("e_down",))
     def expert_down(self, ctx, e_act, group_sizes):
@@ -111,10 +110,9 @@ def _spec(name: str) -> OpSpec:
 
 _ATTENTION = tuple(s for s in LAYER_OPS[:[s.name for s in LAYER_OPS].index("ffn_norm") + 1])
 _TAIL = tuple(s for s in LAYER_OPS if s.name in ("mlp_reduce", "residual"))
-MIXTRAL_OPS = _ATTENTION + tuple(map(_spec, ("router", "expert_up_gate", "expert_act", "expert_down", "combine"))
-                                 ) + _TAIL
+MIXTRAL_OPS = _ATTENTION + tuple(map(_spec, ("router", "expert_up_gate", "expert_down", "combine"))) + _TAIL
 SHARED_EXPERT_OPS = _ATTENTION + tuple(map(_spec, ("router", "shared_up_gate", "shared_down", "expert_up_gate",
-                                                   "expert_act", "expert_down", "combine_shared"))) + _TAIL
+                                                   "expert_down", "combine_shared"))) + _TAIL
 
 
 def layer_ops(cfg: ModelConfig) -> tuple[OpSpec, ...]:

@@ -77,3 +77,34 @@ def test_grouped_gemm_lowers_for_gpu(num_ctas):
         m = 2048 * 2 + 8 * 128                              # 2048 tokens x top-2 + the padding bound
         args = (sds((m, k), jnp.bfloat16), sds((8, k, n), jnp.bfloat16), sds((8,), jnp.int32))
         grouped_gemm.trace(*args, num_ctas=num_ctas).lower(lowering_platforms=("cuda",))
+
+
+def test_swiglu_epilogue_matches_the_unfused_ops():
+    """act="swiglu" over a gate/up weight interleaved in blocks of half a tile: silu(x @ gate) * (x @ up) per
+    group, as the unfused GEMMs and nfjax's swiglu give it (bf16 outputs rounded alike), N / 2 columns."""
+    from nfjax.models.llama import swiglu
+    from pallas_kernels.grouped_gemm import swiglu_block
+    from pallas_kernels.grouped_gemm_ref import deinterleave, interleave
+    seed = _seed()
+    a, blk = group_alignment(), swiglu_block()
+    sizes = jnp.asarray([a, 0, 2 * a], jnp.int32)
+    m, k, h = 4 * a, 128, 2 * blk                                  # two tiles of [gate | up] a row block
+    kx, kg, ku = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    gate, up = (jax.random.normal(kk, (3, k, h), jnp.bfloat16) * 0.2 for kk in (kg, ku))
+    w = interleave(gate, up, blk)
+    np.testing.assert_array_equal(np.asarray(deinterleave(w.reshape(3 * k, 2 * h), blk)[1]),
+                                  np.asarray(up.reshape(3 * k, h)))
+    out = np.asarray(grouped_gemm(x, w, sizes, num_ctas=3, act="swiglu", interpret=True), np.float32)
+    valid = int(sizes.sum())
+    assert out.shape == (m, h)
+    assert np.isfinite(out[:valid]).all(), f"unwritten (NaN-poisoned) rows, seed {seed}"
+    want = swiglu(grouped_gemm_ref(x, gate, sizes), grouped_gemm_ref(x, up, sizes))
+    assert _rel_err(out[:valid], want[:valid]) < 1e-2, f"seed {seed}"
+
+
+def test_swiglu_epilogue_lowers_for_gpu():
+    sds = jax.ShapeDtypeStruct
+    m = 2048 * 2 + 8 * 128
+    args = (sds((m, 4096), jnp.bfloat16), sds((8, 4096, 2 * 14336), jnp.bfloat16), sds((8,), jnp.int32))
+    grouped_gemm.trace(*args, act="swiglu").lower(lowering_platforms=("cuda",))
