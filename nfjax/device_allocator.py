@@ -19,14 +19,15 @@ MOE_ALLOCATOR = "cuda_async"
 
 def for_model(cfg, log=None) -> str | None:
     """Set the allocator `cfg` runs best with (MoE: `MOE_ALLOCATOR`) unless the user chose one. Returns the value in
-    effect (None: JAX's default). After JAX has started it changes nothing and says so through `log`."""
+    effect (None: JAX's default). After JAX has started it changes nothing and, on a GPU, says so through `log`."""
     from nfjax.compat import backends_started
     if ENV in os.environ:
         return os.environ[ENV]
     if not getattr(cfg, "num_experts", 0):
         return None
     if backends_started():
-        if log:
+        from nfjax.compat import on_gpu
+        if log and on_gpu():                      # a CPU has no such allocator to miss
             log(f"{ENV} not set: JAX has started, so its default allocator holds (a MoE model's KV cache may get "
                 f"fewer pages than free memory allows); set {ENV}={MOE_ALLOCATOR} before the run")
         return None

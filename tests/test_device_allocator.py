@@ -34,8 +34,11 @@ def test_a_users_value_is_kept(fresh):
     assert device_allocator.for_model(SHAPES["mixtral-smoke"]) == "bfc"
 
 
-def test_after_jax_started_it_changes_nothing_and_says_so(fresh):
+def test_after_jax_started_it_changes_nothing_and_says_so_on_a_gpu(fresh):
     fresh.setattr(nfjax.compat, "backends_started", lambda: True)
     said = []
+    assert device_allocator.for_model(SHAPES["mixtral-smoke"], log=said.append) is None
+    assert said == [] and device_allocator.ENV not in os.environ            # this CPU: nothing to say
+    fresh.setattr(nfjax.compat, "on_gpu", lambda: True)
     assert device_allocator.for_model(SHAPES["mixtral-smoke"], log=said.append) is None
     assert device_allocator.ENV in said[0] and device_allocator.ENV not in os.environ
