@@ -8,7 +8,7 @@ accumulator, block_m / 2 x block_n f32, lives in registers) and share the B tile
 columns instead: each owns block_n / 2 columns of all block_m rows and shares the A tile, which allows 64-row tiles
 (a warpgroup's wgmma is 64 rows at least; the grouped GEMM pads each expert's rows to a multiple of block_m). At
 Mixtral's decode sizes on an H200 the 64-row tiles were within -9% / +4% of the 128-row ones, so no model uses them
-(bench/NOTES.md section 26); the config stays for the kernel benches. K streams through SMEM in
+(docs/design.md section 15); the config stays for the kernel benches. K streams through SMEM in
 block_k slabs `stages` deep with TMA copies. The stream of (tile, k-step) pairs of one CTA is ONE
 pipeline: the copies of the next tile's first slabs are in flight while the current tile's epilogue runs.
 Each consumer keeps one wgmma in flight: after issuing step s it waits for step s - 1 and releases that slot.
