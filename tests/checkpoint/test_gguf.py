@@ -42,12 +42,18 @@ def gguf_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_file):
+def hf_tokenizer(gguf_file):
+    """transformers' tokenizer from the GGUF file (~4 s to build): one for both tests of this module."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_file, hf_tokenizer):
     """transformers' own load of the GGUF file: (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    return m.eval(), tok
+    return m.eval(), hf_tokenizer
 
 
 def _hf_greedy(m, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int]:
@@ -57,11 +63,10 @@ def _hf_greedy(m, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int
     return out[0, len(ids):].tolist()
 
 
-def test_gguf_tokenizer_and_chat_template_match_transformers(gguf_file, tmp_path):
+def test_gguf_tokenizer_and_chat_template_match_transformers(gguf_file, hf_tokenizer, tmp_path):
     """tokenizer.json / tokenizer_config.json built from the file's metadata encode, decode and apply the chat
     template as transformers' tokenizer from the same GGUF does."""
     import gguf
-    from transformers import AutoTokenizer
 
     from nfjax.checkpoint.gguf_convert import _meta, tokenizer_files
     from nfjax.tokenizer import load_tokenizer
@@ -69,7 +74,7 @@ def test_gguf_tokenizer_and_chat_template_match_transformers(gguf_file, tmp_path
     for name, data in tokenizer_files(meta, gguf_file).items():
         (tmp_path / name).write_text(json.dumps(data, ensure_ascii=False))
     tok = load_tokenizer(tmp_path)
-    htok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    htok = hf_tokenizer
     for text in PROMPTS + ["<|im_start|>user\nhi \u00fcn\u00efc\u00f6d\u00e9 12345 \U0001f600<|im_end|>\n",
                            "  leading spaces\n\n\ttabs"]:
         assert tok.encode(text) == htok.encode(text), text
@@ -114,7 +119,9 @@ def test_gguf_model_matches_transformers_offline_and_through_the_server(gguf_fil
         assert rel <= 1e-3, f"{text!r}: max relative logit error {rel:.2e}"
     del model
 
-    engine = Engine.from_pretrained(out_dir, token_buckets=(16, 64), max_seqs=4, num_pages=64)
+    # one token bucket (no bucket behaviour is checked here; a second compiles the 30 layers again): the chat
+    # prompt (> 16 tokens) is prefilled in 16-token chunks, still compared with transformers' one-pass greedy text
+    engine = Engine.from_pretrained(out_dir, token_buckets=(16,), max_seqs=4, num_pages=64)
     ids = htok.encode(PROMPTS[0])
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
     assert out.token_ids == _hf_greedy(m, ids, 64)
