@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,8 +65,16 @@ def test_progress_line_reports_the_tier_counters():
     assert "rows to/from" not in progress_line("gpu", 1, 1.0, 1, {"hit_rate": 0.0})
 
 
-def test_multiround_bench_bad_flags_are_one_line_errors(tmp_path):
-    p = _run(tmp_path, "--configs", "gpu,nope")
-    assert p.returncode != 0 and "--configs gpu,nope" in p.stderr and "Traceback" not in p.stderr
+def test_multiround_bench_bad_flags_are_one_line_errors(tmp_path, capsys):
+    # a bad --configs is argparse's error, before anything runs: main() in this process (argparse prints the
+    # message to stderr and exits 2, as a child would), not in one more Python process
+    from bench.multiround import main
+    with pytest.raises(SystemExit) as bad:
+        main(["--shape", "smoke", "--configs", "gpu,nope", "--disk-cache-dir", str(tmp_path / "disk"),
+              "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert bad.value.code != 0 and "--configs gpu,nope" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+    # an engine setting the builder rejects: a UserError turned into one line by the script's __main__ (a real child)
     p = _run(tmp_path, "--configs", "tiers", "--disk-cache-gb", "1e9")
     assert p.returncode != 0 and "disk_cache_gb" in p.stderr and "Traceback" not in p.stderr
