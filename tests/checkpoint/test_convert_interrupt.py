@@ -36,10 +36,18 @@ def _temps(parent):
     return [p.name for p in parent.iterdir() if ".tmp-" in p.name]
 
 
+def _default_signals():
+    """In the child before exec: SIGINT and SIGTERM at their defaults, as a user's shell starts a command. An
+    ignored SIGINT is inherited across exec (and Python then keeps it ignored); the pytest worker that starts this
+    test may hold one from whatever ran before it in that process, and the signal under test would be lost."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def _start(mode, hf, out):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-c", DRIVER, mode, str(hf), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_signals)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
