@@ -42,6 +42,7 @@ def _default_signals():
     test may hold one from whatever ran before it in that process, and the signal under test would be lost."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})      # a blocked one is inherited too
 
 
 def _start(mode, hf, out):
