@@ -12,3 +12,15 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402  (after XLA_FLAGS; the CPU client is created later, on first use)
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def before_jax_starts(monkeypatch):
+    """JAX's backends taken as not started yet (settings read at the GPU client's start: nfjax/pinned_pool.py,
+    nfjax/device_allocator.py)."""
+    import nfjax.compat
+    monkeypatch.setattr(nfjax.compat, "backends_started", lambda: False)
+    return monkeypatch

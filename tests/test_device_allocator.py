@@ -13,10 +13,9 @@ from nfjax.models.random_init import SHAPES
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.delenv(device_allocator.ENV, raising=False)
-    monkeypatch.setattr(nfjax.compat, "backends_started", lambda: False)
-    return monkeypatch
+def fresh(before_jax_starts):
+    before_jax_starts.delenv(device_allocator.ENV, raising=False)
+    return before_jax_starts
 
 
 def test_a_moe_model_gets_the_stream_ordered_allocator(fresh):

@@ -13,10 +13,9 @@ from nfjax import pinned_pool
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.delenv(pinned_pool.ENV, raising=False)
-    monkeypatch.setattr(nfjax.compat, "backends_started", lambda: False)
-    return monkeypatch
+def fresh(before_jax_starts):
+    before_jax_starts.delenv(pinned_pool.ENV, raising=False)
+    return before_jax_starts
 
 
 def test_an_offload_host_tier_raises_the_cap(fresh):

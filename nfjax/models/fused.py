@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
-from nfjax.models.grouped import SWIGLU_BLOCK
+from nfjax.models.grouped import swiglu_block
 from nfjax.parallel import TP_AXIS
 from pallas_kernels.grouped_gemm_ref import deinterleave, interleave
 
@@ -79,8 +79,8 @@ def _interleave_block(name: str, lins: list, mesh: Mesh) -> int:
     """The experts' gate/up interleave block where every device's shard of F holds whole blocks; else 0."""
     if name not in INTERLEAVED:
         return 0
-    f_local = lins[0].kernel[...].shape[-1] // mesh.shape[TP_AXIS]
-    return SWIGLU_BLOCK if f_local % SWIGLU_BLOCK == 0 else 0
+    f_local, block = lins[0].kernel[...].shape[-1] // mesh.shape[TP_AXIS], swiglu_block()
+    return block if f_local % block == 0 else 0
 
 
 def join_projections(layer: nnx.Module, mesh: Mesh) -> None:

@@ -26,10 +26,11 @@ def group_alignment(dtype) -> int:
     return kernel_alignment()
 
 
-# The experts' joined gate/up weight alternates gate and up columns in blocks of this many (nfjax/models/fused.py):
-# half the kernel's tile width, so each tile holds matching gate and up columns and writes silu(gate) * up
-# (`pallas_kernels.grouped_gemm.swiglu_block`; tests/models/test_fused.py checks they agree)
-SWIGLU_BLOCK = 128
+def swiglu_block() -> int:
+    """The column block the experts' joined gate/up weight alternates gate and up in (nfjax/models/fused.py): the
+    kernel's, half its tile width, so each tile holds matching gate and up columns and writes silu(gate) * up."""
+    from pallas_kernels.grouped_gemm import swiglu_block as kernel_block
+    return kernel_block()
 
 
 def grouped_swiglu(x: Float[Array, "R K"], w: Float[Array, "E K N"], group_sizes: Int[Array, "E"], block: int,
@@ -38,7 +39,7 @@ def grouped_swiglu(x: Float[Array, "R K"], w: Float[Array, "E K N"], group_sizes
     `block`: on the Pallas path in the GEMM's epilogue (no [R, N] array), elsewhere de-interleaved after it."""
     from nfjax.models.llama import swiglu
     from pallas_kernels.grouped_gemm_ref import deinterleave
-    fits = block == SWIGLU_BLOCK and w.shape[2] % (2 * block) == 0 and x.shape[1] % 64 == 0
+    fits = block == swiglu_block() and w.shape[2] % (2 * block) == 0 and x.shape[1] % 64 == 0
     if use_pallas(w.dtype) and x.dtype == w.dtype and fits:
         from pallas_kernels.grouped_gemm import grouped_gemm
         return grouped_gemm(x, w, group_sizes, num_ctas=num_ctas, act="swiglu")
