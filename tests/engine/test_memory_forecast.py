@@ -21,17 +21,22 @@ def simulated_peak(reqs, ps):
         t += 1
 
 
-def test_peak_bounds_the_step_by_step_simulation_tightly():
+def test_peak_equals_the_step_by_step_simulation():
     rng = np.random.default_rng(0)
     for _ in range(30):
-        ps = int(rng.choice([1, 4, 16]))
+        ps = int(rng.choice([1, 4, 16, 64]))
         reqs = [(int(rng.integers(1, 200)), 0) for _ in range(int(rng.integers(1, 12)))]
         reqs = [(now, now + int(rng.integers(1, 300))) for now, _ in reqs]
         f = MemoryForecast(ps)
         for now, final in reqs:
             f.add(now, final)
         exact = simulated_peak(reqs, ps)
-        assert exact <= f.peak() <= exact + len(reqs)      # the ceil bound costs under a page a request
+        assert f.peak() == exact
+        last = reqs[-1]
+        g = MemoryForecast(ps)
+        for now, final in reqs[:-1]:
+            g.add(now, final)
+        assert g.peak_with(*last) == exact
 
 
 def test_requests_ending_at_once_peak_at_their_sum_and_staggered_ends_lower():
