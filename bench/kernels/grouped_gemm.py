@@ -66,6 +66,21 @@ class Worker(dense_bench.Worker):
         if job["kind"] == "dense":
             x2 = xs[:t * top_k]
             f, args, check = jax.jit(lambda x, w: jnp.dot(x, w)), (x2, w[0]), None
+        elif job["kind"] in ("swiglu", "unfused"):
+            # the gate/up GEMM over a joined weight interleaved for the epilogue: act="swiglu" writes silu(gate) *
+            # up; "unfused" runs the kernel to [R, 2F] and XLA's swiglu after it (the path before the epilogue)
+            from nfjax.models.llama import swiglu
+            from pallas_kernels.grouped_gemm import swiglu_block
+            from pallas_kernels.grouped_gemm_ref import deinterleave
+            blk, cfg = swiglu_block(job["config"]), job["config"]
+            if job["kind"] == "swiglu":
+                f = jax.jit(functools.partial(grouped_gemm, num_ctas=job["programs"], config=cfg, act="swiglu",
+                                              interpret=self.smoke))
+            else:
+                f = jax.jit(lambda x, w, s: swiglu(*deinterleave(
+                    grouped_gemm(x, w, s, num_ctas=job["programs"], config=cfg, interpret=self.smoke), blk)))
+            args, check = (xs, w, sizes), rows
+            ref = swiglu(*deinterleave(ref, blk))
         elif job["kind"] == "ragged_dot":
             f = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
             args, check = (xs, w, sizes), rows
@@ -123,6 +138,9 @@ def main():
     ap.add_argument("--no-ragged-dot", action="store_true", help="skip XLA's ragged_dot (slow if XLA densifies it)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no job after this many seconds")
     ap.add_argument("--job-timeout-s", type=float, default=60.0, help="a job running longer counts as hung")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="also the gate/up GEMM with its SwiGLU epilogue (N = 2 x 14336, interleaved) against the "
+                         "kernel plus XLA's swiglu")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: interpret mode, tiny shapes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +160,7 @@ def main():
         nsm = info.get("num_sms") or 132
         programs = tuple(p for p in map(int, args.programs.split(",")) if p < nsm)
     pool.hard_deadline = time.monotonic() + args.budget_s + args.job_timeout_s
-    jobs, rows = [], {}
+    jobs, rows, swiglu_rows = [], {}, {}
 
     def submit(kind, case, **kw):
         name, t, k, n = case
@@ -164,6 +182,12 @@ def main():
                  "ragged_dot": {} if args.no_ragged_dot else submit("ragged_dot", case)}
             r["sweep"] = {p: submit("grouped", case, programs=p) for p in programs}
             rows[(name, t)] = r
+        if args.swiglu:
+            for name, t, k, n in cases:
+                if name in ("up", "tiny"):          # the joined gate/up weight: twice the columns
+                    case = (name, t, k, 2 * n if name == "up" else 512)
+                    swiglu_rows[t] = {"swiglu": submit("swiglu", case, programs=None),
+                                      "unfused": submit("unfused", case, programs=None)}
     finally:
         pool.stop()
     body = [[r["shape"], r["t"], r["k"], r["n"], r["dense"].get("tflops"), r["grouped"].get("tflops"),
@@ -171,7 +195,18 @@ def main():
             + [r["sweep"][p].get("tflops") for p in programs] for r in rows.values()]
     print_table(["shape", "T", "K", "N", "dense", "grouped", "ragged_dot", "rel err"] + [f"P={p}" for p in programs],
                 body, title="\n== TFLOP/s (useful FLOPs) ==")
-    write_results(args.name, make_summary(rows, programs), {"rows": list(rows.values()), "jobs": jobs,
+    summary = make_summary(rows, programs)
+    if swiglu_rows:
+        print_table(["T", "epilogue ms", "unfused ms", "speedup", "rel err"],
+                    [[t, r["swiglu"].get("s", 0) * 1e3, r["unfused"].get("s", 0) * 1e3,
+                      r["unfused"]["s"] / r["swiglu"]["s"] if "s" in r["swiglu"] and "s" in r["unfused"] else None,
+                      r["swiglu"].get("relerr")] for t, r in swiglu_rows.items()],
+                    title="\n== gate/up GEMM + SwiGLU: epilogue vs unfused ==")
+        for t, r in swiglu_rows.items():
+            summary[f"swiglu_epilogue_speedup_{t}"] = (r["unfused"]["s"] / r["swiglu"]["s"]
+                                                       if "s" in r["swiglu"] and "s" in r["unfused"] else None)
+            summary[f"swiglu_epilogue_relerr_{t}"] = r["swiglu"].get("relerr")
+    write_results(args.name, summary, {"rows": list(rows.values()), "swiglu": swiglu_rows, "jobs": jobs,
                                                             "device": info.get("device"),
                                                             "wall_s": time.perf_counter() - t_start},
                   out_dir=args.out)
