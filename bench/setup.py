@@ -8,7 +8,9 @@ device; sequences per step from those). A bench adds only what its workload deci
 longest request needs (`context`), the buckets of its synthetic batches, or a cap on the KV pages where runs must
 see the same memory (`max_pages`).
 
-Importing this module lets JAX take 92% of GPU memory (default 75%), before any bench starts the backend.
+Importing this module lets JAX take 92% of GPU memory (JAX's default 75%) before any bench starts the backend;
+`model_config` then sets the model's own share and allocator (nfjax/device_memory.py: MoE 0.98), unless the user
+set them.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import argparse
 import dataclasses
 import os
 
+from nfjax import device_memory
 from nfjax.engine.builder import add_engine_args, engine_config, overrides_from_args
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+_USER_MEM = device_memory.MEM_ENV in os.environ          # else the share below is provisional: the model's wins
+os.environ.setdefault(device_memory.MEM_ENV, device_memory.MEM_FRACTION["dense"])
 
 
 def add_bench_args(p: argparse.ArgumentParser, shape: str | None = "llama3-8b") -> None:
@@ -43,8 +47,9 @@ def model_config(args):
     if a.get("shape") not in SHAPES:
         raise SystemExit(f"--shape: expected one of {', '.join(SHAPES)}, got {a.get('shape')!r}")
     cfg = SHAPES[a["shape"]]
-    from nfjax import device_allocator       # every bench reads its shape before it touches a device
-    device_allocator.for_model(cfg, log=print)
+    if not _USER_MEM:                        # every bench reads its shape before it touches a device
+        os.environ.pop(device_memory.MEM_ENV, None)
+    device_memory.for_model(cfg, log=print)
     if a.get("layers"):
         cfg = cfg.replace(num_layers=a["layers"])
     if a.get("dtype"):

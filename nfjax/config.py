@@ -201,7 +201,8 @@ class CacheConfig:
     num_pages: int | None = None           # device KV pages, page 0 a scratch page (None: what fits, see below)
     max_pages_per_seq: int | None = None   # page-table width (None: the model's context, see max_model_len)
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
-    kv_memory_fraction: float = 0.9        # automatic num_pages: this share of device memory left after weights
+    kv_memory_fraction: float | None = None    # automatic num_pages: this share of device memory left after the
+                                               # weights (None: by model, nfjax/device_memory.py: 0.9, MoE 0.95)
     kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype) | fp8 | int8 | int4 | kivi64 (kv_quant.py)
     prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
     host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)
@@ -220,7 +221,7 @@ class CacheConfig:
             v = getattr(self, f)
             if v is not None and v < (2 if f == "num_pages" else 1):
                 raise ConfigError(f"cache.{f} must be >= {2 if f == 'num_pages' else 1}, got {v}")
-        if not 0 < self.kv_memory_fraction <= 1:
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"cache.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for f in ("host_cache_gb", "disk_cache_gb"):
             if getattr(self, f) < 0:

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 @pytest.fixture
 def before_jax_starts(monkeypatch):
     """JAX's backends taken as not started yet (settings read at the GPU client's start: nfjax/pinned_pool.py,
-    nfjax/device_allocator.py)."""
+    nfjax/device_memory.py)."""
     import nfjax.compat
     monkeypatch.setattr(nfjax.compat, "backends_started", lambda: False)
     return monkeypatch

@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-cache-dir", default=None, help="folder of the disk tier below the host tier")
     g.add_argument("--disk-cache-gb", type=float, default=None, help="size of the disk tier (with --disk-cache-dir)")
     g.add_argument("--kv-memory-fraction", type=float, default=None,
-                   help="share of device memory left after the weights that the KV pages take (default 0.9)")
+                   help="share of device memory left after the weights that the KV pages take (default 0.9; MoE "
+                        "models 0.95)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's maximum)")
     g.add_argument("--max-pages-per-seq", type=int, default=None, help="page-table width (default: from the context)")
@@ -214,6 +215,8 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
     check_chunk_budget(c.kv_dtype, buckets)         # kivi64's chunks end at its groups (nfjax/engine/batcher.py)
+    from nfjax.device_memory import kv_memory_fraction
+    c = dataclasses.replace(c, kv_memory_fraction=c.kv_memory_fraction or kv_memory_fraction(m))
     num_pages = c.num_pages
     if num_pages is None:
         if free_bytes is None:
@@ -258,8 +261,8 @@ def build_engine(model_dir: str | Path | None = None, overrides: dict | None = N
             raise UserError(f"{path}: no such model folder")
         cfg = load_config(path)
         tp_config(cfg, tp)                           # a clear error before any weight is read
-        from nfjax import device_allocator           # before the mesh starts the GPU client
-        device_allocator.for_model(cfg, log=lambda m: print(f"nfjax: {m}", file=sys.stderr))
+        from nfjax import device_memory              # before the mesh starts the GPU client
+        device_memory.for_model(cfg, log=lambda m: print(f"nfjax: {m}", file=sys.stderr))
         mesh = mesh or make_mesh(tp)
         model = load_model(path, dtype=dtype, sharding_fn=sharding_fn(mesh))
         tokenizer = tokenizer or load_tokenizer(path, token_ids_only=True)   # no tokenizer files: ids only
