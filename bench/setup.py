@@ -21,8 +21,11 @@ import os
 from nfjax import device_memory
 from nfjax.engine.builder import add_engine_args, engine_config, overrides_from_args
 
-_USER_MEM = device_memory.MEM_ENV in os.environ          # else the share below is provisional: the model's wins
-os.environ.setdefault(device_memory.MEM_ENV, device_memory.MEM_FRACTION["dense"])
+# The share set here is provisional (the model's wins in `model_config`); the marker tells a bench's child processes,
+# which inherit both variables, that it was not the user's.
+_PROVISIONAL = "NFJAX_BENCH_PROVISIONAL_MEM_FRACTION"
+if device_memory.MEM_ENV not in os.environ:
+    os.environ[device_memory.MEM_ENV] = os.environ[_PROVISIONAL] = device_memory.MEM_FRACTION["dense"]
 
 
 def add_bench_args(p: argparse.ArgumentParser, shape: str | None = "llama3-8b") -> None:
@@ -47,8 +50,8 @@ def model_config(args):
     if a.get("shape") not in SHAPES:
         raise SystemExit(f"--shape: expected one of {', '.join(SHAPES)}, got {a.get('shape')!r}")
     cfg = SHAPES[a["shape"]]
-    if not _USER_MEM:                        # every bench reads its shape before it touches a device
-        os.environ.pop(device_memory.MEM_ENV, None)
+    if os.environ.get(_PROVISIONAL) == os.environ.get(device_memory.MEM_ENV):   # every bench reads its shape
+        os.environ.pop(device_memory.MEM_ENV, None)                              # before it touches a device
     device_memory.for_model(cfg, log=print)
     if a.get("layers"):
         cfg = cfg.replace(num_layers=a["layers"])

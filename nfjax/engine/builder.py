@@ -31,6 +31,10 @@ CPU_BUCKETS = (1, 16, 256)
 # decoding is prefilled in one step instead of four, so its first requests do not decode through the later
 # prefills (batch-64 TPOT, docs/design.md section 19). Off on CPU (tests set it).
 GPU_PREFILL_BUCKET = 8192
+# MoE on a GPU: a 3,072-token step too (each expert's grouped GEMM sees only top_k / experts of a step's tokens, so
+# larger steps reach the GEMM rate) and no 8,192-token prefill step (its scratch is the MoE's largest, and the slice
+# the weights leave is thin); Mixtral 1024/512 on an H200: 54.0% of optimal against 49.0% (bench/NOTES.md 27).
+GPU_MOE_BUCKETS = GPU_BUCKETS + (3072,)
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
 MAX_AUTO_SEQS = 1024
 
@@ -73,7 +77,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest sequence, prompt + output (default: the model's maximum)")
     g.add_argument("--max-pages-per-seq", type=int, default=None, help="page-table width (default: from the context)")
     g.add_argument("--token-buckets", type=_ints, default=None, metavar="N,N,...",
-                   help=f"dense token budgets, one compiled step each (default GPU {','.join(map(str, GPU_BUCKETS))}; "
+                   help=f"dense token budgets, one compiled step each (default GPU {','.join(map(str, GPU_BUCKETS))}, MoE "
+                        f"models also 3072; "
                         f"CPU {','.join(map(str, CPU_BUCKETS))})")
     g.add_argument("--max-seqs", type=int, default=None,
                    help=f"sequences per step (default: the largest bucket, at most {MAX_AUTO_SEQS} and the KV pages)")
@@ -211,7 +216,8 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     from nfjax.kv.tail_slots import tail_rows
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
-    buckets = b.token_buckets or (GPU_BUCKETS if on_gpu else CPU_BUCKETS)
+    moe = bool(m.num_experts)
+    buckets = b.token_buckets or ((GPU_MOE_BUCKETS if moe else GPU_BUCKETS) if on_gpu else CPU_BUCKETS)
     seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
     check_chunk_budget(c.kv_dtype, buckets)         # kivi64's chunks end at its groups (nfjax/engine/batcher.py)
@@ -237,7 +243,7 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     max_seqs = min(seqs_bound, num_pages - 1) if b.max_seqs is None else b.max_seqs
     prefill = b.prefill_bucket
     if prefill is None:
-        prefill = GPU_PREFILL_BUCKET if on_gpu and GPU_PREFILL_BUCKET > max(buckets) else 0
+        prefill = GPU_PREFILL_BUCKET if on_gpu and not moe and GPU_PREFILL_BUCKET > max(buckets) else 0
     batcher = dataclasses.replace(b, token_buckets=buckets, max_seqs=max_seqs, prefill_bucket=prefill)
     return dataclasses.replace(config, cache=cache, batcher=batcher)
 
