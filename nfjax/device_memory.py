@@ -10,7 +10,7 @@ device memory JAX may use, and the share of what the weights leave that the KV p
 - **JAX's share** (`XLA_PYTHON_CLIENT_MEM_FRACTION`; JAX's own default is 0.75): 0.92 for dense models, the share
   every dense headline was measured at. MoE models 0.99 and the KV 0.97 of what the weights leave (0.9 for dense):
   Mixtral's 93 GB of weights leave an H200 a thin slice, and its 1024/512 run fits one wave of requests only from
-  ~45,100 pages (~47,000 with the MoE's 3,072-token steps, nfjax/engine/builder.py; bench/NOTES.md section 27):
+  ~45,100 pages (~47,000 with the MoE's 3,072-token steps, nfjax/engine/builder.py; docs/design.md section 15):
   47,974 pages, 1.6 GB beside them for programs' scratch (0.66 GiB the largest) and 1.5 GB outside JAX.
 Only the client's start reads the variables, so `nfjax` and the benches call `for_model` before touching a device;
 a value the user set is kept (docs/design.md section 15).

@@ -88,6 +88,7 @@ class Batch:
 
 
 class Batcher:
+    FORECAST = MemoryForecast  # the memory forecast's class (a replay of runs measured before a change swaps it)
     LONGEST_FIRST = True       # requests added together are admitted longest predicted first (module docstring)
     DEFER_SLACK = 0.5          # a decode-only step of up to (1 + this) x a bucket may run in that bucket
     SHORTEN_PAD = 0.25         # a mixed step padding its bucket by more than this share may run in the one below
@@ -202,7 +203,7 @@ class Batcher:
 
     def _forecast(self) -> MemoryForecast:
         """The running requests' pages step by step to their predicted ends (built once per step)."""
-        f = MemoryForecast(self.cache.page_size)
+        f = self.FORECAST(self.cache.page_size)
         for r in self.running:
             f.add(*self._span(r))
         return f
@@ -475,7 +476,7 @@ class Batcher:
             return set()
         slack.sort(key=lambda i: left[i][1])            # the nearest ends first
         out = set(slack[:k])
-        forecast, held = MemoryForecast(self.cache.page_size), 0
+        forecast, held = self.FORECAST(self.cache.page_size), 0
         for i, s in enumerate(batch.seqs):
             if i in out:
                 held += self.cache.pages_for(self._expected_len(s.req))

@@ -33,7 +33,8 @@ CPU_BUCKETS = (1, 16, 256)
 GPU_PREFILL_BUCKET = 8192
 # MoE on a GPU: a 3,072-token step too (each expert's grouped GEMM sees only top_k / experts of a step's tokens, so
 # larger steps reach the GEMM rate) and no 8,192-token prefill step (its scratch is the MoE's largest, and the slice
-# the weights leave is thin); Mixtral 1024/512 on an H200: 54.0% of optimal against 49.0% (bench/NOTES.md 27).
+# the weights leave is thin); Mixtral 1024/512 on an H200: 54.0% of optimal against 49.0% (docs/design.md
+# section 15).
 GPU_MOE_BUCKETS = GPU_BUCKETS + (3072,)
 CPU_NUM_PAGES = 512           # without device memory statistics (CPU), the pool is this size unless set
 MAX_AUTO_SEQS = 1024

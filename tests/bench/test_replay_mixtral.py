@@ -18,8 +18,21 @@ def test_replay_forms_the_measured_run_and_the_model_reads_its_seconds():
     assert row["steps"] == (1096, 1096) and row["kind_steps_off"] == 0
     assert abs(row["model_s"] / row["measured_s"] - 1) < 0.05
     r = br.replay(rm.workload(), run["num_pages"], rm.batcher_config(), None, model=rm.MIXTRAL, warmup=8, lag=True,
-                  step_fn=rm.step_ms)
+                  step_fn=rm.step_ms, batcher_cls=rm.MeasuredBatcher)
     assert r["padding"] == run["trace"]["padding_tokens"] and r["steps"] == 1096
+
+
+def test_the_measured_runs_bound_never_admits_more_than_the_exact_forecast():
+    """BoundForecast (the rule the measured runs ran with) is the exact count plus under a page a request."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        exact, bound = rm.MemoryForecast(16), rm.BoundForecast(16)
+        reqs = [(int(rng.integers(1, 2000)), int(rng.integers(1, 600))) for _ in range(int(rng.integers(1, 40)))]
+        for now, more in reqs:
+            exact.add(now, now + more)
+            bound.add(now, now + more)
+        assert exact.peak() <= bound.peak() < exact.peak() + len(reqs)
 
 
 def test_padding_tiles_and_prefill_first():
