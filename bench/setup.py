@@ -9,7 +9,7 @@ longest request needs (`context`), the buckets of its synthetic batches, or a ca
 see the same memory (`max_pages`).
 
 Importing this module lets JAX take 92% of GPU memory (JAX's default 75%) before any bench starts the backend;
-`model_config` then sets the model's own share and allocator (nfjax/device_memory.py: MoE 0.98), unless the user
+`model_config` then sets the model's own share and allocator (nfjax/device_memory.py: MoE 0.99), unless the user
 set them.
 """
 from __future__ import annotations

@@ -202,7 +202,7 @@ class CacheConfig:
     max_pages_per_seq: int | None = None   # page-table width (None: the model's context, see max_model_len)
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float | None = None    # automatic num_pages: this share of device memory left after the
-                                               # weights (None: by model, nfjax/device_memory.py: 0.9, MoE 0.95)
+                                               # weights (None: by model, nfjax/device_memory.py: 0.9, MoE 0.97)
     kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype) | fp8 | int8 | int4 | kivi64 (kv_quant.py)
     prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
     host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)

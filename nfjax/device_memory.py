@@ -26,8 +26,13 @@ MEM_FRACTION = {"dense": "0.92", "moe": "0.99"}
 KV_MEMORY_FRACTION = {"dense": 0.9, "moe": 0.97}
 
 
+def is_moe(cfg) -> bool:
+    """A model with experts (the defaults here and the MoE step buckets in nfjax/engine/builder.py follow it)."""
+    return bool(getattr(cfg, "num_experts", 0))
+
+
 def _kind(cfg) -> str:
-    return "moe" if getattr(cfg, "num_experts", 0) else "dense"
+    return "moe" if is_moe(cfg) else "dense"
 
 
 def kv_memory_fraction(cfg) -> float:
@@ -41,7 +46,7 @@ def for_model(cfg, log=None) -> dict[str, str]:
     nothing and, on a GPU, says so through `log`."""
     from nfjax.compat import backends_started
     want = {MEM_ENV: MEM_FRACTION[_kind(cfg)]}
-    if _kind(cfg) == "moe":
+    if is_moe(cfg):
         want[ALLOCATOR_ENV] = MOE_ALLOCATOR
     missing = {k: v for k, v in want.items() if k not in os.environ}
     if missing and backends_started():

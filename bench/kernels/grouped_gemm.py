@@ -196,16 +196,15 @@ def main():
     print_table(["shape", "T", "K", "N", "dense", "grouped", "ragged_dot", "rel err"] + [f"P={p}" for p in programs],
                 body, title="\n== TFLOP/s (useful FLOPs) ==")
     summary = make_summary(rows, programs)
+    for t, r in swiglu_rows.items():
+        r["speedup"] = r["unfused"]["s"] / r["swiglu"]["s"] if "s" in r["swiglu"] and "s" in r["unfused"] else None
+        summary[f"swiglu_epilogue_speedup_{t}"] = r["speedup"]
+        summary[f"swiglu_epilogue_relerr_{t}"] = r["swiglu"].get("relerr")
     if swiglu_rows:
         print_table(["T", "epilogue ms", "unfused ms", "speedup", "rel err"],
-                    [[t, r["swiglu"].get("s", 0) * 1e3, r["unfused"].get("s", 0) * 1e3,
-                      r["unfused"]["s"] / r["swiglu"]["s"] if "s" in r["swiglu"] and "s" in r["unfused"] else None,
+                    [[t, r["swiglu"].get("s", 0) * 1e3, r["unfused"].get("s", 0) * 1e3, r["speedup"],
                       r["swiglu"].get("relerr")] for t, r in swiglu_rows.items()],
                     title="\n== gate/up GEMM + SwiGLU: epilogue vs unfused ==")
-        for t, r in swiglu_rows.items():
-            summary[f"swiglu_epilogue_speedup_{t}"] = (r["unfused"]["s"] / r["swiglu"]["s"]
-                                                       if "s" in r["swiglu"] and "s" in r["unfused"] else None)
-            summary[f"swiglu_epilogue_relerr_{t}"] = r["swiglu"].get("relerr")
     write_results(args.name, summary, {"rows": list(rows.values()), "swiglu": swiglu_rows, "jobs": jobs,
                                                             "device": info.get("device"),
                                                             "wall_s": time.perf_counter() - t_start},

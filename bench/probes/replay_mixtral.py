@@ -141,13 +141,9 @@ class BoundForecast(MemoryForecast):
     before `MemoryForecast` counted pages exactly (~1% of their pools: a replay with the exact count forms other
     steps than they ran)."""
 
-    def _peak(self, now, left):
-        if now.size == 0:
-            return 0.0
-        order = np.argsort(-left, kind="stable")
-        now, left = now[order], left[order]
+    def _pages(self, now, left):
         alive = np.arange(1, now.size + 1)
-        return float(np.max((np.cumsum(now) + alive * left + alive * (self.page_size - 1)) / self.page_size))
+        return (np.cumsum(now) + alive * left + alive * (self.page_size - 1)) / self.page_size
 
 
 class MeasuredBatcher(Batcher):

@@ -15,6 +15,7 @@ from typing import Any
 
 from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig, ExecutionConfig, ModelConfig,
                           ParallelConfig, StrategyConfig, read_json)
+from nfjax.device_memory import KV_MEMORY_FRACTION, is_moe, kv_memory_fraction
 from pallas_kernels.kv_quant import KV_DTYPES
 
 SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
@@ -72,8 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-cache-dir", default=None, help="folder of the disk tier below the host tier")
     g.add_argument("--disk-cache-gb", type=float, default=None, help="size of the disk tier (with --disk-cache-dir)")
     g.add_argument("--kv-memory-fraction", type=float, default=None,
-                   help="share of device memory left after the weights that the KV pages take (default 0.9; MoE "
-                        "models 0.95)")
+                   help=f"share of device memory left after the weights that the KV pages take (default "
+                        f"{KV_MEMORY_FRACTION['dense']}; MoE models {KV_MEMORY_FRACTION['moe']})")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's maximum)")
     g.add_argument("--max-pages-per-seq", type=int, default=None, help="page-table width (default: from the context)")
@@ -217,12 +218,11 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     from nfjax.kv.tail_slots import tail_rows
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
-    moe = bool(m.num_experts)
+    moe = is_moe(m)
     buckets = b.token_buckets or ((GPU_MOE_BUCKETS if moe else GPU_BUCKETS) if on_gpu else CPU_BUCKETS)
     seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
     check_chunk_budget(c.kv_dtype, buckets)         # kivi64's chunks end at its groups (nfjax/engine/batcher.py)
-    from nfjax.device_memory import kv_memory_fraction
     c = dataclasses.replace(c, kv_memory_fraction=c.kv_memory_fraction or kv_memory_fraction(m))
     num_pages = c.num_pages
     if num_pages is None:

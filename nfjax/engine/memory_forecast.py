@@ -40,13 +40,16 @@ class MemoryForecast:
     def _peak(self, now: Int[np.ndarray, "R"], left: Int[np.ndarray, "R"]) -> float:
         if now.size == 0:
             return 0.0
-        ps = self.page_size
         order = np.argsort(-left, kind="stable")
-        now, left = now[order], left[order]
-        alive = np.arange(1, now.size + 1)               # requests alive just before the k-th (sorted) finishes
-        # just before request k finishes (left[k] - 1 steps from now), request r <= k holds now[r] + left[k]
-        # positions, ceil((now[r] + left[k]) / ps) pages = q[r] + left[k] // ps + (rem[r] >= ps - left[k] % ps)
+        return float(np.max(self._pages(now[order], left[order])))
+
+    def _pages(self, now: Int[np.ndarray, "R"], left: Int[np.ndarray, "R"]) -> Int[np.ndarray, "R"]:
+        """Pages held just before each request finishes, the requests sorted by steps left (most first): just
+        before request k finishes (left[k] - 1 steps from now), request r <= k holds now[r] + left[k] positions,
+        ceil((now[r] + left[k]) / ps) pages = q[r] + left[k] // ps + (rem[r] >= ps - left[k] % ps)."""
+        ps = self.page_size
+        alive = np.arange(1, now.size + 1)               # requests alive just before the k-th finishes
         q, rem = np.divmod(now + ps - 1, ps)
         reach = np.cumsum(rem[:, None] >= np.arange(ps + 1)[None, :], axis=0)    # [R, ps+1]: r <= k, rem >= j
         carries = reach[np.arange(now.size), ps - left % ps]
-        return float(np.max(np.cumsum(q) + alive * (left // ps) + carries))
+        return np.cumsum(q) + alive * (left // ps) + carries
