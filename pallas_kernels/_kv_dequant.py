@@ -28,6 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import kv_quant
 
 QUANT_KERNEL_FORMATS = ("fp8", "int8", "int4")
+SKIP_MATH = False       # probe only (bench/probes/dequant_sass.py): loads and stores without the scale arithmetic
 GROUPED_HEAD_DIMS = (64, 128)       # int4 / int8 in the kernels: one or two groups (the 8-wide aux row)
 
 
@@ -131,6 +132,8 @@ def _levels(codes, f16_bias: int, mid: float, scale, center, math):
     [-f16_bias, 1023 - f16_bias] (int4: codes | 0x6400, the same for its codes in [0, 15]), then one fused
     multiply-add with the row's scale and center - mid * scale)."""
     if math == jnp.float16:
+        if SKIP_MATH:
+            return lax.bitcast_convert_type(codes | 0x6400, jnp.float16)
         bits = codes | 0x6400 if f16_bias == 0 else codes + (0x6400 + f16_bias)
         c = lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1024 + f16_bias)
         zp = (center - mid * scale).astype(math)
@@ -150,7 +153,7 @@ def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None
         else:
             x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)
-        dst[...] = (x * _rows(rows[sc].astype(math), x.shape)).astype(dst.dtype)
+        dst[...] = (x if SKIP_MATH else x * _rows(rows[sc].astype(math), x.shape)).astype(dst.dtype)
         return
     if fmt == "int8":
         # int4's pattern a group at a time. New against int4 on the GPU: int8 (signed) stage refs, so the load's

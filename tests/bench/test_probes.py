@@ -169,3 +169,13 @@ def test_split_k_gemm_equals_the_plain_product():
     w = jax.random.normal(jax.random.key(1), (64, 24), jnp.float32)
     for s in SPLITS:
         np.testing.assert_allclose(np.asarray(splitk_of(x, w, s)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
+    import pytest
+    from bench.probes.dequant_sass import parse_variant
+    assert parse_variant("fp8") == ("fp8", False, {})
+    assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", True, {"block_kv": 64, "num_stages": 4})
+    for bad in ("int8:xor", "int8@stages=4", "int4@block_kv=x"):
+        with pytest.raises(ValueError, match="variant"):
+            parse_variant(bad)

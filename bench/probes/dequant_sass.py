@@ -1,0 +1,108 @@
+"""Probe (#21): where the quantized decode kernel's time goes. Times the swapped decode kernel per KV format (and
+a variant without the scale arithmetic, `_kv_dequant.SKIP_MATH`) at batch 64 / 256, context 4k, alternating the
+variants `--repeat` times, and dumps each variant's PTX, ptxas report and SASS (Mosaic GPU's MOSAIC_GPU_DUMP_*
+switches) under <out>/sass/<variant>/ so the dequantizer's instructions can be counted on a CPU afterwards.
+
+usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int8:none,int4,bfloat16] [--repeat 2] [--out DIR]
+A variant is FORMAT[:none][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs
+(e.g. int8@block_kv=64+num_stages=4); ":none" skips the scale arithmetic (timing only: wrong values, so a
+large relerr shows it took effect).
+--no-dump: no PTX / SASS files.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+
+from bench.common import device_info, measure_copy_bandwidth, print_table, write_results
+from bench.kernels import kv_decode
+from pallas_kernels import _kv_dequant
+
+DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
+
+
+KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs")
+
+
+def parse_variant(variant: str) -> tuple[str, bool, dict]:
+    """'int8:none@block_kv=64+num_stages=4' -> ('int8', True, {'block_kv': 64, 'num_stages': 4})."""
+    name, _, kws = variant.partition("@")
+    fmt, _, bits = name.partition(":")
+    if bits not in ("", "none"):
+        raise ValueError(f"variant {variant!r}: FORMAT or FORMAT:none, then @KW=V+KW=V")
+    kw = {}
+    for item in (x for x in kws.split("+") if x):
+        k, _, v = item.partition("=")
+        if k not in KERNEL_KW or not v.isdigit():
+            raise ValueError(f"variant {variant!r}: {item!r} is not one of {KERNEL_KW} = an integer")
+        kw[k] = int(v)
+    return fmt, bits == "none", kw
+
+
+def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None) -> dict:
+    fmt, skip, kw = parse_variant(variant)
+    _kv_dequant.SKIP_MATH = skip
+    jax.clear_caches()              # the kernel's own jit would hand back the trace of the last variant
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        os.environ.update({"MOSAIC_GPU_DUMP_TO": dump_dir, "MOSAIC_GPU_DUMP_SASS": "1",
+                           "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1"})
+    try:
+        r = kv_decode.decode_case(fmt, b, ctx, 16, nsm, iters=20, **kw)
+    finally:
+        for k in DUMPS:
+            os.environ.pop(k, None)
+        _kv_dequant.SKIP_MATH = False
+    r["variant"] = variant
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="fp8,fp8:none,int8,int8:none,int4,int4:none,bfloat16")
+    ap.add_argument("--batches", default="256,64")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="dequant_sass")
+    ap.add_argument("--no-dump", action="store_true")
+    args = ap.parse_args()
+    out_dir = args.out or "bench/results"
+    dev = device_info()
+    nsm = dev.get("num_sms") or 132
+    cbw = measure_copy_bandwidth(2 << 30, iters=10, reps=5)["bytes_per_s"]
+    print(f"device {dev}; copy {cbw / 1e12:.2f} TB/s", flush=True)
+    variants = [v for v in args.variants.split(",") if v]
+    runs, t0 = [], time.perf_counter()
+    for rep in range(args.repeat):
+        for b in [int(x) for x in args.batches.split(",")]:
+            for v in variants:
+                dump = os.path.join(out_dir, "sass", f"{v.replace(':', '-').replace('@', '-').replace('=', '').replace('+', '-')}-b{b}") if rep == 0 and not args.no_dump else None
+                r = run_variant(v, b, args.ctx, nsm, dump)
+                r["repeat"] = rep
+                runs.append(r)
+                print(f"{v} b={b} ctx={args.ctx} rep {rep}: {r.get('s', 0) * 1e3:.3f} ms "
+                      f"{r.get('bytes_per_s', 0) / cbw:.2f} of copy relerr {r.get('relerr_first4')} "
+                      f"{r.get('error', '')[:300]} [{time.perf_counter() - t0:.0f}s]", flush=True)
+    rows = [[r["variant"], r["batch"], r["repeat"], r.get("s", 0) * 1e3, r.get("bytes_per_s", 0) / cbw,
+             r.get("relerr_first4")] for r in runs]
+    table = print_table(["variant", "batch", "repeat", "ms", "of copy", "relerr"], rows,
+                        title=f"\n== swapped decode kernel, ctx {args.ctx}, copy {cbw / 1e12:.2f} TB/s ==")
+    summary = {"copy_tb_s": cbw / 1e12}
+    for r in runs:
+        if "s" in r:
+            k = f"ms_b{r['batch']}_{r['variant']}_min"
+            for a, z in ((":", "_"), ("@", "_"), ("=", ""), ("+", "_")):
+                k = k.replace(a, z)
+            summary[k] = round(min(summary.get(k, 1e9), r["s"] * 1e3), 4)
+    for k in DUMPS:
+        os.environ.pop(k, None)
+    write_results(args.name, summary, {"runs": runs, "table": table, "wall_s": time.perf_counter() - t0},
+                  out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
