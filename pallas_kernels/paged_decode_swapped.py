@@ -73,7 +73,7 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
-                     kv_format: str = "bfloat16", dequant_wgs: int = 2):
+                     kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -89,7 +89,11 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     tile buffer g % 2. The consumer's operands are then f16 (queries, P, the tiles). A dequantizer sees every
     completion of each stage barrier it waits on: one dequantizer, or two over an even number of stages.
     `dequant_wgs=0`: the first version, kept as a fallback: the consumer dequantizes each stage into bf16 tiles
-    itself, serially (0.16-0.58 of copy at 4k context, attention_kv-v1-20261124.json)."""
+    itself, serially (0.16-0.58 of copy at 4k context, attention_kv-v1-20261124.json).
+
+    `prefetch_pages`: the producer reads a block's page ids from the table before it waits for the stage to
+    come free, so their global-memory latency overlaps the wait (False: after it, as measured so far; to be
+    timed: bench/probes/dequant_sass.py)."""
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
@@ -122,9 +126,11 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
             def block(i, g):
                 slot = lax.rem(g, num_stages)
+                read = functools.partial(block_pages, pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
+                                         page_size=k_hbm.shape[2])
+                pages = read() if prefetch_pages else None
                 pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-                pages = block_pages(pt_hbm, seq=b, tok0=kv_lo + i * block_kv, block_kv=block_kv,
-                                    page_size=k_hbm.shape[2])
+                pages = pages or read()
                 copy_kv_pages(k_hbm=k_hbm, v_hbm=v_hbm, k_s=k_s, v_s=v_s, k_bar=k_bar, v_bar=v_bar, layer=layer,
                               pages=pages, kh=kh, tok0=kv_lo + i * block_kv, slot=slot, aux_hbm=aux_hbm,
                               aux_s=aux_s)
@@ -233,14 +239,15 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
-                                             "row_sums", "interpret", "dequant_wgs"), inline=True)
+                                             "row_sums", "interpret", "dequant_wgs", "prefetch_pages"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, row_sums: str | None = None,
                                    interpret: bool = False, aux_cache=None,
-                                   dequant_wgs: int | None = None) -> Float[Array, "B H D"]:
+                                   dequant_wgs: int | None = None,
+                                   prefetch_pages: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
@@ -248,7 +255,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
     by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
-    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`)."""
+    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
+    `prefetch_pages`)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
@@ -267,7 +275,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
-                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd)
+                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
+                               prefetch_pages=prefetch_pages)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)

@@ -4,9 +4,12 @@ variants `--repeat` times, and dumps each variant's PTX, ptxas report and SASS (
 switches) under <out>/sass/<variant>/ so the dequantizer's instructions can be counted on a CPU afterwards.
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int8:none,int4,bfloat16] [--repeat 2] [--out DIR]
-A variant is FORMAT[:none][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs
-(e.g. int8@block_kv=64+num_stages=4); ":none" skips the scale arithmetic (timing only: wrong values, so a
-large relerr shows it took effect).
+A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs
+(e.g. int8@block_kv=64+num_stages=4, fp8@prefetch_pages=1). Skips are for timing only (wrong values: a large
+relerr shows a skip took effect):
+"none" skips the scale arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their
+barriers stay); "nomma" the consumer's wgmmas (its softmax stays). SASS needs nvdisasm on the PATH, which the
+H200 image's Mosaic GPU did not find: PTX and the ptxas report come back.
 --no-dump: no PTX / SASS files.
 """
 from __future__ import annotations
@@ -16,46 +19,68 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 
 from bench.common import device_info, measure_copy_bandwidth, print_table, write_results
 from bench.kernels import kv_decode
 from pallas_kernels import _kv_dequant
+from pallas_kernels import paged_decode_swapped as swapped
+from pallas_kernels._mgpu import Ops
 
+_dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
+KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages")
+SKIPS = ("none", "nodeq", "nomma")
 
 
-KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs")
-
-
-def parse_variant(variant: str) -> tuple[str, bool, dict]:
-    """'int8:none@block_kv=64+num_stages=4' -> ('int8', True, {'block_kv': 64, 'num_stages': 4})."""
+def parse_variant(variant: str) -> tuple[str, frozenset, dict]:
+    """'int8:none@block_kv=64+num_stages=4' -> ('int8', {'none'}, {'block_kv': 64, 'num_stages': 4})."""
     name, _, kws = variant.partition("@")
     fmt, _, bits = name.partition(":")
-    if bits not in ("", "none"):
-        raise ValueError(f"variant {variant!r}: FORMAT or FORMAT:none, then @KW=V+KW=V")
+    skips = frozenset(x for x in bits.split("+") if x)
+    if not skips <= set(SKIPS):
+        raise ValueError(f"variant {variant!r}: FORMAT[:SKIP+SKIP] with SKIP in {SKIPS}, then @KW=V+KW=V")
     kw = {}
     for item in (x for x in kws.split("+") if x):
         k, _, v = item.partition("=")
         if k not in KERNEL_KW or not v.isdigit():
             raise ValueError(f"variant {variant!r}: {item!r} is not one of {KERNEL_KW} = an integer")
         kw[k] = int(v)
-    return fmt, bits == "none", kw
+    return fmt, skips, kw
 
 
-def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None) -> dict:
-    fmt, skip, kw = parse_variant(variant)
-    _kv_dequant.SKIP_MATH = skip
+class _NoMatmulOps(Ops):
+    """The swapped kernel's consumer without its wgmmas: scores of zeros, the accumulators passed through."""
+
+    def kq(self, k_s, q_s):
+        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0]), jnp.float32))
+
+    def vp(self, acc, p, v_s, p_s):
+        return acc
+
+    def vp_and_sums(self, acc, sums, p, v_s, p_s, ones):
+        return acc, sums
+
+
+def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16) -> dict:
+    fmt, skips, kw = parse_variant(variant)
+    _kv_dequant.SKIP_MATH = "none" in skips
+    if "nodeq" in skips:                # the dequantizing warpgroups keep their barriers and touch no data
+        swapped.dequant_block = lambda *a, **k: None
+    if "nomma" in skips:
+        swapped.Ops = _NoMatmulOps
     jax.clear_caches()              # the kernel's own jit would hand back the trace of the last variant
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         os.environ.update({"MOSAIC_GPU_DUMP_TO": dump_dir, "MOSAIC_GPU_DUMP_SASS": "1",
                            "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1"})
     try:
-        r = kv_decode.decode_case(fmt, b, ctx, 16, nsm, iters=20, **kw)
+        r = kv_decode.decode_case(fmt, b, ctx, page_size, nsm, iters=20, **kw)
     finally:
         for k in DUMPS:
             os.environ.pop(k, None)
         _kv_dequant.SKIP_MATH = False
+        swapped.dequant_block, swapped.Ops = _dequant_block, Ops
     r["variant"] = variant
     return r
 
@@ -69,6 +94,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="dequant_sass")
     ap.add_argument("--no-dump", action="store_true")
+    ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     out_dir = args.out or "bench/results"
     dev = device_info()
@@ -81,7 +107,7 @@ def main():
         for b in [int(x) for x in args.batches.split(",")]:
             for v in variants:
                 dump = os.path.join(out_dir, "sass", f"{v.replace(':', '-').replace('@', '-').replace('=', '').replace('+', '-')}-b{b}") if rep == 0 and not args.no_dump else None
-                r = run_variant(v, b, args.ctx, nsm, dump)
+                r = run_variant(v, b, args.ctx, nsm, dump, args.page_size)
                 r["repeat"] = rep
                 runs.append(r)
                 print(f"{v} b={b} ctx={args.ctx} rep {rep}: {r.get('s', 0) * 1e3:.3f} ms "
@@ -90,7 +116,7 @@ def main():
     rows = [[r["variant"], r["batch"], r["repeat"], r.get("s", 0) * 1e3, r.get("bytes_per_s", 0) / cbw,
              r.get("relerr_first4")] for r in runs]
     table = print_table(["variant", "batch", "repeat", "ms", "of copy", "relerr"], rows,
-                        title=f"\n== swapped decode kernel, ctx {args.ctx}, copy {cbw / 1e12:.2f} TB/s ==")
+                        title=f"\n== swapped decode kernel, ctx {args.ctx}, page {args.page_size}, copy {cbw / 1e12:.2f} TB/s ==")
     summary = {"copy_tb_s": cbw / 1e12}
     for r in runs:
         if "s" in r:

@@ -174,8 +174,9 @@ def test_split_k_gemm_equals_the_plain_product():
 def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
     import pytest
     from bench.probes.dequant_sass import parse_variant
-    assert parse_variant("fp8") == ("fp8", False, {})
-    assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", True, {"block_kv": 64, "num_stages": 4})
+    assert parse_variant("fp8") == ("fp8", frozenset(), {})
+    assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", {"none"}, {"block_kv": 64, "num_stages": 4})
+    assert parse_variant("int4:nodeq+nomma") == ("int4", {"nodeq", "nomma"}, {})
     for bad in ("int8:xor", "int8@stages=4", "int4@block_kv=x"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)

@@ -27,13 +27,22 @@ DECODE = [("fp8", 16, 4, 64, 64, None, 3, 2, 2), ("int4", 64, 8, 128, 64, 3, 4, 
 
 @pytest.mark.parametrize("fmt,ps,g,d,bkv,ns,progs,stages,nd", DECODE)
 def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd):
+    _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd)
+
+
+def test_swapped_decode_reads_page_ids_before_the_stage_frees(paged_case):
+    """prefetch_pages: the producer's page-table reads move ahead of its wait; the result is the same."""
+    _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, None, prefetch_pages=True)
+
+
+def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
     lens = [0, 1, 2 * bkv + 5, 3 * ps - 1]
     c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens, kv_dtype=fmt)
     q = c.queries(len(lens))
     args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
     out = paged_decode_attention_swapped(*args, scale=c.scale, num_ctas=progs, num_splits=ns, block_kv=bkv,
                                          num_stages=stages, row_sums="wgmma" if g < 8 else "reduce", interpret=True,
-                                         aux_cache=c.aux, dequant_wgs=nd)
+                                         aux_cache=c.aux, dequant_wgs=nd, **kw)
     ref = paged_decode_attention_ref(*args, c.scale, aux_cache=c.aux)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"seed {c.seed}"
@@ -45,7 +54,8 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
                                          ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
                                          ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma", "dequant_wgs": 2}),
                                          ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1}),
-                                         ("int8", 16, 128, {}), ("int8", 64, 64, {"block_kv": 64, "dequant_wgs": 0})])
+                                         ("int8", 16, 128, {}), ("int8", 64, 64, {"block_kv": 64, "dequant_wgs": 0}),
+                                         ("fp8", 16, 128, {"prefetch_pages": True})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
