@@ -142,10 +142,11 @@ def _levels(codes, f16_bias: int, mid: float, scale, center, math):
     return (c - mid) * _rows(scale.astype(math), c.shape) + _rows(center.astype(math), c.shape)
 
 
-def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None:
-    """Stored stage tile `src` -> `dst` [rows, D] (bf16: the arithmetic in f32; f16: in f16, two values an
-    instruction) with the per-row parameters `rows` (`load_rows`) at the columns `pairs` (`aux_columns`)."""
-    math = jnp.float16 if dst.dtype == jnp.float16 else jnp.float32
+def dequant_values(fmt: str, src, rows: dict, pairs, interpret: bool, math) -> list[tuple[int, object]]:
+    """Stored stage tile `src` -> [(first column, values [rows, width] in `math`)] covering D: one part (fp8), one
+    per group of 64 columns (int8) or one per half of D (int4), with the per-row parameters `rows` (`load_rows`)
+    at the columns `pairs` (`aux_columns`). f16 math does two values an instruction; on the GPU the values are in
+    the WGMMA layout (a wgmma's register operand, or a store into a tile)."""
     if fmt == "fp8":
         (sc, _), = pairs
         if interpret:
@@ -153,25 +154,32 @@ def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None
         else:
             x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)
-        dst[...] = (x if SKIP_MATH else x * _rows(rows[sc].astype(math), x.shape)).astype(dst.dtype)
-        return
+        return [(0, x if SKIP_MATH else x * _rows(rows[sc].astype(math), x.shape))]
     if fmt == "int8":
         # int4's pattern a group at a time. New against int4 on the GPU: int8 (signed) stage refs, so the load's
         # astype(int16) is a sign extension (extsi, where int4's uint8 takes extui); the load from a column slice
         # of the stage (whole 64-byte swizzle tiles, stage_transforms); the f16 path's integer add in place of
-        # an or. The stores to column slices of dst are int4's at head_dim 128.
+        # an or.
         w = kv_quant.GROUP
-        for gi, (sc, cc) in enumerate(pairs):
-            part = src if len(pairs) == 1 else src.at[:, pl.ds(gi * w, w)]
-            x = _levels(_upcast(part, interpret), 128, -0.5, rows[sc], rows[cc], math)
-            dst[:, pl.ds(gi * w, w)] = x.astype(dst.dtype)
-        return
+        return [(gi * w, _levels(_upcast(src if len(pairs) == 1 else src.at[:, pl.ds(gi * w, w)], interpret), 128,
+                                 -0.5, rows[sc], rows[cc], math))
+                for gi, (sc, cc) in enumerate(pairs)]
     h = src.shape[1]                                       # D / 2
     u = _upcast(src, interpret)
-    for half, codes in enumerate((u & 15, u >> 4)):
-        sc, cc = pairs[half]
-        x = _levels(codes, 0, kv_quant.INT4_HALF, rows[sc], rows[cc], math)
-        dst[:, pl.ds(half * h, h)] = x.astype(dst.dtype)
+    return [(half * h, _levels(codes, 0, kv_quant.INT4_HALF, rows[pairs[half][0]], rows[pairs[half][1]], math))
+            for half, codes in enumerate((u & 15, u >> 4))]
+
+
+def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None:
+    """Stored stage tile `src` -> `dst` [rows, D] (bf16: the arithmetic in f32; f16: in f16), `dequant_values`
+    stored part by part (int8's groups and int4's halves as column slices: whole swizzle tiles, deq_transforms)."""
+    math = jnp.float16 if dst.dtype == jnp.float16 else jnp.float32
+    parts = dequant_values(fmt, src, rows, pairs, interpret, math)
+    for c0, x in parts:
+        if len(parts) == 1:
+            dst[...] = x.astype(dst.dtype)
+        else:
+            dst[:, pl.ds(c0, x.shape[1])] = x.astype(dst.dtype)
 
 
 def dequant_block(fmt: str, src, dst, aux, pairs, interpret: bool, chunk: int = 64) -> None:

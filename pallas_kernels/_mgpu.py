@@ -93,6 +93,19 @@ class Ops:
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.float32))
 
+    def kq_regs(self, parts, q_s):
+        """sum over parts (c0, k [BKV, w] 16-bit, in registers) of k @ q_s[:, c0:c0 + w]^T -> [BKV, GP] f32: `kq` with
+        K as wgmma's register operand, one wgmma a column part (`_kv_dequant.dequant_values`)."""
+        if self.interpret:
+            return sum(jnp.dot(k, q_s[:, c0:c0 + k.shape[1]].T, preferred_element_type=jnp.float32)
+                       for c0, k in parts)
+
+        def f(acc_ref):
+            for c0, k in parts:
+                plgpu.wgmma(acc_ref, k, q_s.at[:, pl.ds(c0, k.shape[1])].transpose((1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
+
     def vp(self, acc, p, v_s, p_s):
         """acc + v^T @ p with acc [D, GP] f32, p [BKV, GP] (16-bit, registers), v [BKV, D] in SMEM. On the GPU
         p goes through `p_s` ([GP, BKV] SMEM, the wgmma B operand) with a transposed store."""

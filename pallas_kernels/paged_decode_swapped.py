@@ -35,7 +35,7 @@ from pallas_kernels import MASK_VALUE
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
 from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
-    dequant_block, quant_scratch
+    dequant_block, dequant_values, load_rows, quant_scratch
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")
@@ -73,7 +73,8 @@ def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
-                     kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False):
+                     kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
+                     k_in_consumer: bool = False):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -91,6 +92,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     `dequant_wgs=0`: the first version, kept as a fallback: the consumer dequantizes each stage into bf16 tiles
     itself, serially (0.16-0.58 of copy at 4k context, attention_kv-v1-20261124.json).
 
+    `k_in_consumer` (with dequantizers): the consumer dequantizes each K stage itself into registers, wgmma's
+    register operand, and the dequantizers do V alone; no K tile goes through SMEM, which leaves room for more
+    stages. The stage then frees after two arrivals: the consumer's (K read) and the dequantizer's (V read).
+
     `prefetch_pages`: the producer reads a block's page ids from the table before it waits for the stage to
     come free, so their global-memory latency overlaps the wait (False: after it, as measured so far; to be
     timed: bench/probes/dequant_sass.py)."""
@@ -103,9 +108,14 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     if nd not in (0, 1, 2) or (nd and num_stages % nd):
         raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0, 1, or 2 over an even number of stages")
     quantized = nd > 0                              # dequantizing warpgroups beside the consumer
+    if k_in_consumer and not quantized:
+        raise ValueError("k_in_consumer needs a quantized cache and dequantizing warpgroups (dequant_wgs > 0)")
     dq = Dequant("bfloat16" if quantized else kv_format, q_s.shape[2], quant, interpret)   # in the consumer (nd 0)
     aux_s = dq.aux_s
-    if quantized:
+    if k_in_consumer:
+        aux_s, v_deq, deq_ready, deq_free = quant
+        k_cols = sorted({c for p in aux_columns(kv_format, q_s.shape[2], "k") for c in p if c is not None})
+    elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
     cd = q_s.dtype                                  # the matmuls' operand dtype (bf16; f16 with dequantizers)
     num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
@@ -153,7 +163,14 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         def step(g, tok0, kv_hi, q, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
-            if quantized:
+            if k_in_consumer:
+                dslot = lax.rem(g, 2)
+                plgpu.barrier_wait(k_bar.at[slot])
+                parts = dequant_values(kv_format, k_s.at[slot], load_rows(aux_s.at[slot], k_cols, interpret),
+                                       aux_columns(kv_format, q_s.shape[2], "k"), interpret, cd)
+                plgpu.barrier_arrive(consumed.at[slot])                 # K is in registers; V's arrival is next
+                s = ops.kq_regs(parts, q) * c                                 # [BKV, GP]
+            elif quantized:
                 dslot = lax.rem(g, 2)
                 plgpu.barrier_wait(deq_ready.at[dslot])
                 kt, vt = k_deq.at[dslot], v_deq.at[dslot]
@@ -161,7 +178,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 plgpu.barrier_wait(k_bar.at[slot])
                 rows = dq.rows(slot)
                 kt = dq.k(k_s.at[slot], rows)
-            s = ops.kq(kt, q) * c                                         # [BKV, GP]
+            if not k_in_consumer:
+                s = ops.kq(kt, q) * c                                         # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
@@ -169,7 +187,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
             acc = acc * _cols(alpha, acc.shape)
-            if not quantized:
+            if k_in_consumer:
+                plgpu.barrier_wait(deq_ready.at[dslot])
+                vt = v_deq.at[dslot]
+            elif not quantized:
                 plgpu.barrier_wait(v_bar.at[slot])
                 vt = dq.v(v_s.at[slot], rows)
             if by_wgmma:
@@ -215,9 +236,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 @pl.when(lax.rem(g, nd) == j)
                 def _():
                     slot, dslot = lax.rem(g, num_stages), lax.rem(g, 2)
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(k_bar.at[slot])          # K's copies, and the aux rows with them
                     pl.when(g >= 2)(lambda: plgpu.barrier_wait(deq_free.at[dslot]))
-                    dequant_block(kv_format, k_s.at[slot], k_deq.at[dslot], aux_s.at[slot], k_pairs, interpret)
+                    if not k_in_consumer:
+                        dequant_block(kv_format, k_s.at[slot], k_deq.at[dslot], aux_s.at[slot], k_pairs, interpret)
                     plgpu.barrier_wait(v_bar.at[slot])
                     dequant_block(kv_format, v_s.at[slot], v_deq.at[dslot], aux_s.at[slot], v_pairs, interpret)
                     plgpu.commit_smem()                 # the tiles' stores, read next by the consumer's wgmmas
@@ -239,15 +261,16 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
-                                             "row_sums", "interpret", "dequant_wgs", "prefetch_pages"), inline=True)
+                                             "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
+                                             "k_in_consumer"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
                                    num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, row_sums: str | None = None,
                                    interpret: bool = False, aux_cache=None,
-                                   dequant_wgs: int | None = None,
-                                   prefetch_pages: bool = False) -> Float[Array, "B H D"]:
+                                   dequant_wgs: int | None = None, prefetch_pages: bool = False,
+                                   k_in_consumer: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
@@ -256,7 +279,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
     by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
     take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
-    `prefetch_pages`)."""
+    `prefetch_pages` and `k_in_consumer`)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
@@ -271,12 +294,12 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
     qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd)
+                              num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd, k_in_consumer=k_in_consumer)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                                scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
-                               prefetch_pages=prefetch_pages)
+                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
@@ -291,9 +314,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
-            dequant_wgs: int = 1):
+            dequant_wgs: int = 1, k_in_consumer: bool = False):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types); a quantized
-    cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the consumer's dequantizing)."""
+    cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the consumer's dequantizing; with
+    `k_in_consumer` no K tiles, and two arrivals free a stage)."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
@@ -315,13 +339,13 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
                plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
                plgpu.Barrier(num_barriers=2),                     # q buffer free again
                *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
-               plgpu.Barrier(num_barriers=num_stages)]            # stage consumed
+               plgpu.Barrier(num_arrivals=2 if k_in_consumer else 1, num_barriers=num_stages)]   # stage consumed
     if fmt != "bfloat16" and not dequant_wgs:
         scratch += quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1])
     elif fmt != "bfloat16":
         scratch += [plgpu.SMEM((num_stages, block_kv, aux_cache.shape[-1]), aux_cache.dtype),
-                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # dequantized K, double-buffered
-                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V
+                    *([] if k_in_consumer else [plgpu.SMEM((2, block_kv, d), cd, transforms=tf)]),  # dequantized K
+                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V, double-buffered
                     plgpu.Barrier(num_barriers=2),                             # tiles ready
                     plgpu.Barrier(num_barriers=2)]                             # tiles free again
     return qr, ns, scratch

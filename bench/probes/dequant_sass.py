@@ -4,12 +4,12 @@ variants `--repeat` times, and dumps each variant's PTX, ptxas report and SASS (
 switches) under <out>/sass/<variant>/ so the dequantizer's instructions can be counted on a CPU afterwards.
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int8:none,int4,bfloat16] [--repeat 2] [--out DIR]
-A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs
-(e.g. int8@block_kv=64+num_stages=4, fp8@prefetch_pages=1). Skips are for timing only (wrong values: a large
-relerr shows a skip took effect):
-"none" skips the scale arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their
-barriers stay); "nomma" the consumer's wgmmas (its softmax stays). SASS needs nvdisasm on the PATH, which the
-H200 image's Mosaic GPU did not find: PTX and the ptxas report come back.
+A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
+prefetch_pages / k_in_consumer (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4). Skips are
+for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale arithmetic; "nodeq"
+the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the consumer's wgmmas
+(its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not find: PTX and the
+ptxas report come back.
 --no-dump: no PTX / SASS files.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pallas_kernels._mgpu import Ops
 
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
-KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages")
+KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer")
 SKIPS = ("none", "nodeq", "nomma")
 
 

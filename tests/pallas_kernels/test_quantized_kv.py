@@ -35,6 +35,18 @@ def test_swapped_decode_reads_page_ids_before_the_stage_frees(paged_case):
     _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, None, prefetch_pages=True)
 
 
+@pytest.mark.parametrize("fmt,ps,d,stages,nd", [("fp8", 16, 128, 4, 2), ("int8", 64, 128, 2, 1),
+                                                 ("int4", 16, 64, 4, 2)])
+def test_swapped_decode_with_k_dequantized_in_the_consumer(paged_case, fmt, ps, d, stages, nd):
+    """k_in_consumer: K dequantized into the consumer's registers (wgmma's register operand), V by the dequantizers."""
+    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True)
+
+
+def test_k_in_consumer_needs_dequantizers(paged_case):
+    with pytest.raises(ValueError, match="k_in_consumer"):
+        _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 0, k_in_consumer=True)
+
+
 def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
     lens = [0, 1, 2 * bkv + 5, 3 * ps - 1]
     c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=lens, kv_dtype=fmt)
@@ -55,7 +67,10 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma", "dequant_wgs": 2}),
                                          ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1}),
                                          ("int8", 16, 128, {}), ("int8", 64, 64, {"block_kv": 64, "dequant_wgs": 0}),
-                                         ("fp8", 16, 128, {"prefetch_pages": True})])
+                                         ("fp8", 16, 128, {"prefetch_pages": True}),
+                                         ("fp8", 16, 128, {"k_in_consumer": True, "dequant_wgs": 2, "num_stages": 4}),
+                                         ("int8", 16, 128, {"k_in_consumer": True, "num_stages": 4}),
+                                         ("int4", 16, 64, {"k_in_consumer": True, "dequant_wgs": 1})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
