@@ -5,7 +5,10 @@ lengths) at Poisson arrival times, one rate after another. Per rate: NanoFlow's 
 latency / output tokens) mean and p99, TTFT (first streamed chunk) and TPOT ((e2e - TTFT) / (output tokens - 1)),
 achieved request and token rates. Headline figures: the highest tested rate up to which every tested rate keeps
 the mean normalized latency at or under 200 ms (`max_rate_under_200ms_normalized_latency`, 0 if the lowest rate
-misses; see meets_slo) and the mean TPOT at the lightest rate (`tpot_ms_light_load`).
+misses; see meets_slo) and the mean TPOT at the lightest rate (`tpot_ms_light_load`). Past saturation that
+headline stops meaning steady state: `first_rate_past_saturation` is the lowest tested rate that asks for more
+output (rate x mean output length) than the server delivered at any rate; from there on each rate's latency is
+bounded by how many requests it sends (--num-requests, --duration-per-rate), so read the knee below it.
 
 The server: `--server-process` (default with --shape) runs bench/server.py in a process of its own (the
 client never shares the engine loop's GIL) and stops it with SIGTERM at the end; `--in-process` serves from a
@@ -176,6 +179,8 @@ def summarize(recs: list[dict], rate: float, t0: float, not_sent: int = 0) -> di
             "not_sent": not_sent, "first_errors": [r["error"] for r in failed][:5],
             "seconds": span, "achieved_req_s": len(ok) / span if span else None,
             "output_tok_s": out_tokens / span if span else None, "output_tokens": out_tokens,
+            # what the rate asks for: its arrivals times their mean output length
+            "offered_output_tok_s": rate * sum(r["max_tokens"] for r in recs) / len(recs) if recs else None,
             # completed requests exactly, plus the timed-out ones that had started, estimated (see extrapolate)
             "normalized_latency_s": _stats([r["normalized_s"] for r in ok] + [r["est_normalized_s"] for r in est]),
             "ttft_s": _stats([r["ttft_s"] for r in ok + est]),
@@ -368,23 +373,33 @@ def report(args, results, model, info, skipped, partial, note, wall_s) -> None:
     for r in results:
         nl, tt, tp = r["normalized_latency_s"], r["ttft_s"], r["tpot_s"]
         rows.append([r["rate"], f"{r['completed']}/{r['requests']}", f"{r['extrapolated']}/{r['timed_out']}",
-                     r["achieved_req_s"],
+                     r["achieved_req_s"], r.get("offered_output_tok_s"),
                      r["output_tok_s"], _ms(nl["mean"]), _ms(nl["p99"]), _ms(tt["mean"]), _ms(tt["p99"]),
                      _ms(tp["mean"]), _ms(tp["p99"])])
-    print_table(["rate/s", "ok", "est/late", "got req/s", "out tok/s", "norm ms", "norm p99", "TTFT ms", "TTFT p99",
-                 "TPOT ms", "TPOT p99"], rows, title=f"serving: {model}, workload {args.workload}")
+    print_table(["rate/s", "ok", "est/late", "got req/s", "asked tok/s", "out tok/s", "norm ms", "norm p99", "TTFT ms",
+                 "TTFT p99", "TPOT ms", "TPOT p99"], rows, title=f"serving: {model}, workload {args.workload}")
     under = []          # rates, lowest first, up to the first one that misses the bound (or has errors)
     for r in sorted(results, key=lambda r: r["rate"]):
         if not meets_slo(r):
             break
         under.append(r["rate"])
     light = min(results, key=lambda r: r["rate"]) if results else None
+    delivered = max((r["output_tok_s"] or 0) for r in results) if results else None
+    # A rate that asks for more output than the server ever delivered is past saturation: its queue grows for as
+    # long as arrivals last, so its latency says how many requests were sent (--num-requests, the window), not
+    # how the server holds up. The headline stays NanoFlow's; this names where it stops meaning steady state.
+    over = sorted(r["rate"] for r in results if (r.get("offered_output_tok_s") or 0) > (delivered or 0) > 0)
+    if over:
+        print(f"rates from {over[0]}/s offer more output than the server delivered at any rate ({delivered:,.0f} "
+              f"tok/s): their latency is bounded by the request cap, not steady state", flush=True)
     summary = {
         "max_rate_under_200ms_normalized_latency": max(under) if under else 0.0,
         "tpot_ms_light_load": _ms(light["tpot_s"]["mean"]) if light else None,
         "ttft_ms_light_load": _ms(light["ttft_s"]["mean"]) if light else None,
         "normalized_latency_ms_light_load": _ms(light["normalized_latency_s"]["mean"]) if light else None,
-        "max_output_tok_s": max((r["output_tok_s"] or 0) for r in results) if results else None,
+        "max_output_tok_s": delivered,
+        "max_achieved_req_s": max((r["achieved_req_s"] or 0) for r in results) if results else None,
+        "first_rate_past_saturation": over[0] if over else None,
         "rates_tested": len(results), "extrapolated_requests": sum(r["extrapolated"] for r in results),
         "partial": partial,
     }

@@ -61,3 +61,19 @@ def test_unstarted_or_failed_requests_fail_the_bound():
     assert not meets_slo(summarize([ok], 2.0, 0.0, not_sent=3))
     slow = _done(0.0, 0.05, 0.05 + 100 * (SLO_S + 0.01), 101)
     assert not meets_slo(summarize([slow], 2.0, 0.0))
+
+
+def test_report_names_the_first_rate_past_saturation(tmp_path):
+    """A rate that asks for more output than the server ever delivered is flagged, whatever its latency."""
+    import argparse
+    import json
+    from bench.serving import report
+    light = summarize([_done(0.0, 0.05, 1.05, 101), _done(0.5, 0.55, 1.55, 101)], 2.0, 0.0)
+    heavy = summarize([_done(0.0, 0.05, 1.05, 101)] * 4, 1000.0, 0.0)
+    assert light["offered_output_tok_s"] == pytest.approx(2.0 * 101)
+    args = argparse.Namespace(name="serving-test", workload="8x101", out_dir=str(tmp_path))
+    report(args, [light, heavy], "tiny", {}, [], False, None, 1.0)
+    summary = json.loads(next(tmp_path.glob("serving-test-*.json")).read_text())["summary"]
+    assert summary["max_rate_under_200ms_normalized_latency"] == 1000.0     # NanoFlow's headline, unchanged
+    assert summary["first_rate_past_saturation"] == 1000.0
+    assert summary["max_achieved_req_s"] == pytest.approx(max(light["achieved_req_s"], heavy["achieved_req_s"]))
