@@ -30,16 +30,12 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
     _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd)
 
 
-def test_swapped_decode_reads_page_ids_before_the_stage_frees(paged_case):
-    """prefetch_pages: the producer's page-table reads move ahead of its wait; the result is the same."""
-    _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, None, prefetch_pages=True)
-
-
-@pytest.mark.parametrize("fmt,ps,d,stages,nd", [("fp8", 16, 128, 4, 2), ("int8", 64, 128, 2, 1),
-                                                 ("int4", 16, 64, 4, 2)])
-def test_swapped_decode_with_k_dequantized_in_the_consumer(paged_case, fmt, ps, d, stages, nd):
-    """k_in_consumer: K dequantized into the consumer's registers (wgmma's register operand), V by the dequantizers."""
-    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True)
+@pytest.mark.parametrize("fmt,ps,d,stages,nd,prefetch", [("fp8", 16, 128, 4, 2, False), ("int8", 64, 128, 2, 1, True),
+                                                          ("int4", 16, 64, 4, 2, False)])
+def test_swapped_decode_with_k_dequantized_in_the_consumer(paged_case, fmt, ps, d, stages, nd, prefetch):
+    """k_in_consumer: K dequantized into the consumer's registers (wgmma's register operand), V by the dequantizers;
+    with prefetch_pages (int8), the producer's page-table reads move ahead of its wait for the stage."""
+    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True, prefetch_pages=prefetch)
 
 
 def test_k_in_consumer_needs_dequantizers(paged_case):
