@@ -104,6 +104,11 @@ def aux_columns(fmt: str, head_dim: int, which: str) -> list[tuple[int, int | No
     return [(base + 2 * gi, base + 2 * gi + 1) for gi in groups]
 
 
+def pair_columns(pairs) -> list[int]:
+    """The aux columns `pairs` (`aux_columns`) read, each once, in order (what `load_rows` loads)."""
+    return sorted({c for p in pairs for c in p if c is not None})
+
+
 def load_rows(aux_ref, cols: list[int], interpret: bool) -> dict:
     """{column: f32 [block_kv] vector over the tile's rows} from one aux stage [block_kv, W]."""
     if interpret:
@@ -185,7 +190,7 @@ def dequant_tile(fmt: str, src, dst, rows: dict, pairs, interpret: bool) -> None
 def dequant_block(fmt: str, src, dst, aux, pairs, interpret: bool, chunk: int = 64) -> None:
     """`dequant_tile` over a whole stage, `chunk` rows at a time (a 64-row chunk of a 128-wide tile is 64 values a
     thread, where the whole tile would be 128: a dequantizing warpgroup shares the registers with three others)."""
-    cols = sorted({c for p in pairs for c in p if c is not None})
+    cols = pair_columns(pairs)
     for r0 in range(0, src.shape[0], chunk):
         rows = load_rows(aux.at[pl.ds(r0, chunk)], cols, interpret)
         dequant_tile(fmt, src.at[pl.ds(r0, chunk)], dst.at[pl.ds(r0, chunk)], rows, pairs, interpret)
@@ -206,7 +211,7 @@ class Dequant:
         """Both K's and V's per-row parameters of stage `slot` (one aux load a block; call after K arrived)."""
         if not self.on:
             return {}
-        cols = sorted({c for p in self.k_pairs + self.v_pairs for c in p if c is not None})
+        cols = pair_columns(self.k_pairs + self.v_pairs)
         return load_rows(self.aux_s.at[slot], cols, self.interpret)
 
     def k(self, k_stage, rows):

@@ -35,7 +35,7 @@ from pallas_kernels import MASK_VALUE
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
 from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
-    dequant_block, dequant_values, load_rows, quant_scratch
+    dequant_block, dequant_values, load_rows, pair_columns, quant_scratch
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")
@@ -114,7 +114,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     aux_s = dq.aux_s
     if k_in_consumer:
         aux_s, v_deq, deq_ready, deq_free = quant
-        k_cols = sorted({c for p in aux_columns(kv_format, q_s.shape[2], "k") for c in p if c is not None})
+        k_pairs = aux_columns(kv_format, q_s.shape[2], "k")
+        k_cols = pair_columns(k_pairs)
     elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
     cd = q_s.dtype                                  # the matmuls' operand dtype (bf16; f16 with dequantizers)
@@ -167,7 +168,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 dslot = lax.rem(g, 2)
                 plgpu.barrier_wait(k_bar.at[slot])
                 parts = dequant_values(kv_format, k_s.at[slot], load_rows(aux_s.at[slot], k_cols, interpret),
-                                       aux_columns(kv_format, q_s.shape[2], "k"), interpret, cd)
+                                       k_pairs, interpret, cd)
                 plgpu.barrier_arrive(consumed.at[slot])                 # K is in registers; V's arrival is next
                 s = ops.kq_regs(parts, q) * c                                 # [BKV, GP]
             elif quantized:

@@ -1,9 +1,9 @@
 """Probe (#21): where the quantized decode kernel's time goes. Times the swapped decode kernel per KV format (and
 a variant without the scale arithmetic, `_kv_dequant.SKIP_MATH`) at batch 64 / 256, context 4k, alternating the
 variants `--repeat` times, and dumps each variant's PTX, ptxas report and SASS (Mosaic GPU's MOSAIC_GPU_DUMP_*
-switches) under <out>/sass/<variant>/ so the dequantizer's instructions can be counted on a CPU afterwards.
+switches) under <out>/sass/<variant>-b<batch>/ so the dequantizer's instructions can be counted on a CPU afterwards.
 
-usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int8:none,int4,bfloat16] [--repeat 2] [--out DIR]
+usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
 prefetch_pages / k_in_consumer (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4). Skips are
 for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale arithmetic; "nodeq"
@@ -31,6 +31,13 @@ _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
 KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer")
 SKIPS = ("none", "nodeq", "nomma")
+
+
+def slug(variant: str) -> str:
+    """A variant as a file-name and summary-key part: 'int8:none@num_stages=4' -> 'int8_none_num_stages4'."""
+    for a, z in ((":", "_"), ("@", "_"), ("=", ""), ("+", "_")):
+        variant = variant.replace(a, z)
+    return variant
 
 
 def parse_variant(variant: str) -> tuple[str, frozenset, dict]:
@@ -106,7 +113,7 @@ def main():
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",")]:
             for v in variants:
-                dump = os.path.join(out_dir, "sass", f"{v.replace(':', '-').replace('@', '-').replace('=', '').replace('+', '-')}-b{b}") if rep == 0 and not args.no_dump else None
+                dump = None if rep or args.no_dump else os.path.join(out_dir, "sass", f"{slug(v)}-b{b}")
                 r = run_variant(v, b, args.ctx, nsm, dump, args.page_size)
                 r["repeat"] = rep
                 runs.append(r)
@@ -116,16 +123,13 @@ def main():
     rows = [[r["variant"], r["batch"], r["repeat"], r.get("s", 0) * 1e3, r.get("bytes_per_s", 0) / cbw,
              r.get("relerr_first4")] for r in runs]
     table = print_table(["variant", "batch", "repeat", "ms", "of copy", "relerr"], rows,
-                        title=f"\n== swapped decode kernel, ctx {args.ctx}, page {args.page_size}, copy {cbw / 1e12:.2f} TB/s ==")
+                        title=f"\n== swapped decode kernel, ctx {args.ctx}, page {args.page_size}, "
+                              f"copy {cbw / 1e12:.2f} TB/s ==")
     summary = {"copy_tb_s": cbw / 1e12}
     for r in runs:
         if "s" in r:
-            k = f"ms_b{r['batch']}_{r['variant']}_min"
-            for a, z in ((":", "_"), ("@", "_"), ("=", ""), ("+", "_")):
-                k = k.replace(a, z)
+            k = f"ms_b{r['batch']}_{slug(r['variant'])}_min"
             summary[k] = round(min(summary.get(k, 1e9), r["s"] * 1e3), 4)
-    for k in DUMPS:
-        os.environ.pop(k, None)
     write_results(args.name, summary, {"runs": runs, "table": table, "wall_s": time.perf_counter() - t0},
                   out_dir=args.out)
 

@@ -173,7 +173,8 @@ def test_split_k_gemm_equals_the_plain_product():
 
 def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
     import pytest
-    from bench.probes.dequant_sass import parse_variant
+    from bench.probes.dequant_sass import parse_variant, slug
+    assert slug("int8:none@block_kv=64+num_stages=4") == "int8_none_block_kv64_num_stages4"
     assert parse_variant("fp8") == ("fp8", frozenset(), {})
     assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", {"none"}, {"block_kv": 64, "num_stages": 4})
     assert parse_variant("int4:nodeq+nomma") == ("int4", {"nodeq", "nomma"}, {})
