@@ -98,13 +98,18 @@ def engine_run(args, workloads: list[str]) -> dict:
     engine = bench_engine(args, context=longest(list(works.values())))
     compile_s = time.perf_counter() - t
     ec = engine.config
-    print(f"compiled in {compile_s:.1f}s; {ec.cache.num_pages} KV pages, buckets {ec.batcher.token_buckets}, "
+    print(f"compiled in {compile_s:.1f}s (lowering {engine.runner.lower_seconds:.1f}s, compiling "
+          f"{engine.runner.compile_seconds:.1f}s with it, warm-up {engine.warm_up_seconds:.1f}s); "
+          f"{ec.cache.num_pages} KV pages, buckets {ec.batcher.token_buckets}, "
           f"{ec.batcher.max_seqs} sequences a step", flush=True)
     temps = engine.runner.largest_temps()
     print("largest program scratch: " + ", ".join(f"{k} {b / 2 ** 30:.2f} GiB" for k, b in temps), flush=True)
     out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "total_params": cfg.num_params(),
            "optimal_tok_s": optimal,
-           "compile_s": compile_s, "largest_temps": temps, "buckets": ec.batcher.token_buckets,
+           "compile_s": compile_s, "compile_parts_s": {"lower": engine.runner.lower_seconds,
+                                                        "compile": engine.runner.compile_seconds,
+                                                        "warm_up": engine.warm_up_seconds},
+           "largest_temps": temps, "buckets": ec.batcher.token_buckets,
            "num_pages": ec.cache.num_pages, "memory_after_weights": engine.runner.memory_after_weights,
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}

@@ -44,8 +44,9 @@ class Engine:
         self.config = config = self.runner.config      # automatic sizes resolved
         pool = start_pool(self.runner)                 # the host tier's pinned pool, allocated while compiling
         self.runner.compile_all(progress=progress)
+        self.warm_up_seconds = 0.0
         if on_gpu():        # first launches (command buffers instantiated) at start, not in a request's step
-            warm_up(self.runner)
+            self.warm_up_seconds = warm_up(self.runner)
         self.batcher = Batcher(config)
         self.batcher.tiers = self._make_tiers(pool)
         self.trace = StepTrace()

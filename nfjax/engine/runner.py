@@ -137,6 +137,7 @@ class Runner:
         self.tier_copies: TierCopies | None = None      # the prefix tiers' page <-> row copies
         self._seed = None                         # fills a penalty slot with a prompt whose prefix was reused
         self.compile_seconds = 0.0
+        self.lower_seconds = 0.0        # of compile_seconds: tracing and lowering on this thread
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
         self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
 
@@ -277,6 +278,7 @@ class Runner:
                     submit(self._unpack, b, jax.jit(unpack_into, donate_argnums=0, out_shardings=rep).lower(
                         inp, packed), None)
                     self._staged[b] = inp           # lowering read only its shapes; the steps take it over
+            self.lower_seconds = time.perf_counter() - t0
         for f in futures:
             f.result()                              # re-raise the first compile error here
         if bar is not None:
