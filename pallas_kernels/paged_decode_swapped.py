@@ -52,6 +52,13 @@ DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int8": None, "int4": None}
 FP8_DEQUANT_MIN_WORK = 2048
 
 
+# K dequantized by the consumer into wgmma's register operand (the dequantizers do V alone), for the formats whose
+# two dequantizers bound the kernel: batch 256, 4k context, 16-position pages on an H200 int8 1.45 -> 1.11 ms
+# (4 stages; 1.16 at 2), int4 1.53 -> 1.28; fp8 0.93 -> 1.04 (its one dequantizer is not the bound). Reading the
+# page ids before the stage wait: fp8 0.93 -> 0.91, int8 1.45 -> 1.43 (bench/results/dequant_kic-20261128.json).
+K_IN_CONSUMER = ("int8", "int4")
+
+
 def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
     """The dequantizing warpgroups of a call that names none (see DEQUANT_WGS)."""
     if fmt == "fp8" and work_items >= FP8_DEQUANT_MIN_WORK:
@@ -270,8 +277,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
                                    num_stages: int | None = None, row_sums: str | None = None,
                                    interpret: bool = False, aux_cache=None,
-                                   dequant_wgs: int | None = None, prefetch_pages: bool = False,
-                                   k_in_consumer: bool = False) -> Float[Array, "B H D"]:
+                                   dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
+                                   k_in_consumer: bool | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
@@ -280,14 +287,20 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
     by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
     take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
-    `prefetch_pages` and `k_in_consumer`)."""
+    `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
+    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
+    if k_in_consumer is None:
+        k_in_consumer = beside and fmt in K_IN_CONSUMER
+    if prefetch_pages is None:
+        prefetch_pages = aux_cache is not None
     if num_stages is None:
-        # dequantizers: the f16 tiles take 128 KB of SMEM; int4's stages (18 KB at head_dim 128) fit four deep
-        num_stages = (4 if k_cache.dtype == jnp.uint8 else 2) if beside else 3 if share else 2
+        # dequantizers: the f16 tiles take 128 KB of SMEM (64 KB with K in the consumer); int4's stages (18 KB at
+        # head_dim 128) fit four deep
+        num_stages = (4 if k_cache.dtype == jnp.uint8 or k_in_consumer else 2) if beside else 3 if share else 2
     if aux_cache is None:
         nd = 0
     elif nd is None:
