@@ -6,9 +6,13 @@ latency / output tokens) mean and p99, TTFT (first streamed chunk) and TPOT ((e2
 achieved request and token rates. Headline figures: the highest tested rate up to which every tested rate keeps
 the mean normalized latency at or under 200 ms (`max_rate_under_200ms_normalized_latency`, 0 if the lowest rate
 misses; see meets_slo) and the mean TPOT at the lightest rate (`tpot_ms_light_load`). Past saturation that
-headline stops meaning steady state: `first_rate_past_saturation` is the lowest tested rate that asks for more
-output (rate x mean output length) than the server delivered at any rate; from there on each rate's latency is
-bounded by how many requests it sends (--num-requests, --duration-per-rate), so read the knee below it.
+headline stops meaning steady state: the queue then grows for as long as arrivals last, and each rate's latency
+is bounded by how many requests it sends (--num-requests, --duration-per-rate). `first_rate_past_saturation` is
+the lowest tested rate whose queue grew: its last third of arrivals waited for their first token at least
+SATURATED_GROWTH x as long as its first third (`ttft_growth`; a request never started counts its whole wait).
+Read the knee below it. `first_rate_asking_more_than_delivered` (rate x mean output length above the most output
+any rate delivered) is a weaker sign: a sweep whose rates all keep up still delivers less than it asks, since each
+rate's output rate counts the drain after its last arrival.
 
 The server: `--server-process` (default with --shape) runs bench/server.py in a process of its own (the
 client never shares the engine loop's GIL) and stops it with SIGTERM at the end; `--in-process` serves from a
@@ -44,6 +48,7 @@ from bench.server import ServerProcess, engine_info, served_engine
 from bench.setup import add_bench_args
 
 SLO_S = 0.200     # normalized-latency bound of the headline figure
+SATURATED_GROWTH = 2.0      # late arrivals' wait for a first token over early ones' where the queue grows
 
 
 def _floats(s: str) -> list[float]:
@@ -165,6 +170,19 @@ def extrapolate(r: dict) -> None:
     r.update(est_e2e_s=e2e, est_normalized_s=e2e / r["max_tokens"], est_tpot_s=pace)
 
 
+def ttft_growth(recs: list[dict]) -> float | None:
+    """Mean wait for a first token of the last third of arrivals over the first third's (None: under 6 requests
+    started or cut off). Requests that failed are left out; one cut off before its first token waited at least
+    its elapsed time."""
+    waits = sorted((r["t_arrival"], r["ttft_s"] if "ttft_s" in r else r["elapsed_s"]) for r in recs
+                   if "ttft_s" in r or r.get("timed_out"))
+    k = len(waits) // 3
+    if k < 2:
+        return None
+    early = sum(w for _, w in waits[:k]) / k
+    return sum(w for _, w in waits[-k:]) / k / early if early > 0 else None
+
+
 def summarize(recs: list[dict], rate: float, t0: float, not_sent: int = 0) -> dict:
     ok = [r for r in recs if r["ok"]]
     late = [r for r in recs if r.get("timed_out")]
@@ -181,6 +199,7 @@ def summarize(recs: list[dict], rate: float, t0: float, not_sent: int = 0) -> di
             "output_tok_s": out_tokens / span if span else None, "output_tokens": out_tokens,
             # what the rate asks for: its arrivals times their mean output length
             "offered_output_tok_s": rate * sum(r["max_tokens"] for r in recs) / len(recs) if recs else None,
+            "ttft_growth": ttft_growth(recs),
             # completed requests exactly, plus the timed-out ones that had started, estimated (see extrapolate)
             "normalized_latency_s": _stats([r["normalized_s"] for r in ok] + [r["est_normalized_s"] for r in est]),
             "ttft_s": _stats([r["ttft_s"] for r in ok + est]),
@@ -374,10 +393,10 @@ def report(args, results, model, info, skipped, partial, note, wall_s) -> None:
         nl, tt, tp = r["normalized_latency_s"], r["ttft_s"], r["tpot_s"]
         rows.append([r["rate"], f"{r['completed']}/{r['requests']}", f"{r['extrapolated']}/{r['timed_out']}",
                      r["achieved_req_s"], r.get("offered_output_tok_s"),
-                     r["output_tok_s"], _ms(nl["mean"]), _ms(nl["p99"]), _ms(tt["mean"]), _ms(tt["p99"]),
+                     r["output_tok_s"], r.get("ttft_growth"), _ms(nl["mean"]), _ms(nl["p99"]), _ms(tt["mean"]), _ms(tt["p99"]),
                      _ms(tp["mean"]), _ms(tp["p99"])])
-    print_table(["rate/s", "ok", "est/late", "got req/s", "asked tok/s", "out tok/s", "norm ms", "norm p99", "TTFT ms",
-                 "TTFT p99", "TPOT ms", "TPOT p99"], rows, title=f"serving: {model}, workload {args.workload}")
+    print_table(["rate/s", "ok", "est/late", "got req/s", "asked tok/s", "out tok/s", "TTFT growth", "norm ms",
+                 "norm p99", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99"], rows, title=f"serving: {model}, workload {args.workload}")
     under = []          # rates, lowest first, up to the first one that misses the bound (or has errors)
     for r in sorted(results, key=lambda r: r["rate"]):
         if not meets_slo(r):
@@ -385,13 +404,18 @@ def report(args, results, model, info, skipped, partial, note, wall_s) -> None:
         under.append(r["rate"])
     light = min(results, key=lambda r: r["rate"]) if results else None
     delivered = max((r["output_tok_s"] or 0) for r in results) if results else None
-    # A rate that asks for more output than the server ever delivered is past saturation: its queue grows for as
-    # long as arrivals last, so its latency says how many requests were sent (--num-requests, the window), not
-    # how the server holds up. The headline stays NanoFlow's; this names where it stops meaning steady state.
-    over = sorted(r["rate"] for r in results if (r.get("offered_output_tok_s") or 0) > (delivered or 0) > 0)
-    if over:
-        print(f"rates from {over[0]}/s offer more output than the server delivered at any rate ({delivered:,.0f} "
-              f"tok/s): their latency is bounded by the request cap, not steady state", flush=True)
+    # Past saturation the queue grows for as long as arrivals last, so a rate's latency says how many requests
+    # were sent (--num-requests, the window), not how the server holds up. The headline stays NanoFlow's; these
+    # name where it stops meaning steady state.
+    grew = sorted(r["rate"] for r in results if (r.get("ttft_growth") or 0) >= SATURATED_GROWTH)
+    asks = sorted(r["rate"] for r in results if (r.get("offered_output_tok_s") or 0) > (delivered or 0) > 0)
+    if grew:
+        print(f"rates from {grew[0]}/s grew a queue (late arrivals waited >= {SATURATED_GROWTH:g}x as long for a "
+              f"first token as early ones): their latency is bounded by the request cap, not steady state",
+              flush=True)
+    if asks:
+        print(f"rates from {asks[0]}/s ask for more output than any rate delivered ({delivered:,.0f} tok/s)",
+              flush=True)
     summary = {
         "max_rate_under_200ms_normalized_latency": max(under) if under else 0.0,
         "tpot_ms_light_load": _ms(light["tpot_s"]["mean"]) if light else None,
@@ -399,7 +423,8 @@ def report(args, results, model, info, skipped, partial, note, wall_s) -> None:
         "normalized_latency_ms_light_load": _ms(light["normalized_latency_s"]["mean"]) if light else None,
         "max_output_tok_s": delivered,
         "max_achieved_req_s": max((r["achieved_req_s"] or 0) for r in results) if results else None,
-        "first_rate_past_saturation": over[0] if over else None,
+        "first_rate_past_saturation": grew[0] if grew else None,
+        "first_rate_asking_more_than_delivered": asks[0] if asks else None,
         "rates_tested": len(results), "extrapolated_requests": sum(r["extrapolated"] for r in results),
         "partial": partial,
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serving import SLO_S, make_workload, meets_slo, parse_args, summarize
+from bench.serving import SLO_S, make_workload, meets_slo, parse_args, summarize, ttft_growth
 from bench.setup import add_bench_args, engine_argv, engine_flags
 
 
@@ -63,17 +63,32 @@ def test_unstarted_or_failed_requests_fail_the_bound():
     assert not meets_slo(summarize([slow], 2.0, 0.0))
 
 
+def test_ttft_growth_counts_the_unstarted_wait():
+    flat = [_done(0.1 * i, 0.05, 1.05, 101) for i in range(9)]
+    assert ttft_growth(flat) == pytest.approx(1.0)
+    assert ttft_growth(flat[:5]) is None                           # under two requests a third
+    queued = {"ok": False, "t_arrival": 2.0, "chunks": 0, "timed_out": True, "elapsed_s": 1.55, "max_tokens": 101,
+              "prompt_tokens": 4}
+    failed = {"ok": False, "t_arrival": 3.0, "chunks": 0, "error": "HTTP 500", "max_tokens": 101, "prompt_tokens": 4}
+    # last third: two started at 0.05 s and the one never started (1.55 s) -> 0.55 s against 0.05
+    assert ttft_growth(flat[:8] + [queued, failed]) == pytest.approx(0.55 / 0.05)
+
+
 def test_report_names_the_first_rate_past_saturation(tmp_path):
-    """A rate that asks for more output than the server ever delivered is flagged, whatever its latency."""
+    """A rate whose late arrivals wait for a first token much longer than its early ones is flagged, whatever
+    its latency; a rate asking more output than any rate delivered is named apart."""
     import argparse
     import json
     from bench.serving import report
-    light = summarize([_done(0.0, 0.05, 1.05, 101), _done(0.5, 0.55, 1.55, 101)], 2.0, 0.0)
-    heavy = summarize([_done(0.0, 0.05, 1.05, 101)] * 4, 1000.0, 0.0)
+    light = summarize([_done(0.1 * i, 0.05, 1.05, 101) for i in range(6)], 2.0, 0.0)
+    mid = summarize([_done(0.01 * i, 0.05, 1.05, 101) for i in range(6)], 100.0, 0.0)
+    heavy = summarize([_done(0.001 * i, 0.05 + 0.1 * i, 1.05 + 0.1 * i, 101) for i in range(6)], 1000.0, 0.0)
     assert light["offered_output_tok_s"] == pytest.approx(2.0 * 101)
+    assert heavy["ttft_growth"] == pytest.approx((0.45 + 0.55) / (0.05 + 0.15))
     args = argparse.Namespace(name="serving-test", workload="8x101", out_dir=str(tmp_path))
-    report(args, [light, heavy], "tiny", {}, [], False, None, 1.0)
+    report(args, [light, mid, heavy], "tiny", {}, [], False, None, 1.0)
     summary = json.loads(next(tmp_path.glob("serving-test-*.json")).read_text())["summary"]
     assert summary["max_rate_under_200ms_normalized_latency"] == 1000.0     # NanoFlow's headline, unchanged
     assert summary["first_rate_past_saturation"] == 1000.0
-    assert summary["max_achieved_req_s"] == pytest.approx(max(light["achieved_req_s"], heavy["achieved_req_s"]))
+    assert summary["first_rate_asking_more_than_delivered"] == 100.0
+    assert summary["max_achieved_req_s"] == pytest.approx(max(r["achieved_req_s"] for r in (light, mid, heavy)))
