@@ -9,9 +9,52 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# One persistent XLA compilation cache per pytest run, shared by the xdist workers (they inherit the controller's
+# environment, set here before they start) and by the subprocesses tests start (bench scripts, the CLI): many tests
+# build engines whose programs are identical, and a cached program loads in milliseconds instead of compiling for
+# seconds. Every program is cached however short its compile (JAX's default skips those under 1 s, which is most
+# of a tiny model's). Set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs; the folder made here is
+# removed at the end of the run. A test that needs a cold cache removes these variables from its subprocess's
+# environment (tests/engine/test_builder.py); compile counters count cache loads too (tests/engine/test_batching.py).
+_OWN_COMPILE_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    import tempfile
+    _OWN_COMPILE_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="nfjax-test-xla-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 import jax  # noqa: E402  (after XLA_FLAGS; the CPU client is created later, on first use)
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def _atomic_cache_writes():
+    """JAX's file cache (jax/_src/lru_cache.py, eviction off as here) writes an entry in place: the other worker
+    could read it half-written (a warning and a recompile). Write it to a private file and rename it into place, so
+    a reader finds the whole entry or none. (Subprocesses write in place: at worst that warning and a recompile.)"""
+    import threading
+    from jax._src import lru_cache
+    put = lru_cache.LRUCache.put
+
+    def atomic_put(self, key, value):
+        if getattr(self, "eviction_enabled", True) or not key:
+            return put(self, key, value)
+        path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+        if path.exists():
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(value)
+        os.replace(tmp, path)
+    lru_cache.LRUCache.put = atomic_put
+
+
+_atomic_cache_writes()
+
+
+def pytest_unconfigure(config):
+    if _OWN_COMPILE_CACHE and not hasattr(config, "workerinput"):    # the controller made it: the run is over
+        import shutil
+        shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
 import pytest  # noqa: E402

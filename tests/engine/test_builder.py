@@ -91,12 +91,15 @@ def test_compile_cache_a_second_start_compiles_nothing_and_generate_prints_the_t
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cache = tmp_path / "xla"
+    # a cold start: without the test run's shared cache (tests/conftest.py), which would hold the first run's
+    # programs before --compile-cache is read
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
 
     def run():
         p = subprocess.run([sys.executable, "-m", "nfjax.cli", "generate", "--compile-cache", str(cache),
                             "--host-cache-gb", "0.01", "--token-buckets", "16", "--max-tokens", "6", "--temperature",
                             "0", "Hello"], cwd=root,
-                           capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                           capture_output=True, text=True, timeout=600, env={**env, "JAX_PLATFORMS": "cpu"})
         assert p.returncode == 0, p.stderr[-2000:]
         line = next(x for x in p.stderr.splitlines() if x.startswith("[prefix tiers:"))
         assert "recomputes in" in line and "from host" in line and "host rows: numpy" in line

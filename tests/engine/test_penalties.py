@@ -280,11 +280,12 @@ def test_too_many_stop_ids_under_min_tokens(roomy_engine):
 
 
 class _Compiles:
+    """Programs compiled, or loaded from the persistent compilation cache (tests/conftest.py)."""
     def __init__(self):
         self.count = 0
 
     def __call__(self, event, *args, **kw):
-        self.count += "backend_compile" in event
+        self.count += "backend_compile" in event or "compilation_cache/cache_retrieval" in event
 
 
 def test_preemption_keeps_penalties_and_logprobs_and_compiles_nothing():
