@@ -15,7 +15,12 @@ of K/S rows each (a free reshape of the (K, N) array), one batched GEMM over the
 them. The question (bench/NOTES.md 24.2): o's 32 output tiles of 128 columns leave most of an H100's 132 SMs idle
 at decode sizes (1.8-2.0 TB/s); S slices give the GEMM S times the tiles. `splitk_of` is the product form.
 
+Our persistent Pallas GEMM (`<name>_pgemm[<config>]` rows, GPU only, in the first variant's process: XLA's flags
+do not touch it), per tile config of `--pgemm-configs`: whether the decode-sized GEMMs reach the weight-read rate
+where XLA's do not (gate_up at 256 rows: 104 us against 60 at 128, bench/NOTES.md 24.2 and 29.7).
+
 usage: python -m bench.probes.skinny_gemm [--tokens 16,64,128,256] [--variants default,exhaustive,cublas]
+                                          [--pgemm-configs 128x128_s5_ws,64x256_s5_ws_n]
 """
 from __future__ import annotations
 
@@ -80,7 +85,34 @@ def kernel_us(fn, args, per_call: int) -> float:
     return table["total_kernel_ms"] * 1e3 / per_call
 
 
-def child(tokens: list[int]) -> None:
+PGEMM_SHAPES = ("gate_up", "gate", "down", "qkv", "o")
+
+
+def pgemm_rows(tokens: list[int], configs: list[str]) -> None:
+    """The persistent Pallas GEMM at the decode sizes, per tile config (see the module doc)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.persistent_gemm import persistent_gemm
+    for name in PGEMM_SHAPES:
+        k, n = SHAPES[name]
+        ws = [w for (w,) in _sets([(k, n)], 5)]
+        for m in tokens:
+            xs = [jax.random.normal(jax.random.key(m + 11 + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
+            ref = jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32))
+            for cfg in configs:
+                fn = jax.jit(lambda xs, ws, cfg=cfg: [persistent_gemm(x, w, config=cfg) for x, w in zip(xs, ws)])
+                try:
+                    got = fn(xs, ws)[0].astype(jnp.float32)
+                    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                    us = kernel_us(fn, (xs, ws), len(ws))
+                except Exception as e:  # noqa: BLE001 - a config that does not fit this shape: its row says so
+                    emit(f"{name}_pgemm[{cfg}]@{m}", {"error": f"{type(e).__name__}: {str(e)[:160]}"})
+                    continue
+                emit(f"{name}_pgemm[{cfg}]@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
+        del ws
+
+
+def child(tokens: list[int], pgemm_configs: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     from bench.common import measure_copy_bandwidth, time_fn
@@ -151,11 +183,15 @@ def child(tokens: list[int]) -> None:
         y1 = run_one(xs, one)[0].astype(jnp.float32)
         same = float(jnp.linalg.norm(y2 - y1) / jnp.linalg.norm(y2))
         emit(f"mlp@{m}", {"two_us": t2, "one_us": t1, "bytes_tbps_one": 6 * d * f / t1 / 1e6, "rel_diff": same})
+    del two, one
+    if pgemm_configs and jax.default_backend() == "gpu":        # on a CPU the kernel only runs interpreted
+        pgemm_rows(tokens, pgemm_configs)
 
 
-def run_variant(v: str, env: dict, tokens: str, timeout_s: float) -> dict:
+def run_variant(v: str, env: dict, tokens: str, timeout_s: float, pgemm_configs: str = "") -> dict:
     """The child's rows, printed as they arrive; a child past `timeout_s` is killed and its rows kept."""
-    proc = subprocess.Popen(module_command("bench.probes.skinny_gemm", "--child", "--tokens", tokens), env=env,
+    proc = subprocess.Popen(module_command("bench.probes.skinny_gemm", "--child", "--tokens", tokens,
+                                           "--pgemm-configs", pgemm_configs), env=env,
                             stdout=subprocess.PIPE, text=True)      # its errors reach our stderr
     timer = threading.Timer(timeout_s, proc.kill)
     timer.start()
@@ -176,25 +212,34 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="16,64,128,256")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant-timeout-s", type=float, default=150.0, help="a variant's rows so far are kept")
+    p.add_argument("--pgemm-configs", default="128x128_s5_ws,64x256_s5_ws_n,128x256_s4_ws",
+                   help="persistent-GEMM tile configs to time (GPU; '' for none)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--name", default="skinny_gemm")
     a = p.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
+    configs = [c for c in a.pgemm_configs.split(",") if c]
     if a.child:
-        child(tokens)
+        child(tokens, configs)
         return 0
+    from pallas_kernels.persistent_gemm import TILE_CONFIGS
+    bad = [c for c in configs if c not in TILE_CONFIGS]
+    if bad:
+        p.error(f"--pgemm-configs: unknown {bad[0]!r}; one of {', '.join(TILE_CONFIGS)}")
     results = {}
-    for v in a.variants.split(","):
+    for i, v in enumerate(a.variants.split(",")):
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip()
-        results[v] = run_variant(v, env, a.tokens, a.variant_timeout_s)
+        results[v] = run_variant(v, env, a.tokens, a.variant_timeout_s, a.pgemm_configs if i == 0 else "")
     table, summary = [], {}
     for v, rows in results.items():
         for key in ("copy_tbps", "read_tbps"):
             if key in rows:
                 summary[f"{key}_{v}"] = round(rows[key], 3)
         for key, r in rows.items():
-            if isinstance(r, dict) and "tbps" in r:
+            if isinstance(r, dict) and "error" in r:
+                table.append([v, key, None, None, r["error"]])
+            elif isinstance(r, dict) and "tbps" in r:
                 table.append([v, key, r["us"], r["tbps"], r["rel_err"]])
                 summary[f"tbps[{v},{key}]"] = round(r["tbps"], 3)
             elif isinstance(r, dict):
