@@ -86,6 +86,7 @@ def kernel_us(fn, args, per_call: int) -> float:
 
 
 PGEMM_SHAPES = ("gate_up", "gate", "down", "qkv", "o")
+PGEMM_CONFIGS = ("128x128_s5_ws", "64x256_s5_ws_n", "128x256_s4_ws")      # --pgemm-configs' default
 
 
 def pgemm_rows(tokens: list[int], configs: list[str]) -> None:
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="16,64,128,256")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant-timeout-s", type=float, default=150.0, help="a variant's rows so far are kept")
-    p.add_argument("--pgemm-configs", default="128x128_s5_ws,64x256_s5_ws_n,128x256_s4_ws",
+    p.add_argument("--pgemm-configs", default=",".join(PGEMM_CONFIGS),
                    help="persistent-GEMM tile configs to time (GPU; '' for none)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--name", default="skinny_gemm")

@@ -181,3 +181,22 @@ def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
     for bad in ("int8:xor", "int8@stages=4", "int4@block_kv=x"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
+
+
+def test_skinny_gemm_probe_persistent_rows_lower_for_the_gpu_and_refuse_unknown_configs(capsys):
+    """Every default tile config of the probe's persistent-GEMM rows lowers for CUDA at a decode size of the
+    narrowest and widest weights it times (so a device call does not spend its time on a config error)."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+    from bench.probes import skinny_gemm
+    from pallas_kernels.persistent_gemm import persistent_gemm
+    sds = jax.ShapeDtypeStruct
+    for cfg in skinny_gemm.PGEMM_CONFIGS:
+        for name in ("o", "gate_up"):
+            k, n = skinny_gemm.SHAPES[name]
+            persistent_gemm.trace(sds((16, k), jnp.bfloat16), sds((k, n), jnp.bfloat16), config=cfg).lower(
+                lowering_platforms=("cuda",))
+    with pytest.raises(SystemExit):
+        skinny_gemm.main(["--pgemm-configs", "128x128_s5_ws,nope"])
+    assert "unknown 'nope'" in capsys.readouterr().err
