@@ -117,21 +117,25 @@ def check_prefill(rng, fmt, ps=16, g=4, d=D):
     return relerr(out, paged_prefill_attention_ref(*args, d ** -0.5, aux_cache=aux))
 
 
-def decode_case(fmt, b, ctx, ps, nsm, iters, **kw):
+def decode_case(fmt, b, ctx, ps, nsm, iters, live: int | None = None, **kw):
+    """One timed call shape. `live`: only the first `live` rows hold `ctx` positions, the rest none (a mixed
+    step's call: the kernel runs over max_seqs rows, the decodes first)."""
+    live = b if live is None else min(live, b)
     p = pages_for(ctx, ps)
-    n = b * p
+    n = live * p
     kc, vc, aux = make_cache(jax.random.key(b * 7 + ctx), fmt, n, ps)
-    pt = jnp.asarray(np.random.default_rng(b + ctx).permutation(n).astype(np.int32).reshape(b, p))
-    lens = jnp.full((b,), ctx, jnp.int32)
+    perm = np.random.default_rng(b + ctx).permutation(n).astype(np.int32).reshape(live, p)
+    pt = jnp.asarray(np.concatenate([perm, np.zeros((b - live, p), np.int32)]))
+    lens = jnp.asarray(np.where(np.arange(b) < live, ctx, 0).astype(np.int32))
     qs = [jax.random.normal(jax.random.key(i), (b, H, D), jnp.bfloat16) for i in range(2)]
-    nbytes = read_bytes(fmt, b, ctx)
-    out = {"kv_dtype": fmt, "batch": b, "ctx": ctx, "page_size": ps, "bytes": nbytes, "kw": kw}
+    nbytes = read_bytes(fmt, live, ctx)
+    out = {"kv_dtype": fmt, "batch": b, "live_rows": live, "ctx": ctx, "page_size": ps, "bytes": nbytes, "kw": kw}
     try:
         f = jax.jit(functools.partial(paged_decode_attention_swapped, scale=D ** -0.5, num_ctas=nsm, **kw, **KW))
         t0 = time.perf_counter()
         o = jax.block_until_ready(f(qs[0], kc, vc, jnp.int32(0), pt, lens, aux_cache=aux))
         out["first_call_s"] = time.perf_counter() - t0
-        m = min(4, b)
+        m = min(4, live)
         idx = pt[:m].reshape(-1)          # the reference on the first 4 sequences' pages only (it dequantizes)
         sub = jnp.arange(idx.shape[0], dtype=jnp.int32).reshape(m, -1)
         ref = paged_decode_attention_ref(qs[0][:m], kc[:, idx], vc[:, idx], jnp.int32(0), sub, lens[:m], D ** -0.5,

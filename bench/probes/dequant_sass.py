@@ -69,7 +69,8 @@ class _NoMatmulOps(Ops):
         return acc, sums
 
 
-def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16) -> dict:
+def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16,
+                live: int | None = None) -> dict:
     fmt, skips, kw = parse_variant(variant)
     _kv_dequant.SKIP_MATH = "none" in skips
     if "nodeq" in skips:                # the dequantizing warpgroups keep their barriers and touch no data
@@ -82,7 +83,7 @@ def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, 
         os.environ.update({"MOSAIC_GPU_DUMP_TO": dump_dir, "MOSAIC_GPU_DUMP_SASS": "1",
                            "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1"})
     try:
-        r = kv_decode.decode_case(fmt, b, ctx, page_size, nsm, iters=20, **kw)
+        r = kv_decode.decode_case(fmt, b, ctx, page_size, nsm, iters=20, live=live, **kw)
     finally:
         for k in DUMPS:
             os.environ.pop(k, None)
@@ -102,6 +103,8 @@ def main():
     ap.add_argument("--name", default="dequant_sass")
     ap.add_argument("--no-dump", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--live-rows", type=int, default=None,
+                    help="only this many rows hold the context, the rest none (a mixed step's call over max_seqs rows)")
     args = ap.parse_args()
     out_dir = args.out or "bench/results"
     dev = device_info()
@@ -114,7 +117,7 @@ def main():
         for b in [int(x) for x in args.batches.split(",")]:
             for v in variants:
                 dump = None if rep or args.no_dump else os.path.join(out_dir, "sass", f"{slug(v)}-b{b}")
-                r = run_variant(v, b, args.ctx, nsm, dump, args.page_size)
+                r = run_variant(v, b, args.ctx, nsm, dump, args.page_size, args.live_rows)
                 r["repeat"] = rep
                 runs.append(r)
                 print(f"{v} b={b} ctx={args.ctx} rep {rep}: {r.get('s', 0) * 1e3:.3f} ms "
@@ -124,7 +127,7 @@ def main():
              r.get("relerr_first4")] for r in runs]
     table = print_table(["variant", "batch", "repeat", "ms", "of copy", "relerr"], rows,
                         title=f"\n== swapped decode kernel, ctx {args.ctx}, page {args.page_size}, "
-                              f"copy {cbw / 1e12:.2f} TB/s ==")
+                              f"live rows {args.live_rows or 'all'}, copy {cbw / 1e12:.2f} TB/s ==")
     summary = {"copy_tb_s": cbw / 1e12}
     for r in runs:
         if "s" in r:

@@ -200,3 +200,4 @@ def test_skinny_gemm_probe_persistent_rows_lower_for_the_gpu_and_refuse_unknown_
     with pytest.raises(SystemExit):
         skinny_gemm.main(["--pgemm-configs", "128x128_s5_ws,nope"])
     assert "unknown 'nope'" in capsys.readouterr().err
+
