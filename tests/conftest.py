@@ -33,13 +33,16 @@ def _atomic_cache_writes():
     could read it half-written (a warning and a recompile). Write it to a private file and rename it into place, so
     a reader finds the whole entry or none. (Subprocesses write in place: at worst that warning and a recompile.)"""
     import threading
-    from jax._src import lru_cache
-    put = lru_cache.LRUCache.put
+    try:                            # a private module: a JAX that moved it keeps its own in-place writes
+        from jax._src import lru_cache
+        put, suffix = lru_cache.LRUCache.put, lru_cache._CACHE_SUFFIX
+    except (ImportError, AttributeError):
+        return
 
     def atomic_put(self, key, value):
         if getattr(self, "eviction_enabled", True) or not key:
             return put(self, key, value)
-        path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+        path = self.path / f"{key}{suffix}"
         if path.exists():
             return
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
