@@ -399,22 +399,18 @@ def report(args, results, model, info, skipped, partial, note, wall_s) -> None:
     print_table(["rate/s", "ok", "est/late", "got req/s", "asked tok/s", "out tok/s", "TTFT growth", "norm ms",
                  "norm p99", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99"], rows,
                 title=f"serving: {model}, workload {args.workload}")
-    # rates, lowest first, up to the first one that misses the bound (or has errors); `steady` also stops at the
-    # first whose queue grew, whose latency then says how many requests it sent
-    under, steady, grown = [], [], False
+    under = []          # rates, lowest first, up to the first one that misses the bound (or has errors)
     for r in sorted(results, key=lambda r: r["rate"]):
         if not meets_slo(r):
             break
         under.append(r["rate"])
-        grown = grown or (r.get("ttft_growth") or 0) >= SATURATED_GROWTH
-        if not grown:
-            steady.append(r["rate"])
     light = min(results, key=lambda r: r["rate"]) if results else None
     delivered = max((r["output_tok_s"] or 0) for r in results) if results else None
     # Past saturation the queue grows for as long as arrivals last, so a rate's latency says how many requests
-    # were sent (--num-requests, the window), not how the server holds up. The headline stays NanoFlow's; these
-    # name where it stops meaning steady state.
+    # were sent (--num-requests, the window), not how the server holds up: the headline stops below the first
+    # such rate (`steady`).
     grew = sorted(r["rate"] for r in results if (r.get("ttft_growth") or 0) >= SATURATED_GROWTH)
+    steady = [x for x in under if not grew or x < grew[0]]
     asks = sorted(r["rate"] for r in results if (r.get("offered_output_tok_s") or 0) > (delivered or 0) > 0)
     if grew:
         print(f"rates from {grew[0]}/s grew a queue (late arrivals waited >= {SATURATED_GROWTH:g}x as long for a "

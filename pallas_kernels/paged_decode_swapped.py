@@ -53,9 +53,9 @@ FP8_DEQUANT_MIN_WORK = 2048
 
 
 # K dequantized by the consumer into wgmma's register operand (the dequantizers do V alone), for the formats whose
-# two dequantizers bound the kernel: batch 256, 4k context, 16-position pages on an H200 int8 1.45 -> 1.11 ms
-# (4 stages; 1.16 at 2), int4 1.53 -> 1.28; fp8 0.93 -> 1.04 (its one dequantizer is not the bound). Reading the
-# page ids before the stage wait: fp8 0.93 -> 0.91, int8 1.45 -> 1.43 (bench/results/dequant_kic-20261128.json).
+# two dequantizers bound the kernel: batch 256, 4k context, 16-position pages on an H200, best of two, int8 1.45 ->
+# 1.11 ms (4 stages; 1.16 at 2), int4 1.43 -> 1.24; fp8 0.93 -> 1.00 (its one dequantizer is not the bound). Reading
+# the page ids before the stage wait: fp8 0.93 -> 0.91, int8 1.45 -> 1.42 (bench/results/dequant_kic-20261128.json).
 K_IN_CONSUMER = ("int8", "int4")
 
 

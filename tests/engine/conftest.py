@@ -22,6 +22,17 @@ def make_engine(cache: CacheConfig, sched: BatcherConfig, cfg: ModelConfig = TIN
     return Engine(model, ByteTokenizer(), EngineConfig(cfg, cache, sched, execution=execution or ExecutionConfig()))
 
 
+class CompileCounter:
+    """A jax.monitoring duration listener counting programs compiled, or loaded from the persistent compilation
+    cache (tests/conftest.py: a program another test compiled loads from there instead of compiling, and counts
+    the same)."""
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, *args, **kw):
+        self.count += "backend_compile" in event or "compilation_cache/cache_retrieval" in event
+
+
 @pytest.fixture(scope="module")
 def roomy_engine():
     return make_engine(CacheConfig(page_size=8, num_pages=256, max_pages_per_seq=32),

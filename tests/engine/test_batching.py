@@ -8,7 +8,7 @@ import pytest
 from nfjax.config import CacheConfig, BatcherConfig
 from nfjax.engine import SamplingParams
 
-from tests.engine.conftest import make_engine
+from tests.engine.conftest import CompileCounter, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +25,6 @@ def _workload(n=64, seed=0):
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(n)]
     lens = [rng.randint(4, 24) for _ in range(n)]
     return prompts, lens
-
-
-class CompileCounter:
-    """Programs compiled, or loaded from the persistent compilation cache (tests/conftest.py: a program another
-    test compiled loads from there instead of compiling, and counts the same)."""
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, *args, **kw):
-        if "backend_compile" in event or "compilation_cache/cache_retrieval" in event:
-            self.count += 1
 
 
 def test_batch_invariance_with_preemption_and_no_recompiles(tight_engine, roomy_engine_alone):

@@ -16,7 +16,7 @@ from nfjax.config import BatcherConfig, CacheConfig
 from nfjax.engine import SamplingParams
 from nfjax.errors import UserError
 from nfjax.models import reference
-from tests.engine.conftest import TINY, make_engine
+from tests.engine.conftest import TINY, CompileCounter, make_engine
 
 GAP = 1e-3          # a step whose expected top-2 logits are closer than this is not judged (f32 rounding)
 
@@ -279,15 +279,6 @@ def test_too_many_stop_ids_under_min_tokens(roomy_engine):
     roomy_engine.abort(roomy_engine.add_request("x", SamplingParams(stop_token_ids=ids)))    # no min_tokens: fine
 
 
-class _Compiles:
-    """Programs compiled, or loaded from the persistent compilation cache (tests/conftest.py)."""
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, *args, **kw):
-        self.count += "backend_compile" in event or "compilation_cache/cache_retrieval" in event
-
-
 def test_preemption_keeps_penalties_and_logprobs_and_compiles_nothing():
     """A pool that forces swapping out: penalized, seeded, min_tokens and logprobs requests get the tokens (and
     logprobs) of a roomy engine that never preempts; a swapped-out request keeps its penalty slot."""
@@ -308,7 +299,7 @@ def test_preemption_keeps_penalties_and_logprobs_and_compiles_nothing():
     swap_out = tight.runner.swap_out
     tight.runner.swap_out = lambda pages: swapped_slots.extend(
         r.penalty_slot for r in tight.batcher.swapped if r.penalized) or swap_out(pages)
-    counter = _Compiles()
+    counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
         got = tight.generate(prompts, params)
