@@ -5,7 +5,7 @@ switches) under <out>/sass/<variant>-b<batch>/ so the dequantizer's instructions
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
-prefetch_pages / k_in_consumer (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4). Skips are
+prefetch_pages / k_in_consumer / num_splits (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4). Skips are
 for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale arithmetic; "nodeq"
 the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the consumer's wgmmas
 (its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not find: PTX and the
@@ -29,7 +29,7 @@ from pallas_kernels._mgpu import Ops
 
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
-KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer")
+KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits")
 SKIPS = ("none", "nodeq", "nomma")
 
 

@@ -87,6 +87,21 @@ class Batch:
         return sum(s.num_tokens for s in self.seqs)
 
 
+def predicted(req: Request, max_len: int, mean_out: int | None) -> tuple[int, int, int]:
+    """(decode steps `req` surely has left, steps it has at most left, positions at its predicted end). At most:
+    to max_tokens or the context; surely: that where its length is exact (ignore_eos, no stop condition), else to
+    min_tokens. Its end: max_tokens where exact, else at most the finished requests' `mean_out` (None: none yet)
+    outputs, and past what it has launched. A request that ignores EOS and has no stop condition runs to
+    max_tokens: the mean of other requests (a warm-up's 4-token outputs, say) must not stand in for it, or
+    admission over-commits the cache and every later step preempts (docs/design.md section 8)."""
+    p, launched, plen = req.params, req.num_launched_outputs, req.prompt_len
+    most = min(p.max_tokens - launched, max_len - plen - launched)
+    exact = p.ignore_eos and not p.stop and not p.stop_token_ids
+    est = p.max_tokens if exact or mean_out is None else min(p.max_tokens, mean_out)
+    return (most if exact else max(0, min(p.min_tokens - launched, most))), most, \
+        min(plen + max(est, launched + 1), max_len)
+
+
 class Batcher:
     FORECAST = MemoryForecast  # the memory forecast's class (a replay of runs measured before a change swaps it)
     LONGEST_FIRST = True       # requests added together are admitted longest predicted first (module docstring)
@@ -185,17 +200,12 @@ class Batcher:
         return self.allocator.num_used
 
     # ---- memory prediction ------------------------------------------------------------------------
+    def _mean_out(self) -> int | None:
+        """The mean output of the finished requests (rounded up), None before the first finishes."""
+        return math.ceil(self._out_len_sum / self._out_len_count) if self._out_len_count else None
+
     def _expected_len(self, req: Request) -> int:
-        p = req.params
-        est = p.max_tokens
-        # A request that ignores EOS and has no stop condition runs to max_tokens: its length is known, and the
-        # mean of other requests (a warm-up's 4-token outputs, say) must not stand in for it, or admission
-        # over-commits the cache and every later step preempts (docs/design.md section 8).
-        exact = p.ignore_eos and not p.stop and not p.stop_token_ids
-        if self._out_len_count and not exact:
-            est = min(est, math.ceil(self._out_len_sum / self._out_len_count))
-        out = max(est, req.num_launched_outputs + 1)
-        return min(req.prompt_len + out, self.max_model_len)
+        return predicted(req, self.max_model_len, self._mean_out())[2]
 
     def _span(self, req: Request) -> tuple[int, int]:
         """(positions `req` holds once its prompt is in, positions at its predicted end): its forecast entry."""
@@ -204,8 +214,9 @@ class Batcher:
     def _forecast(self) -> MemoryForecast:
         """The running requests' pages step by step to their predicted ends (built once per step)."""
         f = self.FORECAST(self.cache.page_size)
-        for r in self.running:
-            f.add(*self._span(r))
+        max_len, mean_out = self.max_model_len, self._mean_out()
+        for r in self.running:          # `_span`, with the mean taken once (hundreds of rows a step)
+            f.add(max(r.num_computed, r.prompt_len), predicted(r, max_len, mean_out)[2])
         return f
 
     def _fits_prediction(self, req: Request, forecast: MemoryForecast | None = None) -> bool:
@@ -311,29 +322,36 @@ class Batcher:
         self._swap_in(batch)
         # 1) decodes: one token each for every running request past its prompt
         missed = 0             # decodes that could have run but did not (the sequence cap, pages, input)
+        # The loop runs for every running request each step (hundreds): attribute reads are kept local and the
+        # common cases inline (a page with room, the input token in flight), as they cost most of a step's
+        # formation at 384 rows otherwise.
+        seqs, max_seqs, max_len, ps = batch.seqs, self.cfg.max_seqs, self.max_model_len, self.cache.page_size
+        running = Status.RUNNING
         for req in list(self.running):
-            if req.status is not Status.RUNNING:
+            if req.status is not running:
                 continue   # preempted earlier in this loop
-            if req.in_prefill:
-                continue
-            if len(batch.seqs) >= self.cfg.max_seqs:
-                missed += 1
-                continue
-            if req.num_launched_outputs >= req.params.max_tokens or req.total_len >= self.max_model_len:
-                continue   # its last token is in flight; the host finishes it when that lands
             pos = req.num_computed
-            grown = self._grow(req, pos + 1)
-            while not grown and self._preempt_newest(batch, protect=req):
-                grown = self._grow(req, pos + 1)
-            if not grown:
+            if pos < req.prompt_len:
+                continue   # in prefill
+            if len(seqs) >= max_seqs:
                 missed += 1
                 continue
+            launched = req.num_launched_outputs
+            if launched >= req.params.max_tokens or req.prompt_len + launched >= max_len:
+                continue   # its last token is in flight; the host finishes it when that lands
+            if len(req.pages) * ps <= pos:
+                grown = self._grow(req, pos + 1)
+                while not grown and self._preempt_newest(batch, protect=req):
+                    grown = self._grow(req, pos + 1)
+                if not grown:
+                    missed += 1
+                    continue
             known = req.token_at(pos)
             slot = None if known is not None else prev_slots.get(req.request_id)
             if known is None and slot is None:
                 missed += 1
                 continue   # input token not available (cannot happen in steady state)
-            batch.seqs.append(ScheduledSeq(req, pos, 1, True, slot))
+            seqs.append(ScheduledSeq(req, pos, 1, True, slot))
         self._missed = missed
         batch.num_decode = len(batch.seqs)
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
@@ -395,11 +413,15 @@ class Batcher:
         if not batch.seqs and not batch.swap_out and not batch.swap_in:
             return None
         batch.bucket = self._fit_bucket(batch)
+        register = self.allocator.prefix
         for s in batch.seqs:
-            s.req.num_computed += s.num_tokens
+            req = s.req
+            req.num_computed += s.num_tokens
             if s.samples:
-                s.req.num_launched_outputs += 1
-            self._register(s.req)
+                req.num_launched_outputs += 1
+            # `_register`'s own first test, inline: most steps fill no page of most requests
+            if register and (req.num_registered + 1) * ps <= req.num_computed and req.num_registered < len(req.pages):
+                self._register(req)
         return batch
 
     def _fit_bucket(self, batch: Batch) -> int:
@@ -456,35 +478,34 @@ class Batcher:
                     or batch.swap_in or batch.swap_out)
 
     def _steps_left(self, req: Request) -> tuple[int, int]:
-        """(at least, at most) the decode steps `req` has left: at most to max_tokens or the context; at least
-        that where its length is exact (ignore_eos, no stop condition), else to min_tokens."""
-        p = req.params
-        most = min(p.max_tokens - req.num_launched_outputs, self.max_model_len - req.total_len)
-        exact = p.ignore_eos and not p.stop and not p.stop_token_ids
-        return (most if exact else max(0, min(p.min_tokens - req.num_launched_outputs, most))), most
+        """(at least, at most) the decode steps `req` has left (`predicted`)."""
+        return predicted(req, self.max_model_len, self._mean_out())[:2]
 
     def _defer(self, batch: Batch, k: int) -> set[int]:
         """Leave `k` decodes out of `batch` if that many have slack: at half speed (never left out two steps in
         a row) they still end before the running request with the most steps surely left, so the run does not
         get longer; and if the pages of all of them at their predicted ends still fit beside the others'
-        forecast peak. Returns id() of those left out (none if the step cannot shrink by `k`)."""
-        left = [self._steps_left(s.req) for s in batch.seqs]
-        longest = max(least for least, _ in left)
-        slack = [i for i, (_, most) in enumerate(left)
-                 if 2 * most <= longest and id(batch.seqs[i].req) not in self._deferred]
+        forecast peak. Returns id() of those left out (none if the step cannot shrink by `k`).
+        Runs for every row of most decode-only steps: one `predicted` call a row."""
+        reqs = [s.req for s in batch.seqs]
+        max_len, mean_out = self.max_model_len, self._mean_out()
+        least, most, final = zip(*(predicted(r, max_len, mean_out) for r in reqs))
+        longest = max(least)
+        slack = [i for i, m in enumerate(most) if 2 * m <= longest and id(reqs[i]) not in self._deferred]
         if len(slack) < k:
             return set()
-        slack.sort(key=lambda i: left[i][1])            # the nearest ends first
+        slack.sort(key=most.__getitem__)            # the nearest ends first
         out = set(slack[:k])
         forecast, held = self.FORECAST(self.cache.page_size), 0
-        for i, s in enumerate(batch.seqs):
+        for i in range(len(reqs)):
             if i in out:
-                held += self.cache.pages_for(self._expected_len(s.req))
+                held += self.cache.pages_for(final[i])
             else:
-                forecast.add(*self._span(s.req))
+                r = reqs[i]
+                forecast.add(max(r.num_computed, r.prompt_len), final[i])       # `_span`
         if forecast.peak() + held > self.allocator.capacity:
             return set()
-        deferred = {id(batch.seqs[i].req) for i in out}
+        deferred = {id(reqs[i]) for i in out}
         batch.seqs = [s for i, s in enumerate(batch.seqs) if i not in out]
         batch.num_decode = len(batch.seqs)
         return deferred

@@ -53,16 +53,18 @@ class Request:
     # step, logprobs / min_tokens where it samples (nfjax/engine/penalties.py, `needs_full`)
     penalized: bool = field(init=False, default=False)
     full_when_sampling: bool = field(init=False, default=False)
+    # len(prompt_ids), which never changes: a plain attribute because the batcher reads it for every running
+    # request in every step (a property's call was a tenth of a 384-row step's formation)
+    prompt_len: int = field(init=False, default=0)
 
     def __post_init__(self):
         p = self.params
         self.penalized = p.has_penalties
         self.full_when_sampling = p.logprobs is not None or p.min_tokens > 0
+        if not isinstance(self.prompt_ids, list):      # `tokens` joins slices of it to lists
+            self.prompt_ids = list(self.prompt_ids)
+        self.prompt_len = len(self.prompt_ids)
     timings: Timings = field(default_factory=Timings)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def in_prefill(self) -> bool:
@@ -79,7 +81,18 @@ class Request:
 
     def token_at(self, pos: int) -> int | None:
         """Token id at `pos` if the host knows it (prompt or a generated token already read back)."""
-        if pos < self.prompt_len:
+        n = self.prompt_len
+        if pos < n:
             return self.prompt_ids[pos]
-        i = pos - self.prompt_len
-        return self.output_ids[i] if i < len(self.output_ids) else None
+        out = self.output_ids
+        return out[pos - n] if pos - n < len(out) else None
+
+    def tokens(self, lo: int, hi: int) -> list[int] | None:
+        """Token ids at positions [lo, hi) if the host knows them all, else None."""
+        n = self.prompt_len
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        if hi - n > len(self.output_ids):
+            return None
+        return self.prompt_ids[lo:n] + self.output_ids[max(lo - n, 0):hi - n] if lo < n else \
+            self.output_ids[lo - n:hi - n]

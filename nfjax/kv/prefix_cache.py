@@ -33,8 +33,8 @@ def page_hash(req, i: int, page_size: int) -> bytes | None:
     hs = req.page_hashes
     while len(hs) <= i:
         j = len(hs)
-        toks = [req.token_at(p) for p in range(j * page_size, (j + 1) * page_size)]
-        if None in toks:
+        toks = req.tokens(j * page_size, (j + 1) * page_size)
+        if toks is None:
             return None
         hs.append(chain_hash(hs[-1] if hs else ROOT, toks))
     return hs[i]
