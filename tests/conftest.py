@@ -9,9 +9,9 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # XLA:CPU's LLVM backend at -O0: most of the suite's time is compiling tiny programs (an 8-variant engine: 46 ->
-# 28 s), and the programs compute the same (no fast-math at either level; the HLO passes, whose output the HLO tests read, still run; dots
-# are library calls either way). Running them is not slower where it counts: the interpret-mode kernels 38 -> 30 s,
-# the 70B-shape TP test (0.84 GB of f32 weights) 57 -> 36 s. Set the flag yourself to choose another level.
+# 28 s), and the programs compute the same (no fast-math at either level; the HLO passes, whose output the HLO tests
+# read, still run; dots are library calls either way). Running is not slower where it counts: the interpret-mode
+# kernels 38 -> 30 s, the 70B-shape TP test (0.84 GB of f32 weights) 57 -> 36 s. Set the flag to choose a level.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
