@@ -126,6 +126,22 @@ def kernel_table(pd, calls: int = 3, top: int = 40) -> dict:
             "top": streams[main]["top"] if main else []}
 
 
+def kernel_us(fn, args, per_call: int) -> float:
+    """Device time of one of `per_call` like pieces of work in one call of `fn`: the kernels' own time from a
+    profiler trace. A loop of small jitted calls would time the host's dispatch instead (on the H200's host ~0.3 ms
+    a call: a 12 us decode kernel read as 0.3 ms, bench/NOTES.md 30.4). On a CPU (no device lines in a trace): the
+    wall time, for smoke runs."""
+    import tempfile
+    import jax
+    from bench.common import time_fn
+    if jax.default_backend() != "gpu":
+        return time_fn(fn, *args, iters=1, reps=1, warmup=1)["median_s"] * 1e6 / per_call
+    table = kernel_table(trace(lambda: fn(*args), tempfile.mkdtemp(prefix="kernel-us-"), "t", calls=3), calls=3)
+    if "error" in table or not table["total_kernel_ms"]:
+        raise RuntimeError(f"no kernel times in the trace: {table.get('error', 'empty')}")
+    return table["total_kernel_ms"] * 1e3 / per_call
+
+
 def stream_timeline(pd, window: tuple[float, float] | None = None) -> dict:
     """Kernel events of every stream line as (label, start_ms, dur_ms) relative to the first event, optionally
     cut to a [lo, hi) ms window. The label is the event's XLA op name scope when the trace carries one."""

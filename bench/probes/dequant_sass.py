@@ -1,15 +1,16 @@
 """Probe (#21): where the quantized decode kernel's time goes. Times the swapped decode kernel per KV format (and
 a variant without the scale arithmetic, `_kv_dequant.SKIP_MATH`) at batch 64 / 256, context 4k, alternating the
-variants `--repeat` times, and dumps each variant's PTX, ptxas report and SASS (Mosaic GPU's MOSAIC_GPU_DUMP_*
-switches) under <out>/sass/<variant>-b<batch>/ so the dequantizer's instructions can be counted on a CPU afterwards.
+variants `--repeat` times (the kernel's own time from a profiler trace, beside a call's), and dumps each variant's
+PTX, ptxas report and SASS (Mosaic GPU's MOSAIC_GPU_DUMP_* switches) under <out>/sass/<variant>-b<batch>/ so the
+dequantizer's instructions can be counted on a CPU afterwards.
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
-prefetch_pages / k_in_consumer / num_splits (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4). Skips are
-for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale arithmetic; "nodeq"
-the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the consumer's wgmmas
-(its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not find: PTX and the
-ptxas report come back.
+prefetch_pages / k_in_consumer / num_splits (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
+Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
+arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
+consumer's wgmmas (its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not
+find: PTX and the ptxas report come back.
 --no-dump: no PTX / SASS files.
 """
 from __future__ import annotations
@@ -120,12 +121,13 @@ def main():
                 r = run_variant(v, b, args.ctx, nsm, dump, args.page_size, args.live_rows)
                 r["repeat"] = rep
                 runs.append(r)
-                print(f"{v} b={b} ctx={args.ctx} rep {rep}: {r.get('s', 0) * 1e3:.3f} ms "
-                      f"{r.get('bytes_per_s', 0) / cbw:.2f} of copy relerr {r.get('relerr_first4')} "
+                print(f"{v} b={b} ctx={args.ctx} rep {rep}: {r.get('s', 0) * 1e3:.3f} ms a call, kernel "
+                      f"{r.get('kernel_s', 0) * 1e3:.3f} ms {r.get('kernel_bytes_per_s', 0) / cbw:.2f} of copy "
+                      f"relerr {r.get('relerr_first4')} "
                       f"{r.get('error', '')[:300]} [{time.perf_counter() - t0:.0f}s]", flush=True)
-    rows = [[r["variant"], r["batch"], r["repeat"], r.get("s", 0) * 1e3, r.get("bytes_per_s", 0) / cbw,
-             r.get("relerr_first4")] for r in runs]
-    table = print_table(["variant", "batch", "repeat", "ms", "of copy", "relerr"], rows,
+    rows = [[r["variant"], r["batch"], r["repeat"], r.get("s", 0) * 1e3, r.get("kernel_s", 0) * 1e3,
+             r.get("kernel_bytes_per_s", 0) / cbw, r.get("relerr_first4")] for r in runs]
+    table = print_table(["variant", "batch", "repeat", "ms a call", "kernel ms", "of copy", "relerr"], rows,
                         title=f"\n== swapped decode kernel, ctx {args.ctx}, page {args.page_size}, "
                               f"live rows {args.live_rows or 'all'}, copy {cbw / 1e12:.2f} TB/s ==")
     summary = {"copy_tb_s": cbw / 1e12}
@@ -133,6 +135,9 @@ def main():
         if "s" in r:
             k = f"ms_b{r['batch']}_{slug(r['variant'])}_min"
             summary[k] = round(min(summary.get(k, 1e9), r["s"] * 1e3), 4)
+        if "kernel_s" in r:     # the kernel's own time (a call's time holds the host's dispatch when that is longer)
+            k = f"kernel_ms_b{r['batch']}_{slug(r['variant'])}_min"
+            summary[k] = round(min(summary.get(k, 1e9), r["kernel_s"] * 1e3), 4)
     write_results(args.name, summary, {"runs": runs, "table": table, "wall_s": time.perf_counter() - t0},
                   out_dir=args.out)
 

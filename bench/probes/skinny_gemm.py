@@ -32,6 +32,7 @@ import subprocess
 import threading
 
 from bench.common import module_command, print_table, write_results
+from bench.step_bench import kernel_us
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 14336), "gate_up": (4096, 28672),
           "down": (14336, 4096), "head": (4096, 128256)}
@@ -68,21 +69,6 @@ def splitk_of(x, w, s: int):
 
 def emit(key: str, value) -> None:
     print(TAG + json.dumps({key: value}), flush=True)
-
-
-def kernel_us(fn, args, per_call: int) -> float:
-    """Device time of one of `per_call` like pieces of work in one call of `fn`: the kernels' own time from a
-    profiler trace (host dispatch, which a loop of small jitted calls would time, stays out)."""
-    import tempfile
-    import jax
-    from bench.common import time_fn
-    from bench.step_bench import kernel_table, trace
-    if jax.default_backend() != "gpu":        # no device lines in a CPU trace: wall time (a smoke run)
-        return time_fn(fn, *args, iters=1, reps=1, warmup=1)["median_s"] * 1e6 / per_call
-    table = kernel_table(trace(lambda: fn(*args), tempfile.mkdtemp(prefix="skinny-"), "t", calls=3), calls=3)
-    if "error" in table or not table["total_kernel_ms"]:
-        raise RuntimeError(f"no kernel times in the trace: {table.get('error', 'empty')}")
-    return table["total_kernel_ms"] * 1e3 / per_call
 
 
 PGEMM_SHAPES = ("gate_up", "gate", "down", "qkv", "o")
