@@ -33,8 +33,15 @@ def test_each_shard_holds_its_own_columns():
     model = random_model(CFG, seed=3, std=0.2)
     sep = {n: np.asarray(getattr(model.layers, n).kernel[...]) for n in ("q_proj", "k_proj", "v_proj", "gate_proj",
                                                                          "up_proj")}     # [L, D, out]
-    eng = Engine(model, ByteTokenizer(), EngineConfig(CFG, CACHE, SCHED, parallel=ParallelConfig(tp)))
-    for layer, st in enumerate(eng.runner.layer_states):
+    # the weights as the engine places them (Engine's sharding, then the Runner that joins them), without the
+    # engine's compile of every step program: nothing runs here (~35 s of compiling on 2 cores)
+    from nfjax.engine.runner import Runner
+    from nfjax.parallel import make_mesh, shard_model
+    mesh = make_mesh(tp)
+    shard_model(model, mesh)
+    runner = Runner(model, EngineConfig(CFG, CACHE, SCHED, parallel=ParallelConfig(tp)), mesh, take_weights=True)
+    assert runner.config.execution.join_projections          # the default, as an Engine gets it
+    for layer, st in enumerate(runner.layer_states):
         assert "q_proj" not in st and "gate_proj" not in st
         for joined, names in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
             w = st[joined]["kernel"][...]
