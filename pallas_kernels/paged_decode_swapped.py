@@ -126,7 +126,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
     cd = q_s.dtype                                  # the matmuls' operand dtype (bf16; f16 with dequantizers)
-    num_items = lens_hbm.shape[0] * num_kv_heads * num_splits
+    # params [layer] or [layer, live rows]: with the second, items of rows past it are not visited at all (an
+    # empty item still loads its queries and stores its output: 768 empty rows of a 1,024-row call cost 40 us)
+    num_items = (params_hbm[1] if params_hbm.shape[0] > 1 else lens_hbm.shape[0]) * num_kv_heads * num_splits
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
     layer = params_hbm[0]
@@ -278,7 +280,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    num_stages: int | None = None, row_sums: str | None = None,
                                    interpret: bool = False, aux_cache=None,
                                    dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
-                                   k_in_consumer: bool | None = None) -> Float[Array, "B H D"]:
+                                   k_in_consumer: bool | None = None,
+                                   live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
@@ -288,7 +291,9 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
     take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
     `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
-    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER)."""
+    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
+    are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
+    (rows past it must have seq_lens 0 for the result to equal a call without it)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
@@ -310,6 +315,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                               num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd, k_in_consumer=k_in_consumer)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
+    if live_rows is not None:
+        params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                                scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
@@ -324,7 +331,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)))
-    return finish(o_t, lse, q.shape, kvh, ns)
+    out = finish(o_t, lse, q.shape, kvh, ns)
+    if live_rows is None:
+        return out
+    return jnp.where((jnp.arange(q.shape[0]) < params[1])[:, None, None], out, 0).astype(out.dtype)   # unwritten
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,

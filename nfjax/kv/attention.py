@@ -119,8 +119,10 @@ def _decode(q, kv, layer, meta, scale, use_kernels, interpret, num_ctas):
         lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
         return _reference(q[:min(s, q.shape[0])], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
     q_r, pt, lens = decode_rows(q, meta)
+    # the decodes are rows [0, num_decode): the kernel visits no other row (a mixed step's call runs over max_seqs)
     return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
-                                          num_ctas=num_ctas or num_sms(), interpret=interpret, aux_cache=kv.aux)
+                                          num_ctas=num_ctas or num_sms(), interpret=interpret, aux_cache=kv.aux,
+                                          live_rows=meta.num_decode)
 
 
 def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):

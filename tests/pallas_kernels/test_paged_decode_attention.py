@@ -87,3 +87,30 @@ def test_swapped_row_sums_lower_for_gpu(row_sums):
     args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
             sds((64,), jnp.int32))
     paged_decode_attention_swapped.trace(*args, scale=0.1, row_sums=row_sums).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("live", [0, 2, 3])
+def test_swapped_live_rows_visit_only_the_first_rows(paged_case, live):
+    """`live_rows` (a mixed step's decodes, first in its max_seqs rows): the persistent CTAs share only the items of
+    rows before it (8 of 20 items over 3 CTAs at 2 rows), which match the reference; rows past it come out 0 and
+    finite although the kernel leaves their outputs unwritten."""
+    lens = [9, 2 * 64 + 5, 47, 33, 70]
+    c = paged_case(kv_heads=2, group=4, head_dim=64, page_size=16, seq_lens=lens)
+    q = c.queries(len(lens))
+    args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
+    kw = dict(scale=c.scale, num_ctas=3, num_splits=2, block_kv=64, num_stages=2, interpret=True)
+    out = np.asarray(paged_decode_attention_swapped(*args, live_rows=jnp.int32(live), **kw), np.float32)
+    ref = paged_decode_attention_ref(*args, c.scale)
+    assert np.isfinite(out).all()
+    assert np.all(out[live:] == 0)
+    if live:
+        assert c.rel_err(out[:live], ref[:live]) < 1e-2, f"seed {c.seed}"
+
+
+def test_swapped_live_rows_lower_for_gpu():
+    sds = jax.ShapeDtypeStruct
+    cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
+    args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
+            sds((64,), jnp.int32))
+    paged_decode_attention_swapped.trace(*args, scale=0.1, live_rows=sds((), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
