@@ -6,7 +6,7 @@ small steps behind one late long request; later arrivals still queue behind earl
 just past a token bucket runs in the bucket below when nothing waits: the decodes left out are those that end
 before the longest running request even at half speed, never left out two steps in a row. A step of mostly
 decodes whose prefill chunks would leave more than a quarter of its bucket as padding runs in the bucket below
-with shorter chunks (docs/design.md section 9). A step with no decode may take a burst of prompts up to the
+with shorter chunks (nfjax/engine/bucket_fit.py, docs/design.md section 9). A step with no decode may take a burst of prompts up to the
 prefill bucket (`batcher.prefill_bucket`, `_step_limits`; docs/design.md section 19).
 
 Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nfjax.config import ConfigError, EngineConfig
+from nfjax.engine.bucket_fit import BucketFit, predicted
 from nfjax.engine.memory_forecast import MemoryForecast
 from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
@@ -87,26 +88,9 @@ class Batch:
         return sum(s.num_tokens for s in self.seqs)
 
 
-def predicted(req: Request, max_len: int, mean_out: int | None) -> tuple[int, int, int]:
-    """(decode steps `req` surely has left, steps it has at most left, positions at its predicted end). At most:
-    to max_tokens or the context; surely: that where its length is exact (ignore_eos, no stop condition), else to
-    min_tokens. Its end: max_tokens where exact, else at most the finished requests' `mean_out` (None: none yet)
-    outputs, and past what it has launched. A request that ignores EOS and has no stop condition runs to
-    max_tokens: the mean of other requests (a warm-up's 4-token outputs, say) must not stand in for it, or
-    admission over-commits the cache and every later step preempts (docs/design.md section 8)."""
-    p, launched, plen = req.params, req.num_launched_outputs, req.prompt_len
-    most = min(p.max_tokens - launched, max_len - plen - launched)
-    exact = p.ignore_eos and not p.stop and not p.stop_token_ids
-    est = p.max_tokens if exact or mean_out is None else min(p.max_tokens, mean_out)
-    return (most if exact else max(0, min(p.min_tokens - launched, most))), most, \
-        min(plen + max(est, launched + 1), max_len)
-
-
-class Batcher:
+class Batcher(BucketFit):
     FORECAST = MemoryForecast  # the memory forecast's class (a replay of runs measured before a change swaps it)
     LONGEST_FIRST = True       # requests added together are admitted longest predicted first (module docstring)
-    DEFER_SLACK = 0.5          # a decode-only step of up to (1 + this) x a bucket may run in that bucket
-    SHORTEN_PAD = 0.25         # a mixed step padding its bucket by more than this share may run in the one below
 
     def __init__(self, config: EngineConfig):
         """`config` with its automatic sizes resolved (`Runner.config`)."""
@@ -423,92 +407,6 @@ class Batcher:
             if register and (req.num_registered + 1) * ps <= req.num_computed and req.num_registered < len(req.pages):
                 self._register(req)
         return batch
-
-    def _fit_bucket(self, batch: Batch) -> int:
-        """The step's token bucket: the smallest that holds the batch, or the one below for a decode-only step
-        whose decodes past it have slack (`_defer`) and for a mostly-decode step whose prefill chunks would pad
-        the bucket above by more than `SHORTEN_PAD` of it (`_shorten_chunks`)."""
-        n = batch.num_tokens
-        chunks = len(batch.seqs) - batch.num_decode
-        if n > self.budget or chunks > self.cfg.max_prefill_seqs:
-            self._deferred = set()
-            return self.prefill_budget                # only a step `_step_limits` gave the prefill bucket's room
-        lower = max((b for b in self.cfg.token_buckets if b < n), default=0)
-        deferred: set[int] = set()
-        if chunks:
-            upper = min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
-            if (upper - n > self.SHORTEN_PAD * upper and 2 * batch.num_decode >= lower
-                    and lower >= batch.num_decode + chunks):
-                n -= self._shorten_chunks(batch, n - lower)
-        elif lower and n <= lower * (1 + self.DEFER_SLACK) and self._can_defer(batch):
-            deferred = self._defer(batch, n - lower)
-            n = batch.num_tokens
-        self._deferred = deferred | self._made_room
-        return min((b for b in self.cfg.token_buckets if b >= n), default=self.budget)
-
-    def _shorten_chunks(self, batch: Batch, cut: int) -> int:
-        """Take `cut` tokens off the prefill chunks, newest first, each keeping one: the rest of those prompts
-        goes in later steps (first in line: running prefills come before admissions), in their padding where
-        they have some. Pages grown for the longer chunk stay with the request for its next chunk. kivi64: a
-        chunk is cut to a multiple of 64 (keeping one group), so at least `cut` tokens, or none at all when that
-        cannot reach `cut`. Returns the tokens taken."""
-        g, plan, left = self.group, [], cut
-        for s in reversed(batch.seqs[batch.num_decode:]):
-            if left <= 0:
-                break
-            if g:
-                end, first = s.start + s.num_tokens, s.start + g       # first: the chunk's first group boundary
-                take = end - max((end - left) // g * g, first) if first < end else 0
-            else:
-                take = min(left, s.num_tokens - 1)
-            plan.append((s, take))
-            left -= take
-        if left > 0:
-            return 0
-        for s, take in plan:
-            s.num_tokens -= take
-            s.samples = s.start + s.num_tokens == s.req.prompt_len
-        return cut - left
-
-    def _can_defer(self, batch: Batch) -> bool:
-        """Only a step of every running request's decode (those whose last token is in flight aside), with
-        nothing waiting or swapped out: then leaving a decode out delays no admission, and the pages it holds
-        longer are checked in `_defer`."""
-        return not (batch.num_decode != len(batch.seqs) or self._missed or self.waiting or self.swapped
-                    or batch.swap_in or batch.swap_out)
-
-    def _steps_left(self, req: Request) -> tuple[int, int]:
-        """(at least, at most) the decode steps `req` has left (`predicted`)."""
-        return predicted(req, self.max_model_len, self._mean_out())[:2]
-
-    def _defer(self, batch: Batch, k: int) -> set[int]:
-        """Leave `k` decodes out of `batch` if that many have slack: at half speed (never left out two steps in
-        a row) they still end before the running request with the most steps surely left, so the run does not
-        get longer; and if the pages of all of them at their predicted ends still fit beside the others'
-        forecast peak. Returns id() of those left out (none if the step cannot shrink by `k`).
-        Runs for every row of most decode-only steps: one `predicted` call a row."""
-        reqs = [s.req for s in batch.seqs]
-        max_len, mean_out = self.max_model_len, self._mean_out()
-        least, most, final = zip(*(predicted(r, max_len, mean_out) for r in reqs))
-        longest = max(least)
-        slack = [i for i, m in enumerate(most) if 2 * m <= longest and id(reqs[i]) not in self._deferred]
-        if len(slack) < k:
-            return set()
-        slack.sort(key=most.__getitem__)            # the nearest ends first
-        out = set(slack[:k])
-        forecast, held = self.FORECAST(self.cache.page_size), 0
-        for i in range(len(reqs)):
-            if i in out:
-                held += self.cache.pages_for(final[i])
-            else:
-                r = reqs[i]
-                forecast.add(max(r.num_computed, r.prompt_len), final[i])       # `_span`
-        if forecast.peak() + held > self.allocator.capacity:
-            return set()
-        deferred = {id(reqs[i]) for i in out}
-        batch.seqs = [s for i, s in enumerate(batch.seqs) if i not in out]
-        batch.num_decode = len(batch.seqs)
-        return deferred
 
     def _room_for_chunk(self, batch: Batch) -> bool:
         return len(batch.seqs) < self.cfg.max_seqs and len(batch.seqs) - batch.num_decode < self._chunk_cap
