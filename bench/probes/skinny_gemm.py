@@ -15,12 +15,16 @@ of K/S rows each (a free reshape of the (K, N) array), one batched GEMM over the
 them. The question (bench/NOTES.md 24.2): o's 32 output tiles of 128 columns leave most of an H100's 132 SMs idle
 at decode sizes (1.8-2.0 TB/s); S slices give the GEMM S times the tiles. `splitk_of` is the product form.
 
+Split K through our grouped GEMM (`<name>_gsplit<S>` rows, GPU only, first variant; `--gsplits`): the S K slices
+as S groups of one grouped GEMM (64-row tiles), the partials summed in f32; 30.3 of bench/NOTES.md found our dense
+kernel, which does not split K, at 1.4-1.7 TB/s on o and down.
+
 Our persistent Pallas GEMM (`<name>_pgemm[<config>]` rows, GPU only, in the first variant's process: XLA's flags
 do not touch it), per tile config of `--pgemm-configs`: whether the decode-sized GEMMs reach the weight-read rate
 where XLA's do not (gate_up at 256 rows: 104 us against 60 at 128, bench/NOTES.md 24.2 and 29.7).
 
 usage: python -m bench.probes.skinny_gemm [--tokens 16,64,128,256] [--variants default,exhaustive,cublas]
-                                          [--pgemm-configs 128x128_s5_ws,64x256_s5_ws_n]
+                                          [--pgemm-configs 128x128_s5_ws,64x256_s5_ws_n] [--gsplits 2,4]
 """
 from __future__ import annotations
 
@@ -75,6 +79,49 @@ PGEMM_SHAPES = ("gate_up", "gate", "down", "qkv", "o")
 PGEMM_CONFIGS = ("128x128_s5_ws", "64x256_s5_ws_n", "128x256_s4_ws")      # --pgemm-configs' default
 
 
+GSPLIT_CONFIG = "64x256_s5_ws_n"        # 64-row tiles: each K slice's rows pad to 64, not 128
+GSPLIT_SHAPES = ("qkv", "o", "down")      # N <= 6144: few output tiles for 132 SMs
+
+
+def grouped_splitk(x, w, s: int, config: str = GSPLIT_CONFIG, interpret: bool = False):
+    """x @ w with K split `s` ways as one grouped GEMM (pallas_kernels/grouped_gemm.py): group i is x's K slice i
+    (its rows padded to the tile's) against w's K slice i (a free reshape), so s times the output tiles share the
+    SMs; the s partials (x's dtype) are summed in f32."""
+    import jax.numpy as jnp
+    from pallas_kernels.grouped_gemm import group_alignment, grouped_gemm
+    m, k = x.shape
+    a = group_alignment(config)
+    mp = -(-m // a) * a
+    xs = jnp.pad(x.reshape(m, s, k // s).transpose(1, 0, 2), ((0, 0), (0, mp - m), (0, 0))).reshape(s * mp, k // s)
+    y = grouped_gemm(xs, w.reshape(s, k // s, w.shape[1]), jnp.full((s,), mp, jnp.int32), config=config,
+                     interpret=interpret)
+    return y.reshape(s, mp, -1)[:, :m].astype(jnp.float32).sum(0).astype(x.dtype)
+
+
+def gsplit_rows(tokens: list[int], splits: list[int]) -> None:
+    """Split K through our grouped GEMM at the decode sizes (see `grouped_splitk`): where XLA's GEMMs for o, qkv
+    and down read at 1.8-2.4 TB/s past 16 rows (bench/NOTES.md 30.3)."""
+    import jax
+    import jax.numpy as jnp
+    for name in GSPLIT_SHAPES:
+        k, n = SHAPES[name]
+        ws = [w for (w,) in _sets([(k, n)], 6)]
+        for m in tokens:
+            xs = [jax.random.normal(jax.random.key(m + 13 + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
+            ref = jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32))
+            for sp in splits:
+                fn = jax.jit(lambda xs, ws, sp=sp: [grouped_splitk(x, w, sp) for x, w in zip(xs, ws)])
+                try:
+                    got = fn(xs, ws)[0].astype(jnp.float32)
+                    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                    us = kernel_us(fn, (xs, ws), len(ws))
+                except Exception as e:  # noqa: BLE001 - a split that does not fit this shape: its row says so
+                    emit(f"{name}_gsplit{sp}@{m}", {"error": f"{type(e).__name__}: {str(e)[:160]}"})
+                    continue
+                emit(f"{name}_gsplit{sp}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
+        del ws
+
+
 def pgemm_rows(tokens: list[int], configs: list[str]) -> None:
     """The persistent Pallas GEMM at the decode sizes, per tile config (see the module doc)."""
     import jax
@@ -99,7 +146,7 @@ def pgemm_rows(tokens: list[int], configs: list[str]) -> None:
         del ws
 
 
-def child(tokens: list[int], pgemm_configs: list[str]) -> None:
+def child(tokens: list[int], pgemm_configs: list[str], gsplits: list[int]) -> None:
     import jax
     import jax.numpy as jnp
     from bench.common import measure_copy_bandwidth, time_fn
@@ -171,14 +218,17 @@ def child(tokens: list[int], pgemm_configs: list[str]) -> None:
         same = float(jnp.linalg.norm(y2 - y1) / jnp.linalg.norm(y2))
         emit(f"mlp@{m}", {"two_us": t2, "one_us": t1, "bytes_tbps_one": 6 * d * f / t1 / 1e6, "rel_diff": same})
     del two, one
-    if pgemm_configs and jax.default_backend() == "gpu":        # on a CPU the kernel only runs interpreted
-        pgemm_rows(tokens, pgemm_configs)
+    if jax.default_backend() == "gpu":        # on a CPU our kernels only run interpreted
+        if gsplits:
+            gsplit_rows(tokens, gsplits)
+        if pgemm_configs:
+            pgemm_rows(tokens, pgemm_configs)
 
 
-def run_variant(v: str, env: dict, tokens: str, timeout_s: float, pgemm_configs: str = "") -> dict:
+def run_variant(v: str, env: dict, tokens: str, timeout_s: float, pgemm_configs: str = "", gsplits: str = "") -> dict:
     """The child's rows, printed as they arrive; a child past `timeout_s` is killed and its rows kept."""
     proc = subprocess.Popen(module_command("bench.probes.skinny_gemm", "--child", "--tokens", tokens,
-                                           "--pgemm-configs", pgemm_configs), env=env,
+                                           "--pgemm-configs", pgemm_configs, "--gsplits", gsplits), env=env,
                             stdout=subprocess.PIPE, text=True)      # its errors reach our stderr
     timer = threading.Timer(timeout_s, proc.kill)
     timer.start()
@@ -201,13 +251,15 @@ def main(argv=None) -> int:
     p.add_argument("--variant-timeout-s", type=float, default=150.0, help="a variant's rows so far are kept")
     p.add_argument("--pgemm-configs", default=",".join(PGEMM_CONFIGS),
                    help="persistent-GEMM tile configs to time (GPU; '' for none)")
+    p.add_argument("--gsplits", default="2,4", help="K splits through our grouped GEMM to time (GPU; '' for none)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--name", default="skinny_gemm")
     a = p.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     configs = [c for c in a.pgemm_configs.split(",") if c]
+    gsplits = [int(x) for x in a.gsplits.split(",") if x]
     if a.child:
-        child(tokens, configs)
+        child(tokens, configs, gsplits)
         return 0
     from pallas_kernels.persistent_gemm import TILE_CONFIGS
     bad = [c for c in configs if c not in TILE_CONFIGS]
@@ -217,7 +269,8 @@ def main(argv=None) -> int:
     for i, v in enumerate(a.variants.split(",")):
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip()
-        results[v] = run_variant(v, env, a.tokens, a.variant_timeout_s, a.pgemm_configs if i == 0 else "")
+        results[v] = run_variant(v, env, a.tokens, a.variant_timeout_s, a.pgemm_configs if i == 0 else "",
+                                 a.gsplits if i == 0 else "")
     table, summary = [], {}
     for v, rows in results.items():
         for key in ("copy_tbps", "read_tbps"):

@@ -201,3 +201,22 @@ def test_skinny_gemm_probe_persistent_rows_lower_for_the_gpu_and_refuse_unknown_
         skinny_gemm.main(["--pgemm-configs", "128x128_s5_ws,nope"])
     assert "unknown 'nope'" in capsys.readouterr().err
 
+
+
+def test_split_k_through_the_grouped_gemm_equals_the_product():
+    """The probe's split K as one grouped GEMM (interpret mode): ragged rows (5, padded to the 64-row tile), K in 2
+    and 4 slices of whole 64-column steps; and it lowers for CUDA at a decode size of o."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.probes.skinny_gemm import SHAPES, grouped_splitk
+    x = jax.random.normal(jax.random.key(0), (5, 256), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (256, 256), jnp.bfloat16)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32)))
+    for s in (2, 4):
+        got = np.asarray(grouped_splitk(x, w, s, interpret=True), np.float32)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2, s
+    k, n = SHAPES["o"]
+    sds = jax.ShapeDtypeStruct
+    jax.jit(lambda a, b: grouped_splitk(a, b, 4)).trace(sds((16, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",))
