@@ -29,6 +29,7 @@ usage: python -m bench.probes.skinny_gemm [--tokens 16,64,128,256] [--variants d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -98,52 +99,42 @@ def grouped_splitk(x, w, s: int, config: str = GSPLIT_CONFIG, interpret: bool = 
     return y.reshape(s, mp, -1)[:, :m].astype(jnp.float32).sum(0).astype(x.dtype)
 
 
-def gsplit_rows(tokens: list[int], splits: list[int]) -> None:
-    """Split K through our grouped GEMM at the decode sizes (see `grouped_splitk`): where XLA's GEMMs for o, qkv
-    and down read at 1.8-2.4 TB/s past 16 rows (bench/NOTES.md 30.3)."""
+def our_rows(shapes: tuple[str, ...], tokens: list[int], gemms: dict, seed: int, key0: int) -> None:
+    """Rows `<name>_<label>@<m>` of our kernels at the decode sizes, one per `gemms` label -> gemm(x, w): kernel time,
+    read rate and error against an f32 product (`seed`: the weights', `key0`: the inputs' first key). A label that
+    does not fit a shape gets a row saying so."""
     import jax
     import jax.numpy as jnp
-    for name in GSPLIT_SHAPES:
+    for name in shapes:
         k, n = SHAPES[name]
-        ws = [w for (w,) in _sets([(k, n)], 6)]
+        ws = [w for (w,) in _sets([(k, n)], seed)]
         for m in tokens:
-            xs = [jax.random.normal(jax.random.key(m + 13 + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
+            xs = [jax.random.normal(jax.random.key(m + key0 + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
             ref = jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32))
-            for sp in splits:
-                fn = jax.jit(lambda xs, ws, sp=sp: [grouped_splitk(x, w, sp) for x, w in zip(xs, ws)])
+            for label, gemm in gemms.items():
+                fn = jax.jit(lambda xs, ws, gemm=gemm: [gemm(x, w) for x, w in zip(xs, ws)])
                 try:
                     got = fn(xs, ws)[0].astype(jnp.float32)
                     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
                     us = kernel_us(fn, (xs, ws), len(ws))
-                except Exception as e:  # noqa: BLE001 - a split that does not fit this shape: its row says so
-                    emit(f"{name}_gsplit{sp}@{m}", {"error": f"{type(e).__name__}: {str(e)[:160]}"})
+                except Exception as e:  # noqa: BLE001 - a config or split that does not fit this shape
+                    emit(f"{name}_{label}@{m}", {"error": f"{type(e).__name__}: {str(e)[:160]}"})
                     continue
-                emit(f"{name}_gsplit{sp}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
+                emit(f"{name}_{label}@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
         del ws
+
+
+def gsplit_rows(tokens: list[int], splits: list[int]) -> None:
+    """Split K through our grouped GEMM at the decode sizes (see `grouped_splitk`): where XLA's GEMMs for o, qkv
+    and down read at 1.8-2.4 TB/s past 16 rows (bench/NOTES.md 30.3)."""
+    our_rows(GSPLIT_SHAPES, tokens, {f"gsplit{sp}": functools.partial(grouped_splitk, s=sp) for sp in splits}, 6, 13)
 
 
 def pgemm_rows(tokens: list[int], configs: list[str]) -> None:
     """The persistent Pallas GEMM at the decode sizes, per tile config (see the module doc)."""
-    import jax
-    import jax.numpy as jnp
     from pallas_kernels.persistent_gemm import persistent_gemm
-    for name in PGEMM_SHAPES:
-        k, n = SHAPES[name]
-        ws = [w for (w,) in _sets([(k, n)], 5)]
-        for m in tokens:
-            xs = [jax.random.normal(jax.random.key(m + 11 + i), (m, k), jnp.bfloat16) for i in range(len(ws))]
-            ref = jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32))
-            for cfg in configs:
-                fn = jax.jit(lambda xs, ws, cfg=cfg: [persistent_gemm(x, w, config=cfg) for x, w in zip(xs, ws)])
-                try:
-                    got = fn(xs, ws)[0].astype(jnp.float32)
-                    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-                    us = kernel_us(fn, (xs, ws), len(ws))
-                except Exception as e:  # noqa: BLE001 - a config that does not fit this shape: its row says so
-                    emit(f"{name}_pgemm[{cfg}]@{m}", {"error": f"{type(e).__name__}: {str(e)[:160]}"})
-                    continue
-                emit(f"{name}_pgemm[{cfg}]@{m}", {"us": us, "tbps": 2 * k * n / us / 1e6, "rel_err": err})
-        del ws
+    our_rows(PGEMM_SHAPES, tokens, {f"pgemm[{c}]": functools.partial(persistent_gemm, config=c) for c in configs},
+             5, 11)
 
 
 def child(tokens: list[int], pgemm_configs: list[str], gsplits: list[int]) -> None:
