@@ -6,8 +6,8 @@ small steps behind one late long request; later arrivals still queue behind earl
 just past a token bucket runs in the bucket below when nothing waits: the decodes left out are those that end
 before the longest running request even at half speed, never left out two steps in a row. A step of mostly
 decodes whose prefill chunks would leave more than a quarter of its bucket as padding runs in the bucket below
-with shorter chunks (nfjax/engine/bucket_fit.py, docs/design.md section 9). A step with no decode may take a burst of prompts up to the
-prefill bucket (`batcher.prefill_bucket`, `_step_limits`; docs/design.md section 19).
+with shorter chunks (nfjax/engine/bucket_fit.py, docs/design.md section 9). A step with no decode may take a burst
+of prompts up to the prefill bucket (`batcher.prefill_bucket`, `_step_limits`; docs/design.md section 19).
 
 Admission uses NanoFlow's memory prediction: each request's end is predicted (max_tokens where it ignores EOS,
 else the average output length seen so far) and a request is let in when the peak of the pages all running
@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nfjax.config import ConfigError, EngineConfig
-from nfjax.engine.bucket_fit import BucketFit, predicted
+from nfjax.engine.bucket_fit import BucketFit, held_from, predicted
 from nfjax.engine.memory_forecast import MemoryForecast
 from nfjax.engine.penalties import num_penalty_slots
 from nfjax.engine.request import Request, Status
@@ -193,14 +193,14 @@ class Batcher(BucketFit):
 
     def _span(self, req: Request) -> tuple[int, int]:
         """(positions `req` holds once its prompt is in, positions at its predicted end): its forecast entry."""
-        return max(req.num_computed, req.prompt_len), self._expected_len(req)
+        return held_from(req), self._expected_len(req)
 
     def _forecast(self) -> MemoryForecast:
         """The running requests' pages step by step to their predicted ends (built once per step)."""
         f = self.FORECAST(self.cache.page_size)
         max_len, mean_out = self.max_model_len, self._mean_out()
         for r in self.running:          # `_span`, with the mean taken once (hundreds of rows a step)
-            f.add(max(r.num_computed, r.prompt_len), predicted(r, max_len, mean_out)[2])
+            f.add(held_from(r), predicted(r, max_len, mean_out)[2])
         return f
 
     def _fits_prediction(self, req: Request, forecast: MemoryForecast | None = None) -> bool:

@@ -30,6 +30,11 @@ def predicted(req: Request, max_len: int, mean_out: int | None) -> tuple[int, in
         min(plen + max(est, launched + 1), max_len)
 
 
+def held_from(req: Request) -> int:
+    """Positions `req` holds once its prompt is in: where its memory forecast starts (`Batcher._span`)."""
+    return max(req.num_computed, req.prompt_len)
+
+
 class BucketFit:
     DEFER_SLACK = 0.5          # a decode-only step of up to (1 + this) x a bucket may run in that bucket
     SHORTEN_PAD = 0.25         # a mixed step padding its bucket by more than this share may run in the one below
@@ -107,8 +112,7 @@ class BucketFit:
             if i in out:
                 held += self.cache.pages_for(final[i])
             else:
-                r = reqs[i]
-                forecast.add(max(r.num_computed, r.prompt_len), final[i])       # `_span`
+                forecast.add(held_from(reqs[i]), final[i])       # `_span`
         if forecast.peak() + held > self.allocator.capacity:
             return set()
         deferred = {id(reqs[i]) for i in out}

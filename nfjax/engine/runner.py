@@ -418,7 +418,7 @@ class Runner:
             if sq.prev_slot is not None:
                 src[off] = sq.prev_slot
             else:
-                tokens[off:off + sq.num_tokens] = [r.token_at(q) for q in range(sq.start, sq.start + sq.num_tokens)]
+                tokens[off:off + sq.num_tokens] = r.tokens(sq.start, sq.start + sq.num_tokens)
             off += sq.num_tokens
             temp[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
             seeds[i] = r.seed & 0xFFFFFFFF
