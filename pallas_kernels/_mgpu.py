@@ -93,6 +93,20 @@ class Ops:
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.float32))
 
+    def kq_parts(self, k_s, q_s, parts: int):
+        """`kq` against a query held as the sum of `parts` row blocks of q_s ([parts * GP, D]), one wgmma a block into
+        one accumulator: an fp8 query split into a high and a low e4m3 part keeps about bfloat16's precision."""
+        gp = q_s.shape[0] // parts
+        if self.interpret:
+            k = k_s[...].astype(jnp.float32)
+            return sum(jnp.dot(k, q_s[i * gp:(i + 1) * gp].astype(jnp.float32).T) for i in range(parts))
+
+        def f(acc_ref):
+            for i in range(parts):
+                plgpu.wgmma(acc_ref, k_s, q_s.at[pl.ds(i * gp, gp)].transpose((1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], gp), jnp.float32))
+
     def kq_regs(self, parts, q_s):
         """sum over parts (c0, k [BKV, w] 16-bit, in registers) of k @ q_s[:, c0:c0 + w]^T -> [BKV, GP] f32: `kq` with
         K as wgmma's register operand, one wgmma a column part (`_kv_dequant.dequant_values`)."""

@@ -85,8 +85,8 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     na = 0 if aux_cache is None else 1 if nd is None else min(nd, 1)
     if na:
         num_stages = 2          # the double-buffered f16 tiles take a stage's SMEM (paged_decode_swapped.py)
-    qr, ns, attn_scratch = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
-                                   num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=na)
+    qr, ns, attn_scratch, _ = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
+                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=na)
     kvh = k_cache.shape[3]
     a_prog, nw = attn_ctas, len(ws)
 

@@ -31,11 +31,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
-from pallas_kernels import MASK_VALUE
+from pallas_kernels import MASK_VALUE, kv_quant
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
 from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
-    dequant_block, dequant_values, load_rows, pair_columns, quant_scratch
+    dequant_block, dequant_values, load_rows, pair_columns, quant_scratch, stage_transforms
 from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
 
 ROW_SUMS = ("wgmma", "reduce")
@@ -57,6 +57,9 @@ FP8_DEQUANT_MIN_WORK = 2048
 # 1.11 ms (4 stages; 1.16 at 2), int4 1.43 -> 1.24; fp8 0.93 -> 1.00 (its one dequantizer is not the bound). Reading
 # the page ids before the stage wait: fp8 0.93 -> 0.91, int8 1.45 -> 1.42 (bench/results/dequant_kic-20261128.json).
 K_IN_CONSUMER = ("int8", "int4")
+# fp8's K read by fp8 wgmmas against the query's two e4m3 parts, undequantized (`attention_kernel`'s fp8_mma); off
+# until timed against the dequantizing path.
+FP8_MMA = False
 
 
 def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
@@ -70,6 +73,22 @@ def _cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def _rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def fp8_query_parts(qr: Float[Array, "I GP D"]):
+    """(q as [I, 2 GP, D] float8_e4m3fn: a high part and the low part of what it leaves, both in units of the item's
+    scale; the scale [I] f32). hi + lo carries ~8 significant bits (bfloat16's), where one e4m3 would carry 4, so
+    K's fp8 values meet the query in fp8 wgmmas at about the precision of the f16 path (`fp8_mma`)."""
+    x = qr.astype(jnp.float32)
+    sc = jnp.maximum(jnp.max(jnp.abs(x), axis=(1, 2)), 1e-30) / kv_quant.FP8_MAX
+    x = x / sc[:, None, None]
+    hi = x.astype(kv_quant.FP8)
+    lo = (x - hi.astype(jnp.float32)).astype(kv_quant.FP8)
+    return jnp.concatenate([hi, lo], axis=1), sc
+
+
 def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
     """Work item w -> (sequence, kv head, first position, end position, blocks)."""
     b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
@@ -81,7 +100,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
                      kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
-                     k_in_consumer: bool = False):
+                     k_in_consumer: bool = False, fp8_mma: bool = False, qscale_hbm=None):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -105,12 +124,18 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
     `prefetch_pages`: the producer reads a block's page ids from the table before it waits for the stage to
     come free, so their global-memory latency overlaps the wait (False: after it, as measured so far; to be
-    timed: bench/probes/dequant_sass.py)."""
+    timed: bench/probes/dequant_sass.py).
+
+    `fp8_mma` (fp8, with `k_in_consumer`): K is not dequantized at all. The consumer's wgmmas read K's fp8 stage as
+    it arrived, against the query's two fp8 parts (`fp8_query_parts`, in `q_hbm`; their scale per query row of
+    `q_hbm` in `qscale_hbm`), and K's per-position scale multiplies the scores' rows; the dequantizers do V alone."""
+    if fp8_mma and not (k_in_consumer and kv_format == "fp8"):
+        raise ValueError("fp8_mma reads an fp8 cache's K with k_in_consumer's stage handling")
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
-    gp = q_s.shape[1]
+    gp = q_s.shape[1] // (2 if fp8_mma else 1)
     nd = dequant_wgs if kv_format != "bfloat16" else 0
     if nd not in (0, 1, 2) or (nd and num_stages % nd):
         raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0, 1, or 2 over an even number of stages")
@@ -125,7 +150,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         k_cols = pair_columns(k_pairs)
     elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
-    cd = q_s.dtype                                  # the matmuls' operand dtype (bf16; f16 with dequantizers)
+    cd = jnp.float16 if fp8_mma else q_s.dtype      # the matmuls' operand dtype (bf16; f16 with dequantizers)
     # params [layer] or [layer, live rows]: with the second, items of rows past it are not visited at all (an
     # empty item still loads its queries and stores its output: 768 empty rows of a 1,024-row call cost 40 us)
     num_items = (params_hbm[1] if params_hbm.shape[0] > 1 else lens_hbm.shape[0]) * num_kv_heads * num_splits
@@ -170,10 +195,17 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         by_wgmma = row_sums == "wgmma"
         ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), cd)) if by_wgmma else None
 
-        def step(g, tok0, kv_hi, q, carry, masked: bool):
+        def step(g, tok0, kv_hi, q, c, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
-            if k_in_consumer:
+            if fp8_mma:
+                dslot = lax.rem(g, 2)
+                plgpu.barrier_wait(k_bar.at[slot])
+                ks = load_rows(aux_s.at[slot], k_cols, interpret)[k_cols[0]]
+                s = ops.kq_parts(k_s.at[slot], q, 2)
+                plgpu.barrier_arrive(consumed.at[slot])                 # K was read; V's arrival is next
+                s = s * _rows(ks, s.shape) * c
+            elif k_in_consumer:
                 dslot = lax.rem(g, 2)
                 plgpu.barrier_wait(k_bar.at[slot])
                 parts = dequant_values(kv_format, k_s.at[slot], load_rows(aux_s.at[slot], k_cols, interpret),
@@ -215,7 +247,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
         def item(k, g):
             w = pid + k * num_ctas
-            _, _, kv_lo, kv_hi, n_blk = coords(w)
+            b, kh, kv_lo, kv_hi, n_blk = coords(w)
+            ci = c * qscale_hbm[b * num_kv_heads + kh] if fp8_mma else c
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
             plgpu.barrier_wait(q_bar.at[qslot])
@@ -224,10 +257,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
                  else ops.col_layout(jnp.zeros((gp,), jnp.float32)))
             n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
-            carry = lax.fori_loop(0, n_free, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, False),
-                                  (acc, m, l))
+            carry = lax.fori_loop(0, n_free,
+                                  lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, False), (acc, m, l))
             acc, m, l = lax.fori_loop(n_free, n_blk,
-                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, cr, True), carry)
+                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, True), carry)
             plgpu.barrier_arrive(q_free.at[qslot])
             if by_wgmma:
                 l = l.max(axis=0)                           # every row holds the sums: one reduction per item
@@ -272,7 +305,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer"), inline=True)
+                                             "k_in_consumer", "fp8_mma"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
@@ -280,7 +313,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    num_stages: int | None = None, row_sums: str | None = None,
                                    interpret: bool = False, aux_cache=None,
                                    dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
-                                   k_in_consumer: bool | None = None,
+                                   k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
                                    live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
@@ -293,9 +326,19 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
     fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
     are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
-    (rows past it must have seq_lens 0 for the result to equal a call without it)."""
+    (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
+    `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
+    least one dequantizer."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
+    if fp8_mma is None:
+        fp8_mma = FP8_MMA and fmt == "fp8"
+    if fp8_mma and (fmt != "fp8" or dequant_wgs == 0 or k_in_consumer is False):
+        raise ValueError(f"fp8_mma reads an fp8 cache with dequantizers for V and K in the consumer; got {fmt}, "
+                         f"dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
+    if fp8_mma:
+        k_in_consumer = True
+        dequant_wgs = dequant_wgs or 1
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if k_in_consumer is None:
@@ -312,25 +355,27 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         nd = 2 if num_stages % 2 == 0 else 1
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
-    qr, ns, scratch = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
-                              num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd, k_in_consumer=k_in_consumer)
+    qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
+                                     num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
+                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     if live_rows is not None:
         params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                                scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
-                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer)
+                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
-        kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux)
+        qs, rest = (rest[0], rest[1:]) if fp8_mma else (None, rest)
+        kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux, qscale_hbm=qs)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
         grid=(num_ctas,), grid_names=("p",), num_threads=2 + nd, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
-      *(() if aux_cache is None else (aux_cache,)))
+      *(() if aux_cache is None else (aux_cache,)), *extra)
     out = finish(o_t, lse, q.shape, kvh, ns)
     if live_rows is None:
         return out
@@ -338,15 +383,16 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
-            dequant_wgs: int = 1, k_in_consumer: bool = False):
-    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types); a quantized
-    cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the consumer's dequantizing; with
-    `k_in_consumer` no K tiles, and two arrivals free a stage)."""
+            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False):
+    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
+    inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
+    consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
+    two fp8 parts [B * KH, 2 GP, D] (`fp8_query_parts`), their scales the one more input."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
     qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    cd = q.dtype
+    qr_in, cd = qr, q.dtype
     tf = smem_tile_transforms(cd)
     if fmt == "int4" and not dequant_wgs:
         tf = deq_transforms(fmt, d)                        # the consumer's bf16 tiles' swizzle (see below)
@@ -356,7 +402,11 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         # 32-column slices, so every operand tile then takes the 64-byte swizzle of the dequantized tiles.
         cd, tf = jnp.float16, deq_transforms(fmt, d)
         qr = qr.astype(cd)
-    scratch = [plgpu.SMEM((2, gp, d), cd, transforms=tf),
+    extra, q_scratch = (), plgpu.SMEM((2, gp, d), cd, transforms=tf)
+    if fp8_mma:                 # the query parts meet K's fp8 stage in wgmma: one type, one swizzle for both
+        qr, qscale = fp8_query_parts(qr_in)
+        extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
+    scratch = [q_scratch,
                plgpu.SMEM((gp, block_kv), cd, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),
                plgpu.SMEM((gp,), jnp.float32),
@@ -372,7 +422,7 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
                     plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V, double-buffered
                     plgpu.Barrier(num_barriers=2),                             # tiles ready
                     plgpu.Barrier(num_barriers=2)]                             # tiles free again
-    return qr, ns, scratch
+    return qr, ns, scratch, extra
 
 
 def out_types(q, kvh: int, ns: int):

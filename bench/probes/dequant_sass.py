@@ -30,7 +30,7 @@ from pallas_kernels._mgpu import Ops
 
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
-KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits")
+KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits", "fp8_mma")
 SKIPS = ("none", "nodeq", "nomma")
 
 

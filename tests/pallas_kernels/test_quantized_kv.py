@@ -38,6 +38,19 @@ def test_swapped_decode_with_k_dequantized_in_the_consumer(paged_case, fmt, ps, 
     _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True, prefetch_pages=prefetch)
 
 
+@pytest.mark.parametrize("ps,g,d,stages,nd", [(16, 4, 128, 4, 1), (64, 8, 64, 2, 2)])
+def test_swapped_decode_with_fp8_k_read_by_fp8_wgmma(paged_case, ps, g, d, stages, nd):
+    """fp8_mma: K's fp8 stage meets the query's two e4m3 parts in wgmma, undequantized; V by the dequantizers."""
+    _check_swapped(paged_case, "fp8", ps, g, d, 64, 2, 3, stages, nd, fp8_mma=True)
+
+
+def test_fp8_mma_needs_fp8_and_dequantizers(paged_case):
+    with pytest.raises(ValueError, match="fp8_mma"):
+        _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 1, fp8_mma=True)
+    with pytest.raises(ValueError, match="fp8_mma"):
+        _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 0, fp8_mma=True)
+
+
 def test_k_in_consumer_needs_dequantizers(paged_case):
     with pytest.raises(ValueError, match="k_in_consumer"):
         _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 0, k_in_consumer=True)
@@ -66,7 +79,9 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("fp8", 16, 128, {"prefetch_pages": True}),
                                          ("fp8", 16, 128, {"k_in_consumer": True, "dequant_wgs": 2, "num_stages": 4}),
                                          ("int8", 16, 128, {"k_in_consumer": True, "num_stages": 4}),
-                                         ("int4", 16, 64, {"k_in_consumer": True, "dequant_wgs": 1})])
+                                         ("int4", 16, 64, {"k_in_consumer": True, "dequant_wgs": 1}),
+                                         ("fp8", 16, 128, {"fp8_mma": True}),
+                                         ("fp8", 64, 64, {"fp8_mma": True, "dequant_wgs": 2, "num_stages": 2})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)

@@ -1,0 +1,162 @@
+"""Probe: what the GPU runs during a window of a real offline run. The engine (bench flags, as bench.offline
+builds it) runs one workload; the profiler starts when the engine records step `--from-step` and stops `--steps`
+steps later, on the engine's own thread. Reported per step of the window: kernel ms by kernel (the Pallas kernels told apart by
+their XLA op), the GPU's busy ms against the window's wall ms (idle = the device waiting for the host), and the
+step kinds the window held. Each variant (engine flags) runs in its own process.
+
+usage: python -m bench.probes.engine_window --shape llama3-8b --workload 1024x512 --num-requests 512 \
+           --from-step 60 --steps 20 --variants "bf16=;fp8=--kv-dtype fp8" --out $OUT
+CPU:   python -m bench.probes.engine_window --shape smoke --workload 64x16 --num-requests 8 --from-step 2 --steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import module_command
+from bench.offline import parse_variants
+from bench.setup import add_bench_args
+
+OP_STATS = ("hlo_op", "tf_op", "long_name")        # event stats that name the XLA op a kernel belongs to
+
+
+def kernel_key(name: str, stats: dict) -> str:
+    """A kernel's row: its name, and for the Pallas kernels (one name for all) the grid it ran on (the decode
+    kernel's persistent grid is the SM count; the prefill kernel's, its tiles x kv heads) and the XLA op."""
+    if "mosaic" not in name and "pallas" not in name:
+        return name
+    grid = next((p for p in str(stats.get("kernel_details", "")).split() if p.startswith("grid:")), "")
+    op = next((str(stats[k]) for k in OP_STATS if k in stats), "")
+    tag = " ".join(filter(None, (grid, op[:60])))
+    return f"{name} [{tag}]" if tag else name
+
+
+def window_table(pd, steps: int) -> dict:
+    """Per-step kernel ms by kernel key on the busiest stream, its busy ms and the window's wall ms."""
+    from bench.step_bench import gpu_lines
+    if isinstance(pd, str):
+        return {"error": pd}
+    lines = [(ln, evs) for ln, evs in gpu_lines(pd) if "stream" in ln.lower()] or gpu_lines(pd)
+    if not lines:
+        return {"error": "no GPU events in the trace"}
+    ln, evs = max(lines, key=lambda le: sum(e[2] for e in le[1]))
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for name, _, dur, stats in evs:
+        a = agg[kernel_key(name, stats)]
+        a[0] += dur / 1e6 / steps
+        a[1] += 1
+    t0 = min(e[1] for e in evs)
+    t1 = max(e[1] + e[2] for e in evs)
+    busy = sum(e[2] for e in evs) / 1e6
+    samples = {}
+    for name, _, _, stats in evs:
+        if "mosaic" in name and len(samples) < 4:
+            samples.setdefault(kernel_key(name, stats), {k: str(v)[:200] for k, v in stats.items()})
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+    return {"line": ln, "busy_ms_per_step": busy / steps, "wall_ms_per_step": (t1 - t0) / 1e6 / steps,
+            "idle_share": 1 - busy * 1e6 / max(t1 - t0, 1), "stat_samples": samples,
+            "top": [{"name": k[:200], "ms": v[0], "count": v[1] / steps} for k, v in rows[:40]]}
+
+
+def child(args) -> dict:
+    import jax
+    from bench.engine_bench import longest, step_kind
+    from bench.setup import bench_engine, config_record, model_config
+    from bench.workloads import parse
+    from nfjax.engine import SamplingParams
+
+    cfg = model_config(args)
+    work = parse(args.workload, args.num_requests, cfg.vocab_size, seed=1)
+    engine = bench_engine(args, context=longest([work]))
+    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    engine.generate([p for p, _ in work[:8]], [SamplingParams(max_tokens=4, ignore_eos=True)] * len(work[:8]))
+    engine.trace.steps.clear()
+    d = os.path.join(tempfile.gettempdir(), f"engine_window_{args.variant}")
+    shutil.rmtree(d, ignore_errors=True)
+    marks: dict[str, int] = {}
+
+    class Steps(list):
+        """The trace's step list, starting and stopping the profiler as the engine records steps."""
+        def append(self, st):
+            super().append(st)
+            if len(self) == args.from_step and not args.no_trace:
+                jax.profiler.start_trace(d)
+                marks["first"] = len(self)
+            elif "first" in marks and "last" not in marks and len(self) == marks["first"] + args.steps:
+                jax.profiler.stop_trace()
+                marks["last"] = len(self)
+    steps = engine.trace.steps = Steps()
+    if args.no_trace:
+        marks["first"] = args.from_step
+    t = time.perf_counter()
+    engine.generate([p for p, _ in work], sps)
+    dt = time.perf_counter() - t
+    if args.no_trace:
+        marks["last"] = min(len(steps), args.from_step + args.steps)
+    if "last" not in marks:
+        return {"error": f"the run ended after {len(steps)} steps, before the window closed"}
+    # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
+    # the edges by about a step each
+    kinds = collections.Counter(step_kind(s) for s in steps[marks["first"]:marks["last"]])
+    n = marks["last"] - marks["first"]
+    from jax.profiler import ProfileData
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), n) if files else \
+        {"error": "not traced" if args.no_trace else "no xplane.pb written"}
+    host = [s.host_ms for s in steps[marks["first"]:marks["last"]]]
+    return {"variant": args.variant, "workload": args.workload, "requests": len(work), "run_s": dt,
+            "window": [marks["first"], marks["last"]], "kinds": dict(kinds), "num_pages": engine.config.cache.num_pages,
+            "host_ms_per_step": sum(host) / max(len(host), 1), "engine_config": config_record(engine.config),
+            "kernels": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_args(ap)
+    ap.add_argument("--workload", default="1024x512")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--from-step", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-trace", action="store_true", help="run the window untraced (host ms only)")
+    ap.add_argument("--variants", default="", help="'NAME=FLAGS;...' engine flags per variant (own process each)")
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--timeout", type=int, default=420)
+    args = ap.parse_args()
+    if args.variant:
+        res = child(args)               # whole before the file is opened: a crash leaves no empty file
+        with open(os.path.join(args.out, f"engine_window_{args.variant}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for name, flags in parse_variants(args.variants):
+        try:
+            subprocess.run(module_command("bench.probes.engine_window", *sys.argv[1:], *flags, "--variant", name),
+                           timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"[{name}] timed out", flush=True)
+        p = os.path.join(args.out, f"engine_window_{name}.json")
+        if not os.path.exists(p):
+            continue
+        r = json.load(open(p))
+        if "error" in r:
+            print(f"== {name}: {r['error']}")
+            continue
+        k = r["kernels"]
+        print(f"== {name}: steps {r['window']} {r['kinds']}; per step: wall {k.get('wall_ms_per_step', 0):.2f} ms, "
+              f"GPU busy {k.get('busy_ms_per_step', 0):.2f} ms (idle {k.get('idle_share', 0):.1%}), host "
+              f"{r['host_ms_per_step']:.2f} ms; {r['num_pages']} pages")
+        for row in k.get("top", [])[:24]:
+            print(f"   {row['ms']:8.3f} ms x{row['count']:<7.1f} {row['name'][:140]}")
+
+
+if __name__ == "__main__":
+    main()
