@@ -35,7 +35,8 @@ def test_swapped_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, p
 def test_swapped_decode_with_k_dequantized_in_the_consumer(paged_case, fmt, ps, d, stages, nd, prefetch):
     """k_in_consumer: K dequantized into the consumer's registers (wgmma's register operand), V by the dequantizers;
     with prefetch_pages (int8), the producer's page-table reads move ahead of its wait for the stage."""
-    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True, prefetch_pages=prefetch)
+    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, k_in_consumer=True, prefetch_pages=prefetch,
+                   fp8_mma=False)           # fp8's default reads K undequantized (fp8_mma)
 
 
 @pytest.mark.parametrize("ps,g,d,stages,nd", [(16, 4, 128, 4, 1), (64, 8, 64, 2, 2)])
@@ -74,7 +75,7 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
 @pytest.mark.parametrize("fmt,ps,d,kw", [("fp8", 16, 128, {}), ("int4", 16, 128, {}),
                                          ("int4", 64, 64, {"block_kv": 64, "num_stages": 3}),
                                          ("fp8", 16, 64, {"num_ctas": 33, "row_sums": "wgmma", "dequant_wgs": 2}),
-                                         ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1}),
+                                         ("int4", 16, 128, {"dequant_wgs": 0}), ("fp8", 16, 128, {"dequant_wgs": 1, "fp8_mma": False}),
                                          ("int8", 16, 128, {}), ("int8", 64, 64, {"block_kv": 64, "dequant_wgs": 0}),
                                          ("fp8", 16, 128, {"prefetch_pages": True}),
                                          ("fp8", 16, 128, {"k_in_consumer": True, "dequant_wgs": 2, "num_stages": 4}),
