@@ -112,7 +112,9 @@ def child(args) -> dict:
     table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), n) if files else \
         {"error": "not traced" if args.no_trace else "no xplane.pb written"}
     host = [s.host_ms for s in steps[marks["first"]:marks["last"]]]
-    return {"variant": args.variant, "workload": args.workload, "requests": len(work), "run_s": dt,
+    from bench.common import device_info
+    return {"command": " ".join(["python -m bench.probes.engine_window", *sys.argv[1:]]), "device": device_info(),
+            "date": time.strftime("%Y-%m-%d"), "variant": args.variant, "workload": args.workload, "requests": len(work), "run_s": dt,
             "window": [marks["first"], marks["last"]], "kinds": dict(kinds), "num_pages": engine.config.cache.num_pages,
             "host_ms_per_step": sum(host) / max(len(host), 1), "engine_config": config_record(engine.config),
             "kernels": table}
