@@ -94,25 +94,18 @@ def fp8_query_parts(qr: Float[Array, "I GP D"]):
     return jnp.concatenate([hi, lo], axis=1), sc
 
 
-def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv, causal: bool = False):
-    """Work item w -> (sequence, kv head, first position, end position, blocks, the query row of w in q_hbm,
-    the first query's position: every query sees the positions up to it, or None for decode)."""
-    if causal:              # lens_hbm: the prefill tiles' [3, NT] (sequence, first position, end position)
-        tile, kh = lax.div(w, num_kv_heads), lax.rem(w, num_kv_heads)
-        b, pos0, kv_lo, kv_hi = lens_hbm[0, tile], lens_hbm[1, tile], jnp.int32(0), lens_hbm[2, tile]
-        row = w
-    else:
-        b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
-                                          block_kv=block_kv)
-        pos0, row = None, b * num_kv_heads + kh
-    return b, kh, kv_lo, kv_hi, lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv), row, pos0
+def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
+    """Work item w -> (sequence, kv head, first position, end position, blocks)."""
+    b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
+                                      block_kv=block_kv)
+    return b, kh, kv_lo, kv_hi, lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
 
 
 def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm,
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
                      kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
-                     k_in_consumer: bool = False, fp8_mma: bool = False, qscale_hbm=None, causal_group: int = 0):
+                     k_in_consumer: bool = False, fp8_mma: bool = False, qscale_hbm=None):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -137,11 +130,6 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     `prefetch_pages`: the producer reads a block's page ids from the table before it waits for the stage to
     come free, so their global-memory latency overlaps the wait (False: after it, as measured so far; to be
     timed: bench/probes/dequant_sass.py).
-
-    `causal_group` > 0: prefill ("paged_prefill_swapped.py"): item w = (query tile w // KH, kv head w % KH), its
-    queries the GP columns of q_hbm[w] (token c // causal_group of the tile, head c % causal_group), `lens_hbm` the
-    tiles' [3, NT] (sequence, first query's position, end position), no splits; column c sees the positions up to
-    the tile's first position + c // causal_group.
 
     `fp8_mma` (fp8, with `k_in_consumer`): K is not dequantized at all. The consumer's wgmmas read K's fp8 stage as
     it arrived, against the query's two fp8 parts (`fp8_query_parts`, in `q_hbm`; their scale per query row of
@@ -170,22 +158,21 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     cd = jnp.float16 if fp8_mma else q_s.dtype      # the matmuls' operand dtype (bf16; f16 with dequantizers)
     # params [layer] or [layer, live rows]: with the second, items of rows past it are not visited at all (an
     # empty item still loads its queries and stores its output: 768 empty rows of a 1,024-row call cost 40 us)
-    n_rows = lens_hbm.shape[1] if causal_group else lens_hbm.shape[0]     # prefill: the tiles of lens_hbm [3, NT]
-    num_items = (params_hbm[1] if params_hbm.shape[0] > 1 else n_rows) * num_kv_heads * num_splits
+    num_items = (params_hbm[1] if params_hbm.shape[0] > 1 else lens_hbm.shape[0]) * num_kv_heads * num_splits
     pid = lax.axis_index("p") if cta is None else cta
     wg = lax.axis_index("wg")
     layer = params_hbm[0]
     n_mine = lax.div(num_items - pid + (num_ctas - 1), num_ctas)
     coords = functools.partial(_item_coords, lens_hbm=lens_hbm, num_kv_heads=num_kv_heads,
-                               num_splits=num_splits, block_kv=block_kv, causal=causal_group > 0)
+                               num_splits=num_splits, block_kv=block_kv)
     c = scale * LOG2E
 
     def producer():
         def item(k, g):
-            b, kh, kv_lo, _, n_blk, row, _ = coords(pid + k * num_ctas)
+            b, kh, kv_lo, _, n_blk = coords(pid + k * num_ctas)
             qslot = lax.rem(k, 2)
             pl.when(k >= 2)(lambda: plgpu.barrier_wait(q_free.at[qslot]))
-            plgpu.copy_gmem_to_smem(q_hbm.at[row], q_s.at[qslot], q_bar.at[qslot])
+            plgpu.copy_gmem_to_smem(q_hbm.at[b * num_kv_heads + kh], q_s.at[qslot], q_bar.at[qslot])
 
             def block(i, g):
                 slot = lax.rem(g, num_stages)
@@ -213,7 +200,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         by_wgmma = row_sums == "wgmma"
         ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), cd)) if by_wgmma else None
 
-        def step(g, tok0, kv_hi, pos0, q, c, carry, masked: bool):
+        def step(g, tok0, kv_hi, q, c, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             if fp8_mma:
@@ -242,10 +229,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 s = ops.kq(kt, q) * c                                         # [BKV, GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
-                ok = tok < kv_hi
-                if pos0 is not None:                    # prefill: column c's query sits at pos0 + c // group
-                    ok = ok & (tok <= pos0 + lax.div(ops.iota((block_kv, gp), 1), causal_group))
-                s = jnp.where(ok, s, MASK_VALUE)
+                s = jnp.where(tok < kv_hi, s, MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
@@ -268,8 +252,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
         def item(k, g):
             w = pid + k * num_ctas
-            _, _, kv_lo, kv_hi, n_blk, row, pos0 = coords(w)
-            ci = c * qscale_hbm[row] if fp8_mma else c
+            b, kh, kv_lo, kv_hi, n_blk = coords(w)
+            ci = c * qscale_hbm[b * num_kv_heads + kh] if fp8_mma else c
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
             plgpu.barrier_wait(q_bar.at[qslot])
@@ -277,12 +261,11 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
                  else ops.col_layout(jnp.zeros((gp,), jnp.float32)))
-            seen = kv_hi if pos0 is None else jnp.minimum(kv_hi, pos0 + 1)        # visible to every query
-            n_free = jnp.clip(lax.div(jnp.maximum(seen - kv_lo, 0), block_kv), 0, n_blk)     # no mask needed
-            carry = lax.fori_loop(
-                0, n_free, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, pos0, q, ci, cr, False), (acc, m, l))
-            acc, m, l = lax.fori_loop(
-                n_free, n_blk, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, pos0, q, ci, cr, True), carry)
+            n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
+            carry = lax.fori_loop(0, n_free,
+                                  lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_free, n_blk,
+                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, True), carry)
             plgpu.barrier_arrive(q_free.at[qslot])
             if by_wgmma:
                 l = l.max(axis=0)                           # every row holds the sums: one reduction per item
@@ -295,7 +278,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         k_pairs, v_pairs = aux_columns(kv_format, q_s.shape[2], "k"), aux_columns(kv_format, q_s.shape[2], "v")
 
         def item(k, g):
-            n_blk = coords(pid + k * num_ctas)[4]
+            *_, n_blk = coords(pid + k * num_ctas)
 
             def block(i, g):
                 @pl.when(lax.rem(g, nd) == j)
@@ -351,28 +334,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
     `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
     least one dequantizer."""
-    fmt = cache_format(k_cache, aux_cache)
-    check_format(fmt, q.shape[2], 0 if aux_cache is None else aux_cache.shape[-1])
-    st = settings(fmt, k_cache, aux_cache, q.shape[0] * k_cache.shape[3], num_ctas=num_ctas, num_stages=num_stages,
-                  dequant_wgs=dequant_wgs, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma,
-                  prefetch_pages=prefetch_pages, row_sums=row_sums)
-    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    params = jnp.asarray(layer, jnp.int32).reshape(1)
-    if live_rows is not None:
-        params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
-    o_t, lse = swapped_call(qr, ns, params, seq_lens.astype(jnp.int32), page_table, k_cache, v_cache, aux_cache,
-                            scale=scale, num_ctas=num_ctas, block_kv=block_kv, interpret=interpret, st=st)
-    out = finish(o_t, lse, q.shape, k_cache.shape[3], ns)
-    if live_rows is None:
-        return out
-    return jnp.where((jnp.arange(q.shape[0]) < params[1])[:, None, None], out, 0).astype(out.dtype)   # unwritten
-
-
-def settings(fmt: str, k_cache, aux_cache, work_items: int, *, num_ctas: int, num_stages: int | None,
-             dequant_wgs: int | None, k_in_consumer: bool | None, fp8_mma: bool | None, prefetch_pages: bool | None,
-             row_sums: str | None) -> dict:
-    """The kernel's static choices for a call that leaves some of them open (see `paged_decode_attention_swapped`)."""
     share = num_ctas <= 0.6 * num_sms()
+    fmt = cache_format(k_cache, aux_cache)
     if fp8_mma is None:             # the default where the call leaves the dequantizing to the kernel
         fp8_mma = FP8_MMA and fmt == "fp8" and dequant_wgs != 0 and k_in_consumer is not False
     if fp8_mma and (fmt != "fp8" or dequant_wgs == 0 or k_in_consumer is False):
@@ -381,7 +344,7 @@ def settings(fmt: str, k_cache, aux_cache, work_items: int, *, num_ctas: int, nu
     if fp8_mma:
         k_in_consumer = True
         dequant_wgs = dequant_wgs or 1
-    nd = default_dequant_wgs(fmt, work_items) if dequant_wgs is None else dequant_wgs
+    nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if k_in_consumer is None:
         k_in_consumer = beside and fmt in K_IN_CONSUMER
@@ -397,59 +360,44 @@ def settings(fmt: str, k_cache, aux_cache, work_items: int, *, num_ctas: int, nu
         nd = 2 if num_stages % 2 == 0 else 1
     if row_sums is None:
         row_sums = "wgmma" if share else "reduce"
-    return {"dequant_wgs": nd, "num_stages": num_stages, "k_in_consumer": k_in_consumer, "fp8_mma": fp8_mma,
-            "prefetch_pages": prefetch_pages, "row_sums": row_sums}
-
-
-def swapped_call(qr: Float[Array, "I GP D"], ns: int, params, lens, page_table, k_cache, v_cache, aux_cache, *,
-                 scale: float, num_ctas: int, block_kv: int, interpret: bool, st: dict, causal_group: int = 0):
-    """The kernel over query rows `qr` (items I x `ns` splits; `lens`: seq_lens, or the prefill tiles' info with
-    `causal_group`) with the choices `st` (`settings`): (o^T [I * ns, D, GP] normalised, lse [I * ns, GP] base 2)."""
-    qr, scratch, extra = operands(qr, k_cache, block_kv=block_kv, num_stages=st["num_stages"], aux_cache=aux_cache,
-                                  dequant_wgs=st["dequant_wgs"], k_in_consumer=st["k_in_consumer"],
-                                  fp8_mma=st["fp8_mma"])
-    kvh, gp = k_cache.shape[3], qr.shape[1] // (2 if st["fp8_mma"] else 1)
-    kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas, scale=scale,
-                               interpret=interpret, kv_format=cache_format(k_cache, aux_cache),
-                               causal_group=causal_group, **{k: v for k, v in st.items() if k != "num_stages"})
+    qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
+                                     num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
+                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
+    params = jnp.asarray(layer, jnp.int32).reshape(1)
+    if live_rows is not None:
+        params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
+    kvh = k_cache.shape[3]
+    kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
+                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
+                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
-        qs, rest = (rest[0], rest[1:]) if st["fp8_mma"] else (None, rest)
+        qs, rest = (rest[0], rest[1:]) if fp8_mma else (None, rest)
         kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux, qscale_hbm=qs)
-    items = qr.shape[0] * ns
-    return plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((items, qr.shape[2], gp), jnp.float32),
-                        jax.ShapeDtypeStruct((items, gp), jnp.float32)),
-        scratch_types=scratch, grid=(num_ctas,), grid_names=("p",), num_threads=2 + st["dequant_wgs"],
-        thread_name="wg", compiler_params=compiler_params(),
+    o_t, lse = plgpu.kernel(
+        body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
+        grid=(num_ctas,), grid_names=("p",), num_threads=2 + nd, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
-    )(params, lens, page_table.astype(jnp.int32), qr, k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)),
-      *extra)
+    )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
+      *(() if aux_cache is None else (aux_cache,)), *extra)
+    out = finish(o_t, lse, q.shape, kvh, ns)
+    if live_rows is None:
+        return out
+    return jnp.where((jnp.arange(q.shape[0]) < params[1])[:, None, None], out, 0).astype(out.dtype)   # unwritten
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
             dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
-    inputs after the cache's): `grouped_queries`, then `operands`."""
-    d = q.shape[2]
+    inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
+    consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
+    two fp8 parts [B * KH, 2 GP, D] (`fp8_query_parts`), their scales the one more input."""
+    d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
-    qr, _, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    qr, scratch, extra = operands(qr, k_cache, block_kv=block_kv, num_stages=num_stages, aux_cache=aux_cache,
-                                  dequant_wgs=dequant_wgs, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
-    return qr, ns, scratch, extra
-
-
-def operands(qr: Float[Array, "I GP D"], k_cache, *, block_kv: int, num_stages: int, aux_cache=None,
-             dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False):
-    """(the query rows as the kernel reads them, scratch types, the kernel's inputs after the cache's); a quantized
-    cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the consumer's dequantizing; with
-    `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its two fp8 parts [I, 2 GP, D]
-    (`fp8_query_parts`), their scales the one more input."""
-    gp, d, ps = qr.shape[1], qr.shape[2], k_cache.shape[2]
-    fmt = cache_format(k_cache, aux_cache)
-    qr_in, cd = qr, qr.dtype
+    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
+    qr_in, cd = qr, q.dtype
     tf = smem_tile_transforms(cd)
     if fmt == "int4" and not dequant_wgs:
         tf = deq_transforms(fmt, d)                        # the consumer's bf16 tiles' swizzle (see below)
@@ -479,7 +427,7 @@ def operands(qr: Float[Array, "I GP D"], k_cache, *, block_kv: int, num_stages: 
                     plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V, double-buffered
                     plgpu.Barrier(num_barriers=2),                             # tiles ready
                     plgpu.Barrier(num_barriers=2)]                             # tiles free again
-    return qr, scratch, extra
+    return qr, ns, scratch, extra
 
 
 def out_types(q, kvh: int, ns: int):
