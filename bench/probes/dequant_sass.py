@@ -63,6 +63,12 @@ class _NoMatmulOps(Ops):
     def kq(self, k_s, q_s):
         return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0]), jnp.float32))
 
+    def kq_regs(self, parts, q_s):
+        return self.wgmma_layout(jnp.zeros((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
+
+    def kq_parts(self, k_s, q_s, parts):
+        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0] // parts), jnp.float32))
+
     def vp(self, acc, p, v_s, p_s):
         return acc
 

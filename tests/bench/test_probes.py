@@ -183,6 +183,29 @@ def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
             parse_variant(bad)
 
 
+def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
+    """The probe's `nomma` skip replaces each of the consumer's matmul entry points (kq, K in registers, fp8's two
+    query parts, vp): the kernel runs through in interpret mode, and with no P V product every output is 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.kernels.kv_decode import make_cache
+    from bench.probes import dequant_sass
+    from pallas_kernels import paged_decode_swapped as sw
+    kc, vc, aux = make_cache(jax.random.key(0), "fp8", 8, 16, 64, kvh=2)
+    q = jax.random.normal(jax.random.key(1), (2, 8, 64), jnp.bfloat16)
+    args = (q, kc, vc, jnp.int32(0), jnp.arange(8, dtype=jnp.int32).reshape(2, 4), jnp.asarray([64, 0], jnp.int32))
+    real = sw.Ops
+    try:
+        sw.Ops = dequant_sass._NoMatmulOps
+        for kw in ({"fp8_mma": True}, {"fp8_mma": False, "k_in_consumer": True, "dequant_wgs": 1, "num_stages": 4}):
+            out = sw.paged_decode_attention_swapped(*args, scale=0.125, num_ctas=2, block_kv=64, interpret=True,
+                                                    aux_cache=aux, **kw)
+            assert np.all(np.asarray(out, np.float32) == 0)
+    finally:
+        sw.Ops = real
+
+
 def test_skinny_gemm_probe_persistent_rows_lower_for_the_gpu_and_refuse_unknown_configs(capsys):
     """Every default tile config of the probe's persistent-GEMM rows lowers for CUDA at a decode size of the
     narrowest and widest weights it times (so a device call does not spend its time on a config error)."""
