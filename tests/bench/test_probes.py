@@ -243,3 +243,27 @@ def test_split_k_through_the_grouped_gemm_equals_the_product():
     sds = jax.ShapeDtypeStruct
     jax.jit(lambda a, b: grouped_splitk(a, b, 4)).trace(sds((16, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",))
+
+
+def test_engine_window_tells_pallas_kernels_apart_and_counts_idle_time():
+    """engine_window: Pallas kernels keyed by their grid (the decode kernel's SM count, the prefill kernel's tiles),
+    per-step ms over the window, and the GPU's idle share of the window's wall time."""
+    from types import SimpleNamespace as NS
+    from bench.probes.engine_window import kernel_key, window_table
+    dec = {"kernel_details": "regs:255 grid:132,1,1 block:512,1,1", "hlo_op": "command_buffer_1"}
+    pre = {"kernel_details": "grid:1152,1,1", "hlo_op": "command_buffer_1"}
+    assert kernel_key("body_mosaic_gpu_kernel", dec) == "body_mosaic_gpu_kernel [grid:132,1,1 command_buffer_1]"
+    assert kernel_key("body_mosaic_gpu_kernel", {}) == "body_mosaic_gpu_kernel"
+    assert kernel_key("gemm_fusion_dot", dec) == "gemm_fusion_dot"
+    ev = lambda name, start, dur, stats: NS(name=name, start_ns=start, duration_ns=dur, stats=list(stats.items()))
+    # two steps of 10 ms wall: 6 ms of kernels each, the rest idle
+    events = [ev("body_mosaic_gpu_kernel", 0, 2e6, dec), ev("gemm", 2e6, 4e6, {}),
+              ev("body_mosaic_gpu_kernel", 10e6, 2e6, pre), ev("gemm", 12e6, 4e6, {}), ev("gemm", 16e6, 4e6, {})]
+    pd = NS(planes=[NS(name="/device:GPU:0", lines=[NS(name="Stream #13", events=events)])])
+    t = window_table(pd, steps=2)
+    assert abs(t["wall_ms_per_step"] - 10) < 1e-9 and abs(t["busy_ms_per_step"] - 8) < 1e-9
+    assert abs(t["idle_share"] - 0.2) < 1e-9
+    top = {r["name"]: r for r in t["top"]}
+    assert top["gemm"]["ms"] == 6 and top["gemm"]["count"] == 1.5
+    assert top["body_mosaic_gpu_kernel [grid:1152,1,1 command_buffer_1]"]["ms"] == 1
+    assert window_table("no trace", 2) == {"error": "no trace"}
