@@ -164,7 +164,7 @@ def bcast_rows(x, shape):
 
 def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_hbm, layer, seq, kh,
                      kv_lo, kv_hi, scale: float, causal_pos0=None, group: int = 1, wg=None, consumed=None,
-                     sched=None, dq=None, aux_hbm=None):
+                     sched=None, dq=None, aux_hbm=None, sync=None):
     """Online-softmax attention of the query tile in `q_s` over cache positions [kv_lo, kv_hi) of row `seq`
     of the page table, kv head `kh`. Returns (acc [ROWS, D] f32 unnormalised, m [ROWS] base-2 max, l [ROWS]).
 
@@ -184,10 +184,14 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
     starts half a step late, so one warpgroup's softmax runs while the other's matmuls use the tensor cores.
 
     A quantized cache (`dq`, a `_kv_dequant.Dequant`, with its aux rows in `aux_hbm`): each block's aux rows
-    travel with K, and the stage is dequantized into bf16 tiles before each matmul (one warpgroup only).
+    travel with K, and the stage is dequantized into bf16 tiles before each matmul: by the one warpgroup, or with
+    two (`sync`: two barriers of two arrivals, with `consumed`) warpgroup 0 dequantizes K and warpgroup 1 V, they
+    meet, the stage is released, both compute on both tiles, and they meet again before the tiles are rewritten.
     """
-    if dq is not None and dq.on and wg is not None:
-        raise ValueError("a quantized cache is read by one warpgroup a tile")
+    coop = dq is not None and dq.on and wg is not None
+    if coop and (sync is None or consumed is None or sched is not None):
+        raise ValueError("two warpgroups on a quantized cache split its dequantizing: they need `sync` and "
+                         "`consumed` barriers and no ping-pong")
     num_stages, block_kv, _ = k_s.shape
     rows, d = q_s.shape
     n_blk = lax.div(jnp.maximum(kv_hi - kv_lo, 0) + (block_kv - 1), block_kv)
@@ -212,12 +216,34 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
 
     c = scale * LOG2E
 
+    def release(i, slot):
+        plgpu.barrier_arrive(consumed.at[slot])
+
+        @pl.when((i + num_stages < n_blk) & (wg == 0))
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+            issue_now(i + num_stages, slot)
+
     def step(i, carry, masked: bool):
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
         qp = dq.rows(slot) if dq is not None else None             # a quantized cache's per-row parameters
-        kt = dq.k(k_s.at[slot], qp) if dq is not None else k_s.at[slot]
+        if coop:
+            plgpu.barrier_wait(v_bar.at[slot])
+            @pl.when(wg == 0)
+            def _():
+                dq.k(k_s.at[slot], qp)
+
+            @pl.when(wg == 1)
+            def _():
+                dq.v(v_s.at[slot], qp)
+            plgpu.barrier_arrive(sync.at[0])
+            plgpu.barrier_wait(sync.at[0])                         # both tiles written; the stage is read
+            release(i, slot)
+            kt = dq.k_deq
+        else:
+            kt = dq.k(k_s.at[slot], qp) if dq is not None else k_s.at[slot]
         s = ops.qk(q_s, kt, after_issue=meet if sched is not None else None) * c
         if masked:
             col = ops.iota((rows, block_kv), 1)
@@ -236,21 +262,22 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         acc = acc * bcast_rows(alpha, acc.shape)
         if sched is not None:
             plgpu.barrier_arrive(sched)         # softmax done
-        plgpu.barrier_wait(v_bar.at[slot])
-        if sched is not None:
-            plgpu.barrier_wait(sched)           # the other warpgroup is out of the tensor cores
-        vt = dq.v(v_s.at[slot], qp) if dq is not None else v_s.at[slot]
+        if coop:
+            vt = dq.v_deq
+        else:
+            plgpu.barrier_wait(v_bar.at[slot])
+            if sched is not None:
+                plgpu.barrier_wait(sched)           # the other warpgroup is out of the tensor cores
+            vt = dq.v(v_s.at[slot], qp) if dq is not None else v_s.at[slot]
         acc = ops.pv(acc, p.astype(vt.dtype), vt)
         # Both wgmmas on this slot are complete (their results were read), so the slot can be refilled.
-        if consumed is None:
+        if coop:
+            plgpu.barrier_arrive(sync.at[1])
+            plgpu.barrier_wait(sync.at[1])      # both are done with the tiles the next block rewrites
+        elif consumed is None:
             pl.when(i + num_stages < n_blk)(lambda: issue(i + num_stages, slot))
         else:
-            plgpu.barrier_arrive(consumed.at[slot])
-
-            @pl.when((i + num_stages < n_blk) & (wg == 0))
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
-                issue_now(i + num_stages, slot)
+            release(i, slot)
         return acc, m_new, l
 
     def meet():

@@ -11,7 +11,8 @@ warpgroups (default) each own 64 rows and share the K/V stages; by default they 
 jnp on device (no host sync): tile -> (sequence, first token, first position), gathers the query tiles into
 [tiles * KH, W, 64, D], runs one CTA per (tile, kv head) — the hardware block scheduler balances the
 ragged causal work — and gathers the output back to token order. Blocks wholly below a tile's first position
-run unmasked; the rest apply the causal / length mask.
+run unmasked; the rest apply the causal / length mask. On a quantized cache the two warpgroups split each block's
+dequantizing (one K, the other V) and meet twice a block instead of ping-ponging (`QUANT_WARPGROUPS`).
 
 Measured on H100 (bench/results/attention-20261122.json): 4 x 1024-token chunks after 3072 cached positions,
 32q/8kv heads, head_dim 128: 367 TFLOP/s causal, 52% of the measured bf16 GEMM rate; one warpgroup: 244.
@@ -96,9 +97,11 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
             *extra, num_kv_heads, group, num_ctas, num_wgs, pingpong, scale, interpret, kv_format="bfloat16",
             aux_hbm=None):
     ops = Ops(interpret)
-    dq = None
-    if kv_format != "bfloat16":                 # one warpgroup; `extra` is the quantized scratch
-        dq, extra = Dequant(kv_format, q_s.shape[2], extra, interpret), ()
+    dq, sync = None, None
+    if kv_format != "bfloat16":                 # `extra`: the quantized scratch, then (two warpgroups) the barriers
+        dq, extra = Dequant(kv_format, q_s.shape[2], extra[:3], interpret), extra[3:]
+        if extra:
+            extra, sync = extra[:1], extra[1]
     num_items = info_hbm.shape[1] * num_kv_heads
     pid = lax.axis_index("p")
     wg = lax.axis_index("wg") if num_wgs > 1 else None
@@ -122,7 +125,8 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
                                          kv_lo=jnp.int32(0), kv_hi=kv_hi, scale=scale, causal_pos0=pos0,
                                          group=group, wg=wg,
                                          consumed=extra[0] if extra and not pingpong else None,
-                                         sched=extra[0].at[0] if pingpong else None, dq=dq, aux_hbm=aux_hbm)
+                                         sched=extra[0].at[0] if pingpong else None, dq=dq, aux_hbm=aux_hbm,
+                                         sync=sync)
             o = acc / bcast_rows(jnp.maximum(l, 1e-30), acc.shape)
             mine[...] = o.astype(q_s.dtype)
             plgpu.commit_smem()
@@ -134,6 +138,14 @@ def _kernel(params_hbm, info_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, q_s, q_bar
     plgpu.wait_smem_to_gmem(0)
 
 
+# A quantized cache's dequantizing split over two warpgroups (K by one, V by the other, a 2 x 64-row tile sharing
+# them) instead of one warpgroup dequantizing both for a 64-row tile: a quarter of the dequantizing a query row.
+# H200, a 1024/512 mixed step's prefill part (248 tokens after 776, 1,024 and 520 fresh), kernel ms a layer, one
+# warpgroup -> two: fp8 0.166 -> 0.122, int8 0.213 -> 0.144, int4 0.216 -> 0.146; bfloat16 0.078
+# (`python -m bench.probes.prefill_quant`, bench/results/prefill_quant-20261129.json).
+QUANT_WARPGROUPS = 2
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "block_kv", "num_stages", "num_warpgroups",
                                              "pingpong", "interpret"), inline=True)
 def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N PS KH D"],
@@ -141,13 +153,14 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
                             page_table: Int[Array, "S P"], seq_lens: Int[Array, "S"],
                             query_start: Int[Array, "S1"], first_seq: Int[Array, ""], *, scale: float,
                             num_ctas: int | None = None, block_kv: int = 128, num_stages: int = 2,
-                            num_warpgroups: int = 2, pingpong: bool = True,
+                            num_warpgroups: int | None = None, pingpong: bool = True,
                             interpret: bool = False, aux_cache=None) -> Float[Array, "T H D"]:
     """Causal attention of each live sequence's query chunk over its cached positions (see module doc).
     `num_ctas=None` launches one CTA per (tile, kv head); an int makes the grid persistent (one
     warpgroup only). `num_warpgroups` 64-row parts of a tile share one K/V stream; `pingpong` staggers two.
     Tokens outside live sequences (decodes before `first_seq`, padding) give 0. `aux_cache`: the cache is
-    quantized (kv_quant.py) and dequantized in the kernel, by one warpgroup a tile (`num_warpgroups` is then 1)."""
+    quantized (kv_quant.py) and dequantized in the kernel: with one warpgroup a tile, by it; with two (None: 2 for
+    bfloat16, `QUANT_WARPGROUPS` for a quantized cache), one dequantizes K and the other V (no ping-pong)."""
     t, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     s = page_table.shape[0]
@@ -157,10 +170,12 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     check_block(block_kv, ps, d)
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
-    nw = num_warpgroups if fmt == "bfloat16" else 1
+    nw = num_warpgroups or (2 if fmt == "bfloat16" else QUANT_WARPGROUPS)
+    if nw not in (1, 2):
+        raise ValueError(f"num_warpgroups={nw}: 1 or 2")
     if nw > 1 and num_ctas is not None:
         raise ValueError("a persistent grid (num_ctas) needs num_warpgroups=1")
-    pingpong = pingpong and nw == 2         # staggering needs exactly two warpgroups
+    pingpong = pingpong and nw == 2 and fmt == "bfloat16"     # staggering needs two warpgroups and no dequantizing
     rows = ROWS * nw
     if g > rows:
         raise ValueError(f"query group of {g} heads exceeds the {rows}-row tile")
@@ -196,7 +211,8 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
                        *(quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1]) if fmt != "bfloat16"
                          else []),
                        *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if pingpong else
-                         [plgpu.Barrier(num_arrivals=nw, num_barriers=num_stages)] if nw > 1 else [])],
+                         [plgpu.Barrier(num_arrivals=nw, num_barriers=num_stages)] if nw > 1 else []),
+                       *([plgpu.Barrier(num_arrivals=2, num_barriers=2)] if nw > 1 and fmt != "bfloat16" else [])],
         grid=(progs,), grid_names=("p",), compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None, **threads,
     )(params, info, page_table.astype(jnp.int32), qt, k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)))

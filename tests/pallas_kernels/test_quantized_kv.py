@@ -113,8 +113,19 @@ PREFILL = [("fp8", 16, 4, 64, None, 1), ("int4", 64, 8, 128, 3, 0), ("int4", 16,
            ("fp8", 64, 4, 128, 4, 1), ("int8", 64, 8, 64, None, 1), ("int8", 16, 4, 128, 3, 0)]
 
 
+@pytest.mark.parametrize("fmt,ps,g,d,bkv,first", [("fp8", 16, 4, 128, 64, 1), ("int8", 64, 1, 64, 128, 0),
+                                                   ("int4", 16, 8, 128, 128, 1)])
+def test_prefill_on_quantized_cache_with_two_warpgroups(paged_case, fmt, ps, g, d, bkv, first):
+    """num_warpgroups=2 on a quantized cache: one warpgroup dequantizes K, the other V, both compute."""
+    _check_prefill(paged_case, fmt, ps, g, d, None, first, block_kv=bkv, num_warpgroups=2)
+
+
 @pytest.mark.parametrize("fmt,ps,g,d,progs,first", PREFILL)
 def test_prefill_on_quantized_cache(paged_case, fmt, ps, g, d, progs, first):
+    _check_prefill(paged_case, fmt, ps, g, d, progs, first, block_kv=64, num_warpgroups=1)
+
+
+def _check_prefill(paged_case, fmt, ps, g, d, progs, first, **kw):
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
     qlens, before = [3, 21, 1, 9], [5, 0, 70, 130]
     c = paged_case(kv_heads=2, group=g, head_dim=d, page_size=ps, seq_lens=np.add(qlens, before), kv_dtype=fmt)
@@ -122,8 +133,8 @@ def test_prefill_on_quantized_cache(paged_case, fmt, ps, g, d, progs, first):
     q = c.queries(t)
     qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
     args = (q, c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens), qs, jnp.int32(first))
-    out = paged_prefill_attention(*args, scale=c.scale, num_ctas=progs, block_kv=64, num_stages=2, interpret=True,
-                                  aux_cache=c.aux)
+    out = paged_prefill_attention(*args, scale=c.scale, num_ctas=progs, num_stages=2, interpret=True,
+                                  aux_cache=c.aux, **kw)
     ref = paged_prefill_attention_ref(*args, c.scale, aux_cache=c.aux)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all() and c.rel_err(out, ref) < 1e-2, f"seed {c.seed}"
@@ -138,9 +149,10 @@ def test_prefill_heads_and_fused_on_quantized_cache_lower_for_gpu(fmt, d):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, 16, d)
     lay, pt, lens = sds((), jnp.int32), sds((4, 256), jnp.int32), sds((4,), jnp.int32)
-    paged_prefill_attention.trace(sds((2048, 32, d), jnp.bfloat16), cache, cache, lay, pt, lens,
-                                  sds((5,), jnp.int32), sds((), jnp.int32), scale=0.1, aux_cache=aux).lower(
-        lowering_platforms=("cuda",))
+    for nw in (1, 2):                   # one warpgroup dequantizing both, or K and V split between two
+        paged_prefill_attention.trace(sds((2048, 32, d), jnp.bfloat16), cache, cache, lay, pt, lens,
+                                      sds((5,), jnp.int32), sds((), jnp.int32), scale=0.1, aux_cache=aux,
+                                      num_warpgroups=nw).lower(lowering_platforms=("cuda",))
     dec = (sds((256, 32, d), jnp.bfloat16), cache, cache, lay, sds((256, 80), jnp.int32), sds((256,), jnp.int32))
     paged_decode_attention.trace(*dec, scale=0.1, aux_cache=aux).lower(lowering_platforms=("cuda",))
     w = sds((4096, 14336), jnp.bfloat16)
