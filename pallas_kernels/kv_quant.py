@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jaxtyping import Array, Float
 
 KV_DTYPES = ("bfloat16", "fp8", "int8", "int4", "kivi64")     # the formats offered (the flag's choices)
 INT4_CODES = ("int4", "kivi64")               # formats whose values are packed 4-bit codes
@@ -266,3 +268,18 @@ def dequantize_kv(k, v, aux, dtype=jnp.float32):
         kp, vp = a[..., :2 * g].reshape(*a.shape[:-1], g, 2), a[..., 2 * g:4 * g].reshape(*a.shape[:-1], g, 2)
         return deq(k, kp[..., 0], kp[..., 1]).astype(dtype), deq(v, vp[..., 0], vp[..., 1]).astype(dtype)
     return dequantize_fp8(k, aux[..., 0]).astype(dtype), dequantize_fp8(v, aux[..., 1]).astype(dtype)
+
+
+def fp8_query_parts(qr: Float[Array, "I GP D"]):
+    """(q as [I, 2 GP, D] float8_e4m3fn: a high part and the low part of what it leaves, both in units of the item's
+    scale; the scale [I] f32). hi + lo carries ~8 significant bits (bfloat16's), where one e4m3 would carry 4, so
+    K's fp8 values meet the query in fp8 wgmmas at about the precision of the f16 path (paged_decode_swapped's
+    `fp8_mma`)."""
+    x = qr.astype(jnp.float32)
+    sc = jnp.maximum(jnp.max(jnp.abs(x), axis=(1, 2)), 1e-30) / FP8_MAX
+    x = x / sc[:, None, None]
+    hi = x.astype(FP8)
+    # the barrier keeps XLA:GPU from folding f32 -> e4m3 -> f32 into nothing (excess precision allowed), which
+    # made lo 0 and left the query at e4m3's precision (4.6% off on the GPU against 0.2% in interpret mode)
+    lo = (x - lax.optimization_barrier(hi).astype(jnp.float32)).astype(FP8)
+    return jnp.concatenate([hi, lo], axis=1), sc

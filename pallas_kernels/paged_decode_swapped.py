@@ -80,20 +80,6 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def fp8_query_parts(qr: Float[Array, "I GP D"]):
-    """(q as [I, 2 GP, D] float8_e4m3fn: a high part and the low part of what it leaves, both in units of the item's
-    scale; the scale [I] f32). hi + lo carries ~8 significant bits (bfloat16's), where one e4m3 would carry 4, so
-    K's fp8 values meet the query in fp8 wgmmas at about the precision of the f16 path (`fp8_mma`)."""
-    x = qr.astype(jnp.float32)
-    sc = jnp.maximum(jnp.max(jnp.abs(x), axis=(1, 2)), 1e-30) / kv_quant.FP8_MAX
-    x = x / sc[:, None, None]
-    hi = x.astype(kv_quant.FP8)
-    # the barrier keeps XLA:GPU from folding f32 -> e4m3 -> f32 into nothing (excess precision allowed), which
-    # made lo 0 and left the query at e4m3's precision (4.6% off on the GPU against 0.2% in interpret mode)
-    lo = (x - lax.optimization_barrier(hi).astype(jnp.float32)).astype(kv_quant.FP8)
-    return jnp.concatenate([hi, lo], axis=1), sc
-
-
 def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
     """Work item w -> (sequence, kv head, first position, end position, blocks)."""
     b, kh, kv_lo, kv_hi = item_coords(w, lens_hbm, num_kv_heads=num_kv_heads, num_splits=num_splits,
@@ -132,8 +118,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     timed: bench/probes/dequant_sass.py).
 
     `fp8_mma` (fp8, with `k_in_consumer`): K is not dequantized at all. The consumer's wgmmas read K's fp8 stage as
-    it arrived, against the query's two fp8 parts (`fp8_query_parts`, in `q_hbm`; their scale per query row of
-    `q_hbm` in `qscale_hbm`), and K's per-position scale multiplies the scores' rows; the dequantizers do V alone."""
+    it arrived, against the query's two fp8 parts (`kv_quant.fp8_query_parts`, in `q_hbm`; their scale per query
+    row of `q_hbm` in `qscale_hbm`), and K's per-position scale multiplies the scores' rows; the dequantizers do V
+    alone."""
     if fp8_mma and not (k_in_consumer and kv_format == "fp8"):
         raise ValueError("fp8_mma reads an fp8 cache's K with k_in_consumer's stage handling")
     if row_sums not in ROW_SUMS:
@@ -392,7 +379,7 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
     inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
     consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
-    two fp8 parts [B * KH, 2 GP, D] (`fp8_query_parts`), their scales the one more input."""
+    two fp8 parts [B * KH, 2 GP, D] (`kv_quant.fp8_query_parts`), their scales the one more input."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
@@ -409,7 +396,7 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         qr = qr.astype(cd)
     extra, q_scratch = (), plgpu.SMEM((2, gp, d), cd, transforms=tf)
     if fp8_mma:                 # the query parts meet K's fp8 stage in wgmma: one type, one swizzle for both
-        qr, qscale = fp8_query_parts(qr_in)
+        qr, qscale = kv_quant.fp8_query_parts(qr_in)
         extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
     scratch = [q_scratch,
                plgpu.SMEM((gp, block_kv), cd, transforms=tf),

@@ -1,8 +1,8 @@
-"""Probe: what the GPU runs during a window of a real offline run. The engine (bench flags, as bench.offline
-builds it) runs one workload; the profiler starts when the engine records step `--from-step` and stops `--steps`
-steps later, on the engine's own thread. Reported per step of the window: kernel ms by kernel (the Pallas kernels told apart by
-their XLA op), the GPU's busy ms against the window's wall ms (idle = the device waiting for the host), and the
-step kinds the window held. Each variant (engine flags) runs in its own process.
+"""Probe: what the GPU runs during a window of a real offline run. The engine (bench flags, as bench.offline builds it)
+runs one workload; the profiler starts when the engine records step `--from-step` and stops `--steps` steps later,
+on the engine's own thread. Reported per step of the window: kernel ms by kernel (the Pallas kernels told apart by
+their grid), the GPU's busy ms against the window's wall ms (idle = the device waiting for the host), and the step
+kinds the window held. Each variant (engine flags) runs in its own process.
 
 usage: python -m bench.probes.engine_window --shape llama3-8b --workload 1024x512 --num-requests 512 \
            --from-step 60 --steps 20 --variants "bf16=;fp8=--kv-dtype fp8" --out $OUT
@@ -114,7 +114,8 @@ def child(args) -> dict:
     host = [s.host_ms for s in steps[marks["first"]:marks["last"]]]
     from bench.common import device_info
     return {"command": " ".join(["python -m bench.probes.engine_window", *sys.argv[1:]]), "device": device_info(),
-            "date": time.strftime("%Y-%m-%d"), "variant": args.variant, "workload": args.workload, "requests": len(work), "run_s": dt,
+            "date": time.strftime("%Y-%m-%d"), "variant": args.variant, "workload": args.workload,
+            "requests": len(work), "run_s": dt,
             "window": [marks["first"], marks["last"]], "kinds": dict(kinds), "num_pages": engine.config.cache.num_pages,
             "host_ms_per_step": sum(host) / max(len(host), 1), "engine_config": config_record(engine.config),
             "kernels": table}
