@@ -231,6 +231,7 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         qp = dq.rows(slot) if dq is not None else None             # a quantized cache's per-row parameters
         if coop:
             plgpu.barrier_wait(v_bar.at[slot])
+
             @pl.when(wg == 0)
             def _():
                 dq.k(k_s.at[slot], qp)
@@ -238,6 +239,7 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
             @pl.when(wg == 1)
             def _():
                 dq.v(v_s.at[slot], qp)
+
             plgpu.barrier_arrive(sync.at[0])
             plgpu.barrier_wait(sync.at[0])                         # both tiles written; the stage is read
             release(i, slot)

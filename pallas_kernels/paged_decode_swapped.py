@@ -190,20 +190,18 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         def step(g, tok0, kv_hi, q, c, carry, masked: bool):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
-            if fp8_mma:
+            if k_in_consumer:
                 dslot = lax.rem(g, 2)
                 plgpu.barrier_wait(k_bar.at[slot])
-                ks = load_rows(aux_s.at[slot], k_cols, interpret)[k_cols[0]]
-                s = ops.kq_parts(k_s.at[slot], q, 2)
-                plgpu.barrier_arrive(consumed.at[slot])                 # K was read; V's arrival is next
-                s = s * _rows(ks, s.shape) * c
-            elif k_in_consumer:
-                dslot = lax.rem(g, 2)
-                plgpu.barrier_wait(k_bar.at[slot])
-                parts = dequant_values(kv_format, k_s.at[slot], load_rows(aux_s.at[slot], k_cols, interpret),
-                                       k_pairs, interpret, cd)
-                plgpu.barrier_arrive(consumed.at[slot])                 # K is in registers; V's arrival is next
-                s = ops.kq_regs(parts, q) * c                                 # [BKV, GP]
+                k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
+                if fp8_mma:                     # K's stage straight into the wgmmas; its scale on the score rows
+                    s = ops.kq_parts(k_s.at[slot], q, 2)
+                    plgpu.barrier_arrive(consumed.at[slot])             # K was read; V's arrival is next
+                    s = s * _rows(k_rows[k_cols[0]], s.shape) * c
+                else:
+                    parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)
+                    plgpu.barrier_arrive(consumed.at[slot])             # K is in registers; V's arrival is next
+                    s = ops.kq_regs(parts, q) * c                             # [BKV, GP]
             elif quantized:
                 dslot = lax.rem(g, 2)
                 plgpu.barrier_wait(deq_ready.at[dslot])

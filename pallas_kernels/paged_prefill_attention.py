@@ -160,7 +160,8 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     warpgroup only). `num_warpgroups` 64-row parts of a tile share one K/V stream; `pingpong` staggers two.
     Tokens outside live sequences (decodes before `first_seq`, padding) give 0. `aux_cache`: the cache is
     quantized (kv_quant.py) and dequantized in the kernel: with one warpgroup a tile, by it; with two (None: 2 for
-    bfloat16, `QUANT_WARPGROUPS` for a quantized cache), one dequantizes K and the other V (no ping-pong)."""
+    bfloat16, `QUANT_WARPGROUPS` for a quantized cache on its own grid, else 1), one dequantizes K and the other V
+    (no ping-pong)."""
     t, h, d = q.shape
     _, _, ps, kvh, _ = k_cache.shape
     s = page_table.shape[0]
@@ -170,7 +171,8 @@ def paged_prefill_attention(q: Float[Array, "T H D"], k_cache: Float[Array, "L N
     check_block(block_kv, ps, d)
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
-    nw = num_warpgroups or (2 if fmt == "bfloat16" else QUANT_WARPGROUPS)
+    # a quantized cache on a persistent grid keeps one warpgroup unless the call names two (and is refused below)
+    nw = num_warpgroups or (2 if fmt == "bfloat16" else 1 if num_ctas is not None else QUANT_WARPGROUPS)
     if nw not in (1, 2):
         raise ValueError(f"num_warpgroups={nw}: 1 or 2")
     if nw > 1 and num_ctas is not None:

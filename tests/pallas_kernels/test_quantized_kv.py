@@ -123,7 +123,9 @@ def test_prefill_on_quantized_cache_with_two_warpgroups(paged_case, fmt, ps, g, 
 
 @pytest.mark.parametrize("fmt,ps,g,d,progs,first", PREFILL)
 def test_prefill_on_quantized_cache(paged_case, fmt, ps, g, d, progs, first):
-    _check_prefill(paged_case, fmt, ps, g, d, progs, first, block_kv=64, num_warpgroups=1)
+    """One warpgroup a tile: named, or the default on a persistent grid (`progs`), which two would refuse."""
+    _check_prefill(paged_case, fmt, ps, g, d, progs, first, block_kv=64,
+                   **({"num_warpgroups": 1} if progs is None else {}))
 
 
 def _check_prefill(paged_case, fmt, ps, g, d, progs, first, **kw):
