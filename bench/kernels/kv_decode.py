@@ -71,6 +71,18 @@ def read_bytes(fmt, b, ctx, d=D, kvh=KVH, h=H) -> int:
     return int(b * ctx * kvh * kv_quant.token_head_bytes(fmt, d, "bfloat16") + b * h * d * 2)
 
 
+def page_table(lens, pages: int, ps: int, rng) -> np.ndarray:
+    """[len(lens), P] int32: each sequence's pages for its length, dealt in order from a random permutation of pages
+    1..pages - 1 (page 0 stays scratch), the rest of a row 0."""
+    perm = rng.permutation(np.arange(1, pages))
+    pt, off = np.zeros((len(lens), max(pages_for(int(n), ps) for n in lens)), np.int32), 0
+    for i, n in enumerate(lens):
+        k = pages_for(int(n), ps)
+        pt[i, :k] = perm[off:off + k]
+        off += k
+    return pt
+
+
 def check(rng, fmt, kernel, ps=16, g=4, d=D):
     b, max_len = (3, 200) if KW else (24, 3000)
     lens = rng.integers(1, max_len, b)
@@ -78,13 +90,7 @@ def check(rng, fmt, kernel, ps=16, g=4, d=D):
     pages = int(sum(pages_for(int(n), ps) for n in lens)) + 2
     kc, vc, aux = make_cache(jax.random.key(int(rng.integers(1 << 30))), fmt, pages, ps, d, kvh=2)
     q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (b, 2 * g, d), jnp.bfloat16)
-    perm = rng.permutation(np.arange(1, pages))
-    pt = np.zeros((b, max(pages_for(int(n), ps) for n in lens)), np.int32)
-    off = 0
-    for i, n in enumerate(lens):
-        k = pages_for(int(n), ps)
-        pt[i, :k] = perm[off:off + k]
-        off += k
+    pt = page_table(lens, pages, ps, rng)
     args = (q, kc, vc, jnp.int32(0), jnp.asarray(pt), jnp.asarray(lens, jnp.int32))
     ref = paged_decode_attention_ref(*args, d ** -0.5, aux_cache=aux)
     if kernel == "fused":
@@ -107,12 +113,7 @@ def check_prefill(rng, fmt, ps=16, g=4, d=D):
     pages = int(sum(pages_for(int(n), ps) for n in lens)) + 2
     kc, vc, aux = make_cache(jax.random.key(int(rng.integers(1 << 30))), fmt, pages, ps, d, kvh=2)
     q = jax.random.normal(jax.random.key(7), (sum(qlens) + 5, 2 * g, d), jnp.bfloat16)
-    perm = rng.permutation(np.arange(1, pages))
-    pt, off = np.zeros((4, max(pages_for(int(n), ps) for n in lens)), np.int32), 0
-    for i, n in enumerate(lens):
-        k = pages_for(int(n), ps)
-        pt[i, :k] = perm[off:off + k]
-        off += k
+    pt = page_table(lens, pages, ps, rng)
     qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
     args = (q, kc, vc, jnp.int32(0), jnp.asarray(pt), jnp.asarray(lens, jnp.int32), qs, jnp.int32(1))
     out = paged_prefill_attention(*args, scale=d ** -0.5, aux_cache=aux, **KW)

@@ -20,19 +20,14 @@ def case(fmt: str, qlens, ctx, ps: int = 16, smoke: bool = False):
     """(kernel args, aux cache, head_dim) over fresh random pages in `fmt`."""
     import jax
     import jax.numpy as jnp
-    from bench.kernels.kv_decode import make_cache
+    from bench.kernels.kv_decode import make_cache, page_table
     from nfjax.config import pages_for
     lens = np.add(qlens, ctx)
     pages = int(sum(pages_for(int(n), ps) for n in lens)) + 2
     kvh, g, d = (2, 4, 64) if smoke else (8, 4, 128)
     kc, vc, aux = make_cache(jax.random.key(3), fmt, pages, ps, d, kvh=kvh)
     q = jax.random.normal(jax.random.key(7), (sum(qlens), kvh * g, d), jnp.bfloat16)
-    perm = np.random.default_rng(0).permutation(np.arange(1, pages))
-    pt, off = np.zeros((len(lens), max(pages_for(int(n), ps) for n in lens)), np.int32), 0
-    for i, n in enumerate(lens):
-        k = pages_for(int(n), ps)
-        pt[i, :k] = perm[off:off + k]
-        off += k
+    pt = page_table(lens, pages, ps, np.random.default_rng(0))
     qs = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
     return (q, kc, vc, jnp.int32(0), jnp.asarray(pt), jnp.asarray(lens, jnp.int32), qs, jnp.int32(0)), aux, d
 
