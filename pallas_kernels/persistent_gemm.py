@@ -143,8 +143,9 @@ def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: Tile
     pallas_kernels/grouped_gemm.py for the other). `act="swiglu"`: each tile's columns are [gate | up] halves and
     the tile writes silu(gate) * up, block_n / 2 columns at column n0 / 2 of `o_hbm` (one weight, not split_n)."""
     ws = w_hbm if isinstance(w_hbm, tuple) else (w_hbm,)
-    if act not in (None, "swiglu") or (act and (len(ws) > 1 or cfg.split_n)):
-        raise ValueError(f"act {act!r}: None, or 'swiglu' over one weight with split_n off")
+    if act not in (None, "swiglu") or (act and (len(ws) > 1 or cfg.split_n or (cfg.wg_cols // 2) % cfg.epi_cols)):
+        raise ValueError(f"act {act!r}: None, or 'swiglu' over one weight with split_n off and epi_cols dividing "
+                         f"half a tile's columns ({cfg})")
     os_ = o_hbm if isinstance(o_hbm, tuple) else (o_hbm,)
     bounds = [0]
     for w_i in ws:
@@ -285,11 +286,14 @@ def gemm_scratch(cfg: TileConfig, dtype) -> list:
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages)]      # one per consumer
 
 
-@functools.partial(jax.jit, static_argnames=("num_ctas", "config", "interpret"), inline=True)
+@functools.partial(jax.jit, static_argnames=("num_ctas", "config", "act", "interpret"), inline=True)
 def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_ctas: int | None = None,
-                    config: TileConfig | str = DEFAULT_CONFIG, interpret: bool = False) -> Float[Array, "M N"]:
+                    config: TileConfig | str = DEFAULT_CONFIG, act: str | None = None,
+                    interpret: bool = False) -> Float[Array, "M N"]:
     """y = x @ w (bf16 in, f32 accumulation, x.dtype out) on `num_ctas` persistent CTAs (None: one per
-    SM). `config`: a TileConfig or a name in TILE_CONFIGS. See the module doc for tiling and padding."""
+    SM). `config`: a TileConfig or a name in TILE_CONFIGS. See the module doc for tiling and padding.
+    `act="swiglu"`: w's columns interleave gate and up in blocks of block_n / 2 (N a multiple of block_n) and the
+    result is silu(gate) * up, [M, N / 2], with no [M, N] array written (`gemm_kernel`)."""
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
     m, k_dim = x.shape
@@ -298,6 +302,8 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_ctas:
         raise ValueError(f"x {x.shape} @ w {w.shape}: contraction sizes differ")
     if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
         raise ValueError(f"need matching 16-bit dtypes, got {x.dtype} and {w.dtype}")
+    if act and (n % cfg.block_n or k_dim % cfg.block_k):
+        raise ValueError(f"act={act!r} needs N={n} a multiple of block_n={cfg.block_n} and K={k_dim} of block_k")
     mp = max(cdiv(m, 8) * 8, cfg.block_m)
     kp = cdiv(k_dim, cfg.block_k) * cfg.block_k
     np_ = max(cdiv(n, 64) * 64, cfg.block_n)
@@ -309,11 +315,12 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_ctas:
     progs = min(num_ctas or num_sms(), num_tiles)
 
     y = plgpu.kernel(
-        functools.partial(gemm_kernel, cfg=cfg, num_ctas=progs),
-        out_type=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        functools.partial(gemm_kernel, cfg=cfg, num_ctas=progs, act=act),
+        out_type=jax.ShapeDtypeStruct((mp, np_ // 2 if act else np_), x.dtype),
         scratch_types=gemm_scratch(cfg, x.dtype),
         grid=(progs,), grid_names=("p",), num_threads=NUM_WGS + int(cfg.producer), thread_name="wg",
         compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(x, w)
-    return y if (mp, np_) == (m, n) else y[:m, :n]
+    n_out = n // 2 if act else n
+    return y if y.shape == (m, n_out) else y[:m, :n_out]
