@@ -392,6 +392,10 @@ class ExecutionConfig:
     # Each layer's q/k/v and gate/up weights joined into one weight each when the Runner loads them: one plain
     # GEMM apiece (docs/design.md section 17). False: the checkpoint's separate weights (A/B measurement).
     join_projections: bool = True
+    # The joined gate/up weight's gate and up columns interleaved for the persistent Pallas GEMM's SwiGLU epilogue
+    # (GPU, 16-bit weights; steps of at least `models.dense.SWIGLU_EPILOGUE_MIN_ROWS` tokens): no [T, 2F] array is
+    # written and read back (docs/design.md section 20). False: XLA's dot and a separate SwiGLU (A/B measurement).
+    swiglu_epilogue: bool = True
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

@@ -63,6 +63,9 @@ K_IN_CONSUMER = ("int8", "int4")
 # 0.109, batch 256 0.256 vs 0.288 (0.69 of copy against 0.61), error against the reference 0.0029 vs 0.0054 /
 # 0.0019 (bench/results/fp8mma-fix-20261129.json); fp8 at 1024/512 end to end 24,755 tok/s against 23,202.
 FP8_MMA = True
+# ROW_SUMS_FP8_MMA: with fp8_mma on all SMs the wgmma row sums are faster too (the consumer's chain is the bound: its
+# fixed cost a block ~0.5 us, from block_kv 64 against 128): H200, context 1,280, batch 256, kernel ms 0.254 -> 0.242
+# at 16-position pages, 0.237 -> 0.228 at 64 (bench/results/fp8knobs-20261129.json, fp8p64-20261129.json).
 
 
 def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
@@ -343,8 +346,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         nd = 0
     elif nd is None:
         nd = 2 if num_stages % 2 == 0 else 1
-    if row_sums is None:
-        row_sums = "wgmma" if share else "reduce"
+    if row_sums is None:        # fp8_mma's consumer bounds its rate, as on a share of the SMs (ROW_SUMS_FP8_MMA)
+        row_sums = "wgmma" if share or fp8_mma else "reduce"
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
                                      k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)

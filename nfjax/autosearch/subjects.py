@@ -80,7 +80,8 @@ class LlamaSubject:
         if join:
             from nfjax.models.fused import join_projections
             from nfjax.parallel import make_mesh
-            join_projections(self.layer, make_mesh(1))
+            # the op graph's up_gate and act measured apart, as plans schedule them (no SwiGLU epilogue)
+            join_projections(self.layer, make_mesh(1), swiglu_epilogue=False)
         self.projections = "joined" if join else "separate"
         self.inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         self.page_size, self.max_seqs, self.max_pages = page_size, max_seqs, max_pages

@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="XLA CUDA-graph command buffers off")
     g.add_argument("--separate-projections", dest="join_projections", action="store_const", const=False,
                    default=None, help="keep q/k/v and gate/up as separate weights (for comparison; joined by default)")
+    g.add_argument("--no-swiglu-epilogue", dest="swiglu_epilogue", action="store_const", const=False, default=None,
+                   help="the MLP's gate/up as XLA's dot and a separate SwiGLU (for comparison; by default SwiGLU runs "
+                        "in the Pallas GEMM's epilogue on a GPU)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -130,7 +133,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
          "layers_per_program": "execution",
-         "join_projections": "execution", "command_buffers": "execution", "stable_inputs": "execution",
+         "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution", "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 
 

@@ -80,7 +80,7 @@ class Runner:
         self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
         del stacked
         if config.execution.join_projections:
-            self._join_projections(mesh, tp)
+            self._join_projections(mesh, tp, config.execution.swiglu_epilogue)
         # the free memory read below counts a deleted weight only once the copies reading it are done
         jax.block_until_ready(self.layer_states)
         self.memory_after_weights = device_memory()      # what the cache is sized from (benches record it)
@@ -492,12 +492,12 @@ class Runner:
         table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
         return [(i0, n, table[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
 
-    def _join_projections(self, mesh: Mesh, tp: int) -> None:
+    def _join_projections(self, mesh: Mesh, tp: int, swiglu_epilogue: bool) -> None:
         """Each layer's q/k/v and gate/up weights joined into one weight each (nfjax/models/fused.py)."""
         from nfjax.models.fused import join_projections
         for i, st in enumerate(self.layer_states):
             layer = nnx.merge(self.layer_gd, st)
-            join_projections(layer, mesh)
+            join_projections(layer, mesh, swiglu_epilogue=swiglu_epilogue)
             gd, self.layer_states[i] = nnx.split(layer)
         self.layer_gd = gd
         self.layer_specs = state_specs(self.layer_states[0], tp)

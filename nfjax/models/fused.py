@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
+from nfjax.models.dense import epilogue_runs
 from nfjax.models.grouped import swiglu_block
 from nfjax.parallel import TP_AXIS
 from pallas_kernels.grouped_gemm_ref import deinterleave, interleave
@@ -32,6 +33,7 @@ JOINS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
          "shared_gate_up_proj": ("shared_gate_proj", "shared_up_proj"),
          "experts_gate_up": ("experts_gate", "experts_up")}          # a MoE layer's [E, D, F] expert weights
 INTERLEAVED = ("experts_gate_up",)       # joined by alternating column blocks (the grouped SwiGLU epilogue's layout)
+EPILOGUE_INTERLEAVED = ("gate_up_proj",)  # ... where the dense GEMM's SwiGLU epilogue can run (nfjax/models/dense.py)
 
 
 class Joined(nnx.Module):
@@ -75,23 +77,26 @@ def _join_shards(arrays: list, mesh: Mesh, spec: P, block: int = 0):
     return _joiner(mesh, spec, len(arrays), block)(*arrays)
 
 
-def _interleave_block(name: str, lins: list, mesh: Mesh) -> int:
-    """The experts' gate/up interleave block where every device's shard of F holds whole blocks; else 0."""
-    if name not in INTERLEAVED:
+def _interleave_block(name: str, lins: list, mesh: Mesh, swiglu_epilogue: bool) -> int:
+    """The gate/up interleave block where every device's shard of F holds whole blocks (the experts' always, the
+    dense MLP's with `swiglu_epilogue` where its kernel runs); else 0."""
+    dense_epilogue = name in EPILOGUE_INTERLEAVED and swiglu_epilogue and epilogue_runs(lins[0].kernel[...].dtype)
+    if name not in INTERLEAVED and not dense_epilogue:
         return 0
     f_local, block = lins[0].kernel[...].shape[-1] // mesh.shape[TP_AXIS], swiglu_block()
     return block if f_local % block == 0 else 0
 
 
-def join_projections(layer: nnx.Module, mesh: Mesh) -> None:
+def join_projections(layer: nnx.Module, mesh: Mesh, swiglu_epilogue: bool = True) -> None:
     """Replace `layer`'s joinable projections (JOINS) by their `Joined` forms, in place; the separate weights
-    are deleted as they are joined (peak memory: one joined weight more)."""
+    are deleted as they are joined (peak memory: one joined weight more). `swiglu_epilogue`: the dense gate/up
+    interleaved for the GEMM's SwiGLU epilogue where it runs (`_interleave_block`)."""
     for joined, names in JOINS.items():
         lins = [getattr(layer, n, None) for n in names]
         if any(lin is None for lin in lins):
             continue
         k_spec = P(*([None] * (lins[0].kernel[...].ndim - 1)), TP_AXIS)
-        block = _interleave_block(joined, lins, mesh)
+        block = _interleave_block(joined, lins, mesh, swiglu_epilogue)
         kernel = _join_shards([lin.kernel[...] for lin in lins], mesh, k_spec, block)
         bias = None
         if getattr(lins[0], "bias", None) is not None:       # an Experts weight has none

@@ -12,7 +12,7 @@ from nfjax.config import ModelConfig
 from nfjax.kv.attention import decode_attention, prefill_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
-from nfjax.models.dense import dense
+from nfjax.models.dense import dense, dense_swiglu, swiglu_epilogue_fits
 from nfjax.models.ops import Resource, collect_ops, op, run_ops
 from nfjax.models.rope import apply_rope, inv_frequencies
 
@@ -59,6 +59,9 @@ class LayerContext:
     inv_freq: Float[Array, "D2"]
     tp_axis: str | None = None       # mesh axis of the enclosing shard_map; None = not tensor-parallel
     num_ctas: int | None = None  # resource share of this op as a kernel CTA count (None: the whole GPU)
+    # The whole step's tokens where an op sees one nano-batch of them (None: the op's own rows are the step's), so
+    # every nano-batch of a step takes the same GEMM path and their values merge (`up_gate`)
+    step_tokens: int | None = None
     opts: ForwardOptions = ForwardOptions()
 
     @property
@@ -149,12 +152,18 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("h2",), outs=("gate", "up"))
     def up_gate(self, ctx, h2):
+        """With SwiGLU in the GEMM's epilogue (`dense.swiglu_epilogue_fits`), `gate` holds silu(gate) * up already
+        and `up` is an empty [T, 0] placeholder (as OPT's fc1), which `act` reads as done."""
         if hasattr(self, "gate_up_proj"):
+            if swiglu_epilogue_fits(self.gate_up_proj, h2, ctx.step_tokens):
+                return dense_swiglu(self.gate_up_proj, h2, ctx.num_ctas), jnp.zeros((h2.shape[0], 0), h2.dtype)
             return tuple(self.gate_up_proj.split(dense(self.gate_up_proj, h2, ctx.num_ctas)))
         return dense(self.gate_proj, h2, ctx.num_ctas), dense(self.up_proj, h2, ctx.num_ctas)
 
     @op(Resource.MEMORY, ins=("gate", "up"), outs=("a",))
     def act(self, ctx, gate, up):
+        if up.shape[-1] == 0:           # up_gate's epilogue applied it
+            return gate
         return swiglu(gate, up)
 
     @op(Resource.COMPUTE, ins=("a",), outs=("d_partial",))

@@ -71,3 +71,40 @@ def test_joined_engine_computes_what_separate_weights_do(cfg, tp):
         out[join] = (prompt_logits(eng, PROMPTS, 32), [o.token_ids for o in eng.generate(PROMPTS, sp)])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
     assert out[True][1] == out[False][1]
+
+
+def test_dense_gate_up_interleaved_for_the_swiglu_epilogue(monkeypatch):
+    """The dense MLP's gate/up joined with gate and up interleaved (as on a GPU, where the persistent GEMM applies
+    SwiGLU in its epilogue, nfjax/models/dense.py): `up_gate` + `act` give the separate weights' activation, both on
+    the de-interleaving path and through the epilogue kernel itself (Mosaic GPU interpret mode); a nano-batch
+    below the row threshold follows its step's path, so a plan's pieces merge."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from nfjax.models import dense, fused, llama
+    from nfjax.parallel import make_mesh
+    from pallas_kernels.persistent_gemm import persistent_gemm
+    cfg = CFG.replace(intermediate_size=256, dtype="bfloat16")
+    gd, st = nnx.split(random_model(cfg, seed=5, std=0.2).layers)
+    layers = {name: nnx.merge(gd, jax.tree.map(lambda a: a[0], st)) for name in ("sep", "il", "off")}
+    monkeypatch.setattr(fused, "epilogue_runs", lambda dtype: True)
+    fused.join_projections(layers["il"], make_mesh(1))
+    fused.join_projections(layers["off"], make_mesh(1), swiglu_epilogue=False)
+    assert layers["il"].gate_up_proj.interleave == 128 and layers["off"].gate_up_proj.interleave == 0
+    ctx = llama.LayerContext(layer=jnp.int32(0), meta=None, inv_freq=None)
+    h2 = jax.random.normal(jax.random.key(1), (160, cfg.hidden_size), jnp.bfloat16)
+
+    def act(layer):
+        return np.asarray(layer.act(ctx, *layer.up_gate(ctx, h2)), np.float32)
+    want = act(layers["sep"])
+    np.testing.assert_allclose(act(layers["il"]), want, rtol=2e-2, atol=2e-2)     # de-interleaved after XLA's dot
+    np.testing.assert_allclose(act(layers["off"]), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(dense, "pallas_gemm_fits", lambda x, w: True)               # as on a GPU
+    lin = layers["il"].gate_up_proj
+    assert not dense.swiglu_epilogue_fits(lin, h2[:64])                              # a 64-row step: XLA's dot
+    assert dense.swiglu_epilogue_fits(lin, h2[:64], step_tokens=256)                 # a nano-batch of a larger step
+    assert dense.swiglu_epilogue_fits(lin, h2) and not dense.swiglu_epilogue_fits(layers["off"].gate_up_proj, h2)
+    monkeypatch.setattr(llama, "dense_swiglu", lambda lin, x, num_ctas=None: persistent_gemm(
+        x, lin.kernel[...], num_ctas=3, act="swiglu", interpret=True))
+    gate, up = layers["il"].up_gate(ctx, h2)
+    assert up.shape == (160, 0) and gate.shape == (160, cfg.intermediate_size)       # the epilogue ran
+    np.testing.assert_allclose(act(layers["il"]), want, rtol=2e-2, atol=2e-2)

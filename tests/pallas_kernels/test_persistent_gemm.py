@@ -75,3 +75,40 @@ def test_gemm_kernel_lowers_for_gpu(config):
         args = (sds((m, k), jnp.bfloat16), sds((k, n), jnp.bfloat16))
         persistent_gemm.trace(*args, config=config, num_ctas=(None, 88)[i % 2]).lower(
             lowering_platforms=("cuda",))
+
+
+def test_swiglu_epilogue_matches_the_unfused_ops():
+    """act="swiglu" on the dense kernel (the MLP's gate/up, nfjax/models/dense.py): gate and up interleaved in blocks
+    of half a tile give silu(x @ gate) * (x @ up) rounded as the unfused GEMM + swiglu round it; 200 rows (the last
+    M tile shifted back) over 3 programs and 2 column tiles."""
+    from nfjax.models.llama import swiglu
+    from pallas_kernels.grouped_gemm_ref import interleave
+    seed = int(os.environ.get("NFJAX_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 31))
+    kx, kg, ku = jax.random.split(jax.random.key(seed), 3)
+    m, k, f = 200, 128, 256
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    gate, up = (jax.random.normal(kk, (k, f), jnp.bfloat16) * 0.1 for kk in (kg, ku))
+    w = interleave(gate, up, TILE_CONFIGS["128x256_s4_ws"].block_n // 2)
+    out = persistent_gemm(x, w, num_ctas=3, act="swiglu", interpret=True)
+    assert out.shape == (m, f) and out.dtype == jnp.bfloat16
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), f"unwritten (NaN-poisoned) outputs, seed {seed}"
+    want = np.asarray(swiglu(persistent_gemm_ref(x, gate), persistent_gemm_ref(x, up)), np.float32)
+    assert rel_err(out, want) < 1e-2, f"seed {seed}"
+
+
+def test_swiglu_epilogue_refusals():
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((256, 128), jnp.bfloat16), sds((128, 384), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of block_n"):          # 384 columns: a tile straddles gate/up
+        persistent_gemm.trace(x, w, act="swiglu").lower(lowering_platforms=("cuda",))
+    w = sds((128, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="epi_cols"):     # a 256-column epilogue over a 128-column result: no store
+        persistent_gemm.trace(x, w, act="swiglu", config="128x256_s3").lower(lowering_platforms=("cuda",))
+
+
+def test_swiglu_epilogue_lowers_for_gpu():
+    sds = jax.ShapeDtypeStruct
+    for m in (128, 384, 2048):
+        persistent_gemm.trace(sds((m, 4096), jnp.bfloat16), sds((4096, 28672), jnp.bfloat16),
+                              act="swiglu").lower(lowering_platforms=("cuda",))
