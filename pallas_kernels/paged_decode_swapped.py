@@ -63,6 +63,9 @@ K_IN_CONSUMER = ("int8", "int4")
 # 0.109, batch 256 0.256 vs 0.288 (0.69 of copy against 0.61), error against the reference 0.0029 vs 0.0054 /
 # 0.0019 (bench/results/fp8mma-fix-20261129.json); fp8 at 1024/512 end to end 24,755 tok/s against 23,202.
 FP8_MMA = True
+# int8's K codes read by int8 wgmmas against the query's int8 parts (`attention_kernel`'s int8_mma): built 2026-11-29,
+# checked in interpret mode and lowered; off until timed on a GPU (bench/probes/dequant_sass.py int8@int8_mma=1).
+INT8_MMA = False
 # ROW_SUMS_FP8_MMA: with fp8_mma on all SMs the wgmma row sums are faster too (the consumer's chain is the bound: its
 # fixed cost a block ~0.5 us, from block_kv 64 against 128): H200, context 1,280, batch 256, kernel ms 0.254 -> 0.242
 # at 16-position pages, 0.237 -> 0.228 at 64 (bench/results/fp8knobs-20261129.json, fp8p64-20261129.json).
@@ -94,7 +97,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                      q_s, p_s, o_s, lse_s, q_bar, q_free, k_s, v_s, k_bar, v_bar, consumed, *quant, num_kv_heads,
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
                      kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
-                     k_in_consumer: bool = False, fp8_mma: bool = False, qscale_hbm=None):
+                     k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False,
+                     qscale_hbm=None):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -123,14 +127,22 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     `fp8_mma` (fp8, with `k_in_consumer`): K is not dequantized at all. The consumer's wgmmas read K's fp8 stage as
     it arrived, against the query's two fp8 parts (`kv_quant.fp8_query_parts`, in `q_hbm`; their scale per query
     row of `q_hbm` in `qscale_hbm`), and K's per-position scale multiplies the scores' rows; the dequantizers do V
-    alone."""
+    alone.
+
+    `int8_mma` (int8, with `k_in_consumer`): the same for an int8 cache's K codes, in int8 wgmmas against the query's
+    int8 parts (`kv_quant.int8_query_parts`: a high and a low part on each group's columns, so the int32 scores of
+    every group come apart); a group's K scale multiplies its scores' rows and its center (with the codes' 0.5)
+    meets the query's sums over the group (one ones @ q^T wgmma an item)."""
     if fp8_mma and not (k_in_consumer and kv_format == "fp8"):
         raise ValueError("fp8_mma reads an fp8 cache's K with k_in_consumer's stage handling")
+    if int8_mma and not (k_in_consumer and kv_format == "int8"):
+        raise ValueError("int8_mma reads an int8 cache's K with k_in_consumer's stage handling")
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
-    gp = q_s.shape[1] // (2 if fp8_mma else 1)
+    ng = q_s.shape[2] // kv_quant.GROUP if int8_mma else 1         # int8_mma: the query's groups
+    gp = q_s.shape[1] // (2 * ng if int8_mma else 2 if fp8_mma else 1)
     nd = dequant_wgs if kv_format != "bfloat16" else 0
     if nd not in (0, 1, 2) or (nd and num_stages % nd):
         raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0, 1, or 2 over an even number of stages")
@@ -145,7 +157,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         k_cols = pair_columns(k_pairs)
     elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
-    cd = jnp.float16 if fp8_mma else q_s.dtype      # the matmuls' operand dtype (bf16; f16 with dequantizers)
+    cd = jnp.float16 if fp8_mma or int8_mma else q_s.dtype   # the P V^T operands' dtype (bf16; f16 dequantized)
     # params [layer] or [layer, live rows]: with the second, items of rows past it are not visited at all (an
     # empty item still loads its queries and stores its output: 768 empty rows of a 1,024-row call cost 40 us)
     num_items = (params_hbm[1] if params_hbm.shape[0] > 1 else lens_hbm.shape[0]) * num_kv_heads * num_splits
@@ -190,7 +202,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         by_wgmma = row_sums == "wgmma"
         ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), cd)) if by_wgmma else None
 
-        def step(g, tok0, kv_hi, q, c, carry, masked: bool):
+        def step(g, tok0, kv_hi, q, c, carry, masked: bool, qsums=None):
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             if k_in_consumer:
@@ -201,6 +213,18 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                     s = ops.kq_parts(k_s.at[slot], q, 2)
                     plgpu.barrier_arrive(consumed.at[slot])             # K was read; V's arrival is next
                     s = s * _rows(k_rows[k_cols[0]], s.shape) * c
+                elif int8_mma:                  # x = (code + 0.5) scale + center per group of K's columns
+                    s_all = ops.kq_int(k_s.at[slot], q)                 # [BKV, 2 G GP]: hi, then lo blocks
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    s = None
+                    for gi, (sc_col, ce_col) in enumerate(k_pairs):
+                        dot = s_all[:, gi * gp:(gi + 1) * gp] + \
+                            s_all[:, (ng + gi) * gp:(ng + gi + 1) * gp] * (1.0 / kv_quant.INT8_LO)
+                        sc = k_rows[sc_col]
+                        part = (dot + 0.5 * qsums[gi]) * _rows(sc, dot.shape) + \
+                            qsums[gi] * _rows(k_rows[ce_col], dot.shape)
+                        s = part if s is None else s + part
+                    s = s * c
                 else:
                     parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)
                     plgpu.barrier_arrive(consumed.at[slot])             # K is in registers; V's arrival is next
@@ -241,19 +265,26 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         def item(k, g):
             w = pid + k * num_ctas
             b, kh, kv_lo, kv_hi, n_blk = coords(w)
-            ci = c * qscale_hbm[b * num_kv_heads + kh] if fp8_mma else c
+            ci = c * qscale_hbm[b * num_kv_heads + kh] if fp8_mma or int8_mma else c
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
             plgpu.barrier_wait(q_bar.at[qslot])
+            qsums = None
+            if int8_mma:                # each group's query sum (in the parts' unit), broadcast over a tile's rows
+                t = ops.ones_q_int(q, block_kv)
+                qsums = [t[:, gi * gp:(gi + 1) * gp] + t[:, (ng + gi) * gp:(ng + gi + 1) * gp] *
+                         (1.0 / kv_quant.INT8_LO) for gi in range(ng)]
             acc = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
             m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
                  else ops.col_layout(jnp.zeros((gp,), jnp.float32)))
             n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
             carry = lax.fori_loop(0, n_free,
-                                  lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, False), (acc, m, l))
+                                  lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, False, qsums),
+                                  (acc, m, l))
             acc, m, l = lax.fori_loop(n_free, n_blk,
-                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, True), carry)
+                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, True, qsums),
+                                      carry)
             plgpu.barrier_arrive(q_free.at[qslot])
             if by_wgmma:
                 l = l.max(axis=0)                           # every row holds the sums: one reduction per item
@@ -298,7 +329,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer", "fp8_mma"), inline=True)
+                                             "k_in_consumer", "fp8_mma", "int8_mma"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
@@ -307,6 +338,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    interpret: bool = False, aux_cache=None,
                                    dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
                                    k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
+                                   int8_mma: bool | None = None,
                                    live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
@@ -321,15 +353,19 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
     (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
     `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
-    least one dequantizer."""
+    least one dequantizer. `int8_mma` (int8 only; None: `INT8_MMA`): the same for an int8 cache's K codes."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
+    lets_kernel_choose = dequant_wgs != 0 and k_in_consumer is not False
     if fp8_mma is None:             # the default where the call leaves the dequantizing to the kernel
-        fp8_mma = FP8_MMA and fmt == "fp8" and dequant_wgs != 0 and k_in_consumer is not False
-    if fp8_mma and (fmt != "fp8" or dequant_wgs == 0 or k_in_consumer is False):
-        raise ValueError(f"fp8_mma reads an fp8 cache with dequantizers for V and K in the consumer; got {fmt}, "
-                         f"dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
-    if fp8_mma:
+        fp8_mma = FP8_MMA and fmt == "fp8" and lets_kernel_choose
+    if int8_mma is None:
+        int8_mma = INT8_MMA and fmt == "int8" and lets_kernel_choose and q.shape[2] % kv_quant.GROUP == 0
+    for name, on, want in (("fp8_mma", fp8_mma, "fp8"), ("int8_mma", int8_mma, "int8")):
+        if on and (fmt != want or not lets_kernel_choose):
+            raise ValueError(f"{name} reads an {want} cache with dequantizers for V and K in the consumer; got "
+                             f"{fmt}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
+    if fp8_mma or int8_mma:
         k_in_consumer = True
         dequant_wgs = dequant_wgs or 1
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
@@ -347,21 +383,22 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     elif nd is None:
         nd = 2 if num_stages % 2 == 0 else 1
     if row_sums is None:        # fp8_mma's consumer bounds its rate, as on a share of the SMs (ROW_SUMS_FP8_MMA)
-        row_sums = "wgmma" if share or fp8_mma else "reduce"
+        row_sums = "wgmma" if share or fp8_mma or int8_mma else "reduce"
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
-                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
+                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma, int8_mma=int8_mma)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     if live_rows is not None:
         params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
                                scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
-                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma)
+                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma,
+                               int8_mma=int8_mma)
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
-        qs, rest = (rest[0], rest[1:]) if fp8_mma else (None, rest)
+        qs, rest = (rest[0], rest[1:]) if fp8_mma or int8_mma else (None, rest)
         kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux, qscale_hbm=qs)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
@@ -376,11 +413,12 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
-            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False):
+            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
     inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
     consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
-    two fp8 parts [B * KH, 2 GP, D] (`kv_quant.fp8_query_parts`), their scales the one more input."""
+    two fp8 parts [B * KH, 2 GP, D] (`kv_quant.fp8_query_parts`), their scales the one more input; `int8_mma`: q as
+    its int8 parts [B * KH, 2 G GP, D] (`kv_quant.int8_query_parts`), their scales likewise."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
@@ -399,6 +437,9 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
     if fp8_mma:                 # the query parts meet K's fp8 stage in wgmma: one type, one swizzle for both
         qr, qscale = kv_quant.fp8_query_parts(qr_in)
         extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
+    if int8_mma:                # the int8 parts meet K's codes in wgmma: one type, one swizzle for both
+        qr, qscale = kv_quant.int8_query_parts(qr_in)
+        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), jnp.int8, transforms=stage_transforms(fmt, d))
     scratch = [q_scratch,
                plgpu.SMEM((gp, block_kv), cd, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),

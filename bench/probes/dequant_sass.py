@@ -6,7 +6,8 @@ dequantizer's instructions can be counted on a CPU afterwards.
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
-prefetch_pages / k_in_consumer / num_splits / fp8_mma / row_sums (0 reduce, 1 wgmma) (e.g. int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
+prefetch_pages / k_in_consumer / num_splits / fp8_mma / int8_mma / row_sums (0 reduce, 1 wgmma) (e.g.
+int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
 Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
 arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
 consumer's wgmmas (its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not
@@ -31,7 +32,7 @@ from pallas_kernels._mgpu import Ops
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
 KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits", "fp8_mma",
-             "row_sums")
+             "int8_mma", "row_sums")
 ROW_SUMS = ("reduce", "wgmma")          # row_sums=0 / 1
 SKIPS = ("none", "nodeq", "nomma")
 
@@ -67,6 +68,12 @@ class _NoMatmulOps(Ops):
 
     def kq_regs(self, parts, q_s):
         return self.wgmma_layout(jnp.zeros((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
+
+    def kq_int(self, k_s, q_s):
+        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0]), jnp.float32))
+
+    def ones_q_int(self, q_s, rows):
+        return self.wgmma_layout(jnp.zeros((rows, q_s.shape[0]), jnp.float32))
 
     def kq_parts(self, k_s, q_s, parts):
         return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0] // parts), jnp.float32))

@@ -45,11 +45,34 @@ def test_swapped_decode_with_fp8_k_read_by_fp8_wgmma(paged_case, ps, g, d, stage
     _check_swapped(paged_case, "fp8", ps, g, d, 64, 2, 3, stages, nd, fp8_mma=True)
 
 
+@pytest.mark.parametrize("ps,g,d,stages,nd", [(16, 4, 128, 4, 1), (64, 8, 64, 2, 2)])
+def test_swapped_decode_with_int8_k_read_by_int8_wgmma(paged_case, ps, g, d, stages, nd):
+    """int8_mma: K's int8 codes meet the query's int8 parts in int32 wgmmas, each group's scale and center applied
+    to its scores; V by the dequantizers. Two groups at head_dim 128, one at 64."""
+    _check_swapped(paged_case, "int8", ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
+
+
+def test_int8_query_parts_carry_the_query():
+    """hi + lo / 254 in the item's scale is the query to ~1 / 64,000 of its largest value, each part on its own
+    group's columns only."""
+    q = jax.random.normal(jax.random.key(3), (5, 8, 128), jnp.float32) * 3
+    parts, sc = kv_quant.int8_query_parts(q)
+    assert parts.shape == (5, 32, 128) and parts.dtype == jnp.int8
+    p = np.asarray(parts, np.float32).reshape(5, 2, 2, 8, 128)          # [item, hi/lo, group, row, column]
+    assert not p[:, :, 0, :, 64:].any() and not p[:, :, 1, :, :64].any()
+    back = (p[:, 0].sum(1) + p[:, 1].sum(1) / kv_quant.INT8_LO) * np.asarray(sc)[:, None, None]
+    assert np.abs(back - np.asarray(q)).max() <= 2e-5 * np.abs(np.asarray(q)).max()
+
+
 def test_fp8_mma_needs_fp8_and_dequantizers(paged_case):
     with pytest.raises(ValueError, match="fp8_mma"):
         _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 1, fp8_mma=True)
     with pytest.raises(ValueError, match="fp8_mma"):
         _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 0, fp8_mma=True)
+    with pytest.raises(ValueError, match="int8_mma"):
+        _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 1, int8_mma=True)
+    with pytest.raises(ValueError, match="int8_mma"):
+        _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 0, int8_mma=True)
 
 
 def test_k_in_consumer_needs_dequantizers(paged_case):
@@ -83,7 +106,9 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("int8", 16, 128, {"k_in_consumer": True, "num_stages": 4}),
                                          ("int4", 16, 64, {"k_in_consumer": True, "dequant_wgs": 1}),
                                          ("fp8", 16, 128, {"fp8_mma": True}),
-                                         ("fp8", 64, 64, {"fp8_mma": True, "dequant_wgs": 2, "num_stages": 2})])
+                                         ("fp8", 64, 64, {"fp8_mma": True, "dequant_wgs": 2, "num_stages": 2}),
+                                         ("int8", 16, 128, {"int8_mma": True}),
+                                         ("int8", 64, 64, {"int8_mma": True, "dequant_wgs": 2, "num_stages": 2})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
