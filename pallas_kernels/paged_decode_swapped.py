@@ -63,9 +63,11 @@ K_IN_CONSUMER = ("int8", "int4")
 # 0.109, batch 256 0.256 vs 0.288 (0.69 of copy against 0.61), error against the reference 0.0029 vs 0.0054 /
 # 0.0019 (bench/results/fp8mma-fix-20261129.json); fp8 at 1024/512 end to end 24,755 tok/s against 23,202.
 FP8_MMA = True
-# int8's K codes read by int8 wgmmas against the query's int8 parts (`attention_kernel`'s int8_mma): built 2026-11-29,
-# checked in interpret mode and lowered; off until timed on a GPU (bench/probes/dequant_sass.py int8@int8_mma=1).
-INT8_MMA = False
+# int8's K codes read by int8 wgmmas against the query's int8 parts (`attention_kernel`'s int8_mma), V by two
+# dequantizers: H200, context 1,280, kernel ms against K dequantized in the consumer, batch 256 0.279 vs 0.356 (0.63
+# of copy against 0.49), batch 64 0.078 vs 0.099; error against the reference 0.0018 vs 0.0017 (one dequantizer:
+# 0.296 / 0.083; bench/results/int8mma-20261129.json).
+INT8_MMA = True
 # ROW_SUMS_FP8_MMA: with fp8_mma on all SMs the wgmma row sums are faster too (the consumer's chain is the bound: its
 # fixed cost a block ~0.5 us, from block_kv 64 against 128): H200, context 1,280, batch 256, kernel ms 0.254 -> 0.242
 # at 16-position pages, 0.237 -> 0.228 at 64 (bench/results/fp8knobs-20261129.json, fp8p64-20261129.json).
@@ -367,7 +369,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                              f"{fmt}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
     if fp8_mma or int8_mma:
         k_in_consumer = True
-        dequant_wgs = dequant_wgs or 1
+        dequant_wgs = dequant_wgs or (2 if int8_mma else 1)     # int8's V takes two (int8mma-20261129.json)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if k_in_consumer is None:
