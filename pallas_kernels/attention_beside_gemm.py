@@ -54,7 +54,7 @@ def cta_role(pid, attn_ctas: int, total: int, spread: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "attn_ctas", "gemm_ctas", "num_splits", "block_kv",
-                                             "num_stages", "config", "spread", "interpret", "dequant_wgs"),
+                                             "num_stages", "config", "spread", "interpret", "dequant_wgs", "act"),
                    inline=True)
 def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                  v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
@@ -63,19 +63,23 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  attn_ctas: int, gemm_ctas: int | None = None,
                                  num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
-                                 interpret: bool = False, aux_cache=None, dequant_wgs: int | None = None
-                                 ) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
+                                 interpret: bool = False, aux_cache=None, dequant_wgs: int | None = None,
+                                 act: str | None = None) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_ctas + gemm_ctas
     CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections). `aux_cache`: a quantized
     cache (kv_quant.py), dequantized by the attention CTAs: by `dequant_wgs` warpgroups beside their consumer (None:
-    1 unless the format's paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version)."""
+    1 unless the format's paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version).
+    `act="swiglu"` (one weight, its gate and up columns interleaved in blocks of half a tile): the GEMM's result is
+    silu(gate) * up, [M, N / 2] (persistent_gemm.gemm_kernel's epilogue)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     cfg = TILE_CONFIGS[config] if isinstance(config, str) else config
     cfg.check()
     if not gemm_fits(x.shape, [w_i.shape for w_i in ws], cfg):
         raise ValueError(f"x {x.shape} @ w {[w_i.shape for w_i in ws]}: the fused kernel needs M % 8 == 0, "
                          f"M >= {cfg.block_m}, K % {cfg.block_k} == 0 and each N % {cfg.block_n} == 0")
+    if act and len(ws) != 1:
+        raise ValueError(f"act={act!r} takes one interleaved gate/up weight, got {len(ws)}")
     m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
     gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
@@ -111,11 +115,12 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         @pl.when(jnp.logical_not(is_attn))
         def _():
             pl.run_scoped(lambda *s: gemm_kernel(x_hbm, w_hbm, y_hbm, *s, cfg=cfg, num_ctas=gp_,
-                                                 cta=g_idx),
+                                                 cta=g_idx, act=act),
                           *gemm_scratch(cfg, x.dtype), collective_axes="wg")
 
     o_t, lse, *ys = plgpu.kernel(
-        body, out_type=(*out_types(q, kvh, ns), *(jax.ShapeDtypeStruct((m, w_i.shape[1]), x.dtype) for w_i in ws)),
+        body, out_type=(*out_types(q, kvh, ns), *(jax.ShapeDtypeStruct((m, w_i.shape[1] // (2 if act else 1)), x.dtype)
+                                                  for w_i in ws)),
         grid=(total,), grid_names=("p",), num_threads=max(2 + na, NUM_WGS + int(cfg.producer)),
         thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,

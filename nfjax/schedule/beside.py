@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from nfjax.compat import num_sms, on_gpu
 from nfjax.kv.attention import decode_rows, kernels_support, rotate_outputs, rotate_queries
+from nfjax.models.dense import swiglu_epilogue_fits
 from nfjax.schedule.api import Kernel
 
 DEFAULT_ATTN_SHARE = 0.25       # 33 of 132 H100 SMs: bench/results/decode_share-fused-20261123.json
@@ -42,10 +43,15 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     t = q.shape[0]
     q_r, pt, lens = decode_rows(rotate_queries(q, kv), ctx_a.meta)
     attn_ctas = ctx_a.num_ctas or max(1, round(DEFAULT_ATTN_SHARE * num_sms()))
+    # SwiGLU in the GEMM's epilogue where the Sequential step would run it there (nfjax/models/dense.py)
+    epilogue = joined is not None and swiglu_epilogue_fits(joined, h2, ctxs[1].step_tokens)
     attn, outs = decode_attention_beside_gemm(
         q_r, kv.k, kv.v, ctx_a.layer, pt, lens, h2, ws, scale=layer.cfg.head_dim ** -0.5,
-        attn_ctas=attn_ctas, aux_cache=kv.aux)
-    gate, up = joined.split(outs[0]) if joined is not None else outs
+        attn_ctas=attn_ctas, aux_cache=kv.aux, act="swiglu" if epilogue else None)
+    if epilogue:                        # `act` passes the activation on (nfjax/models/llama.py up_gate)
+        gate, up = outs[0], jnp.zeros((h2.shape[0], 0), h2.dtype)
+    else:
+        gate, up = joined.split(outs[0]) if joined is not None else outs
     attn = rotate_outputs(attn, kv).reshape(attn.shape[0], -1)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))

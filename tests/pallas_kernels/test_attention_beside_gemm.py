@@ -65,6 +65,24 @@ def test_fused_kernel_lowers_for_cuda_and_checks_shapes():
                                            attn_ctas=33)
 
 
+def test_fused_kernel_with_the_swiglu_epilogue_lowers_for_cuda():
+    """act="swiglu": the GEMM half writes silu(gate) * up from the interleaved gate/up weight, [M, N / 2] (the
+    epilogue's values are checked in interpret mode through the dense kernel, tests/pallas_kernels/
+    test_persistent_gemm.py); a tuple of weights is refused."""
+    sds = jax.ShapeDtypeStruct
+    cache = sds((2, 4096, 16, 8, 128), jnp.bfloat16)
+    w = sds((4096, 28672), jnp.bfloat16)
+    args = (sds((256, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((256, 80), jnp.int32),
+            sds((256,), jnp.int32), sds((1792, 4096), jnp.bfloat16))
+    attn, y = jax.eval_shape(lambda *a: decode_attention_beside_gemm(*a, w, scale=0.1, attn_ctas=33, act="swiglu"),
+                             *args)
+    assert y.shape == (1792, 14336)
+    decode_attention_beside_gemm.trace(*args, w, scale=0.1, attn_ctas=33, act="swiglu").lower(
+        lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="one interleaved"):
+        decode_attention_beside_gemm.trace(*args, (w, w), scale=0.1, attn_ctas=33, act="swiglu")
+
+
 @pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("attn,total", [(33, 132), (28, 132), (1, 5), (4, 4)])
 def test_cta_roles_cover_each_half_once(attn, total, spread):
