@@ -60,6 +60,44 @@ def _atomic_cache_writes():
 _atomic_cache_writes()
 
 
+def _interpreter_compiles_a_thread_once():
+    """The Mosaic GPU interpreter (jax/_src/pallas/mosaic/interpret/thread_map.py, 0.10.2) runs a grid point's
+    warpgroups as threads, and each thread traces, lowers and compiles the same per-thread program (the thread id
+    is an argument) afresh at every grid point: a kernel of 10 grid points x 3 warpgroups compiles one program 30
+    times, and host callbacks keep those compiles out of the persistent cache. Compile it once (per program and
+    argument types) and run that executable in every thread: the same program runs, with the same arguments.
+    A JAX whose `_run_jaxpr` reads differently keeps its own."""
+    import inspect
+    import threading
+    import weakref
+    try:                            # a private module, patched only where its code is the one described above
+        from jax._src.pallas.mosaic.interpret import thread_map
+        src = inspect.getsource(thread_map._run_jaxpr)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return
+    if "traced.lower().compile()(consts, *args)" not in src:
+        return
+    lock, compiled = threading.Lock(), weakref.WeakKeyDictionary()
+
+    def _run(jaxpr, consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        flat, tree = jax.tree.flatten((consts, args))
+        key = (tree, tuple((jax.numpy.shape(a), jax.numpy.result_type(a), getattr(a, "weak_type", False))
+                           for a in flat))
+        with lock:                  # one compile when a grid point's threads all start at once
+            per_jaxpr = compiled.setdefault(jaxpr, {})
+            exe = per_jaxpr.get(key)
+            if exe is None:
+                exe = per_jaxpr[key] = jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        exe(consts, *args)
+    thread_map._run_jaxpr = run_jaxpr
+
+
+_interpreter_compiles_a_thread_once()
+
+
 def pytest_unconfigure(config):
     if _OWN_COMPILE_CACHE and not hasattr(config, "workerinput"):    # the controller made it: the run is over
         import shutil
