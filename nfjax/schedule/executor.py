@@ -98,7 +98,9 @@ def run_layer_schedule(layer_schedule: LayerSchedule, layer, ctx, env: dict, tra
         key = (step.start, step.stop)
         if key not in metas:
             metas[key] = nano_metadata(ctx.meta, *key) if ctx.meta is not None else None
-        sctx = dataclasses.replace(ctx, meta=metas[key], step_tokens=layer_schedule.num_tokens)
+        sctx = dataclasses.replace(ctx, meta=metas[key])
+        if hasattr(ctx, "step_tokens"):         # a Llama LayerContext: its ops see the whole step's size
+            sctx = dataclasses.replace(sctx, step_tokens=layer_schedule.num_tokens)
         if step.share is not None and sms:
             sctx = dataclasses.replace(sctx, num_ctas=max(1, round(step.share * sms)))
         return sctx
