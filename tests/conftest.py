@@ -107,6 +107,19 @@ def pytest_unconfigure(config):
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook, which reads the marks (`--dist loadgroup`)
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a module-scoped fixture (an engine, a server, a loaded model) joins its module's xdist
+    group, so under `--dist loadgroup` (README's command) one worker builds that fixture once instead of each
+    worker that draws one of the module's tests building it again; every other test is distributed on its own.
+    The kernel tests (tests/pallas_kernels) have no such fixture and stay spread. Without xdist the marks do
+    nothing."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(fd[-1].scope == "module" for fd in defs.values() if fd):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture
 def before_jax_starts(monkeypatch):
     """JAX's backends taken as not started yet (settings read at the GPU client's start: nfjax/pinned_pool.py,
