@@ -118,6 +118,19 @@ class Ops:
             return acc_ref[...]
         return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.int32)).astype(jnp.float32)
 
+    def kq_int_regs(self, parts, q_s):
+        """`kq_int` with K's codes in registers: sum over parts (c0, codes int8 [BKV, w], 8-bit WGMMA layout) of
+        codes @ q_s[:, c0:c0 + w]^T, exact in int32 -> [BKV, N] f32."""
+        if self.interpret:
+            return sum(jnp.dot(k.astype(jnp.int32), q_s[:, c0:c0 + k.shape[1]].astype(jnp.int32).T)
+                       for c0, k in parts).astype(jnp.float32)
+
+        def f(acc_ref):
+            for c0, k in parts:
+                plgpu.wgmma(acc_ref, k, q_s.at[:, pl.ds(c0, k.shape[1])].transpose((1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC((parts[0][1].shape[0], q_s.shape[0]), jnp.int32)).astype(jnp.float32)
+
     def ones_q_int(self, q_s, rows: int):
         """[rows, N] f32 whose every row holds the column sums of q_s's int8 rows (ones @ q^T with the ones as
         wgmma's register operand): the query's sums, broadcast over the rows of a score tile."""

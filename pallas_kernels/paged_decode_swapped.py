@@ -33,6 +33,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels import MASK_VALUE, kv_quant
+from pallas_kernels import _int_scores as int_scores
 from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
     smem_tile_transforms
 from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
@@ -68,6 +69,10 @@ FP8_MMA = True
 # of copy against 0.49), batch 64 0.078 vs 0.099; error against the reference 0.0018 vs 0.0017 (one dequantizer:
 # 0.296 / 0.083; bench/results/int8mma-20261129.json).
 INT8_MMA = True
+# int4's K codes the same way, unpacked into int8 registers (head_dim 128: int8 register operands need 64-byte
+# swizzled query tiles): built 2026-11-29, interpret-checked and lowered; off until timed on a GPU.
+INT4_MMA = False
+INT8_MMA_FORMATS = ("int8", "int4")
 # ROW_SUMS_FP8_MMA: with fp8_mma on all SMs the wgmma row sums are faster too (the consumer's chain is the bound: its
 # fixed cost a block ~0.5 us, from block_kv 64 against 128): H200, context 1,280, batch 256, kernel ms 0.254 -> 0.242
 # at 16-position pages, 0.237 -> 0.228 at 64 (bench/results/fp8knobs-20261129.json, fp8p64-20261129.json).
@@ -131,14 +136,14 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     row of `q_hbm` in `qscale_hbm`), and K's per-position scale multiplies the scores' rows; the dequantizers do V
     alone.
 
-    `int8_mma` (int8, with `k_in_consumer`): the same for an int8 cache's K codes, in int8 wgmmas against the query's
-    int8 parts (`kv_quant.int8_query_parts`: a high and a low part on each group's columns, so the int32 scores of
-    every group come apart); a group's K scale multiplies its scores' rows and its center (with the codes' 0.5)
-    meets the query's sums over the group (one ones @ q^T wgmma an item)."""
+    `int8_mma` (int8 or int4, with `k_in_consumer`): the same for a grouped cache's K codes (int8's as stored, int4's
+    unpacked into registers) in int8 wgmmas against the query's int8 parts, each group's scale and center applied to
+    its scores (pallas_kernels/_int_scores.py)."""
     if fp8_mma and not (k_in_consumer and kv_format == "fp8"):
         raise ValueError("fp8_mma reads an fp8 cache's K with k_in_consumer's stage handling")
-    if int8_mma and not (k_in_consumer and kv_format == "int8"):
-        raise ValueError("int8_mma reads an int8 cache's K with k_in_consumer's stage handling")
+    if int8_mma and not (k_in_consumer and kv_format in INT8_MMA_FORMATS):
+        raise ValueError(f"int8_mma reads an {' or '.join(INT8_MMA_FORMATS)} cache's K with k_in_consumer's stage "
+                         "handling")
     if row_sums not in ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
@@ -216,17 +221,13 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                     plgpu.barrier_arrive(consumed.at[slot])             # K was read; V's arrival is next
                     s = s * _rows(k_rows[k_cols[0]], s.shape) * c
                 elif int8_mma:                  # x = (code + 0.5) scale + center per group of K's columns
-                    s_all = ops.kq_int(k_s.at[slot], q)                 # [BKV, 2 G GP]: hi, then lo blocks
+                    if kv_format == "int4":
+                        s_all = ops.kq_int_regs(int_scores.int4_codes(k_s.at[slot], interpret), q)
+                    else:
+                        s_all = ops.kq_int(k_s.at[slot], q)             # [BKV, 2 G GP]: hi, then lo blocks
                     plgpu.barrier_arrive(consumed.at[slot])
-                    s = None
-                    for gi, (sc_col, ce_col) in enumerate(k_pairs):
-                        dot = s_all[:, gi * gp:(gi + 1) * gp] + \
-                            s_all[:, (ng + gi) * gp:(ng + gi + 1) * gp] * (1.0 / kv_quant.INT8_LO)
-                        sc = k_rows[sc_col]
-                        part = (dot + 0.5 * qsums[gi]) * _rows(sc, dot.shape) + \
-                            qsums[gi] * _rows(k_rows[ce_col], dot.shape)
-                        s = part if s is None else s + part
-                    s = s * c
+                    s = int_scores.scores(s_all, k_rows, k_pairs, qsums, gp, int_scores.INT4_CODES
+                                          if kv_format == "int4" else int_scores.INT8_CODES) * c
                 else:
                     parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)
                     plgpu.barrier_arrive(consumed.at[slot])             # K is in registers; V's arrival is next
@@ -271,11 +272,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
             plgpu.barrier_wait(q_bar.at[qslot])
-            qsums = None
-            if int8_mma:                # each group's query sum (in the parts' unit), broadcast over a tile's rows
-                t = ops.ones_q_int(q, block_kv)
-                qsums = [t[:, gi * gp:(gi + 1) * gp] + t[:, (ng + gi) * gp:(ng + gi + 1) * gp] *
-                         (1.0 / kv_quant.INT8_LO) for gi in range(ng)]
+            qsums = int_scores.query_sums(ops, q, block_kv, gp, ng) if int8_mma else None
             acc = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
             m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
@@ -362,11 +359,15 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     if fp8_mma is None:             # the default where the call leaves the dequantizing to the kernel
         fp8_mma = FP8_MMA and fmt == "fp8" and lets_kernel_choose
     if int8_mma is None:
-        int8_mma = INT8_MMA and fmt == "int8" and lets_kernel_choose and q.shape[2] % kv_quant.GROUP == 0
-    for name, on, want in (("fp8_mma", fp8_mma, "fp8"), ("int8_mma", int8_mma, "int8")):
-        if on and (fmt != want or not lets_kernel_choose):
-            raise ValueError(f"{name} reads an {want} cache with dequantizers for V and K in the consumer; got "
-                             f"{fmt}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
+        int8_mma = lets_kernel_choose and ((INT8_MMA and fmt == "int8") or (INT4_MMA and fmt == "int4"
+                                                                           and q.shape[2] == 128))
+    for name, on, want in (("fp8_mma", fp8_mma, ("fp8",)), ("int8_mma", int8_mma, INT8_MMA_FORMATS)):
+        if on and (fmt not in want or not lets_kernel_choose):
+            raise ValueError(f"{name} reads an {' or '.join(want)} cache with dequantizers for V and K in the "
+                             f"consumer; got {fmt}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
+    if int8_mma and fmt == "int4" and q.shape[2] != 128:
+        raise ValueError(f"int8_mma on an int4 cache needs head_dim 128 (int8 register operands take 64-byte "
+                         f"swizzled query tiles), got {q.shape[2]}")
     if fp8_mma or int8_mma:
         k_in_consumer = True
         dequant_wgs = dequant_wgs or (2 if int8_mma else 1)     # int8's V takes two (int8mma-20261129.json)
@@ -441,7 +442,8 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
     if int8_mma:                # the int8 parts meet K's codes in wgmma: one type, one swizzle for both
         qr, qscale = kv_quant.int8_query_parts(qr_in)
-        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), jnp.int8, transforms=stage_transforms(fmt, d))
+        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), jnp.int8,
+                                                 transforms=stage_transforms("int8", d))   # 64-byte tiles
     scratch = [q_scratch,
                plgpu.SMEM((gp, block_kv), cd, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),

@@ -45,11 +45,13 @@ def test_swapped_decode_with_fp8_k_read_by_fp8_wgmma(paged_case, ps, g, d, stage
     _check_swapped(paged_case, "fp8", ps, g, d, 64, 2, 3, stages, nd, fp8_mma=True)
 
 
-@pytest.mark.parametrize("ps,g,d,stages,nd", [(16, 4, 128, 4, 1), (64, 8, 64, 2, 2)])
-def test_swapped_decode_with_int8_k_read_by_int8_wgmma(paged_case, ps, g, d, stages, nd):
-    """int8_mma: K's int8 codes meet the query's int8 parts in int32 wgmmas, each group's scale and center applied
-    to its scores; V by the dequantizers. Two groups at head_dim 128, one at 64."""
-    _check_swapped(paged_case, "int8", ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
+@pytest.mark.parametrize("fmt,ps,g,d,stages,nd", [("int8", 16, 4, 128, 4, 1), ("int8", 64, 8, 64, 2, 2),
+                                                  ("int4", 16, 4, 128, 4, 2), ("int4", 64, 1, 128, 2, 1)])
+def test_swapped_decode_with_k_codes_read_by_int8_wgmma(paged_case, fmt, ps, g, d, stages, nd):
+    """int8_mma: K's codes (int8 as stored, int4 unpacked in registers) meet the query's int8 parts in int32
+    wgmmas, each group's scale and center applied to its scores; V by the dequantizers. Two groups at head_dim 128,
+    one at 64."""
+    _check_swapped(paged_case, fmt, ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
 
 
 def test_int8_query_parts_carry_the_query():
@@ -73,6 +75,8 @@ def test_fp8_mma_needs_fp8_and_dequantizers(paged_case):
         _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 1, int8_mma=True)
     with pytest.raises(ValueError, match="int8_mma"):
         _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 0, int8_mma=True)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        _check_swapped(paged_case, "int4", 16, 4, 64, 64, 2, 3, 2, 1, int8_mma=True)
 
 
 def test_k_in_consumer_needs_dequantizers(paged_case):
@@ -108,7 +112,9 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("fp8", 16, 128, {"fp8_mma": True}),
                                          ("fp8", 64, 64, {"fp8_mma": True, "dequant_wgs": 2, "num_stages": 2}),
                                          ("int8", 16, 128, {"int8_mma": True}),
-                                         ("int8", 64, 64, {"int8_mma": True, "dequant_wgs": 2, "num_stages": 2})])
+                                         ("int8", 64, 64, {"int8_mma": True, "dequant_wgs": 2, "num_stages": 2}),
+                                         ("int4", 16, 128, {"int8_mma": True}),
+                                         ("int4", 64, 128, {"int8_mma": True, "dequant_wgs": 1})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
