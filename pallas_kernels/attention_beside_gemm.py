@@ -30,7 +30,8 @@ from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._kv_dequant import cache_format
 from pallas_kernels._mgpu import compiler_params
 from pallas_kernels import paged_decode_swapped as swapped
-from pallas_kernels.paged_decode_swapped import attention_kernel, finish, out_types, prepare
+from pallas_kernels.paged_decode_swapped import attention_kernel
+from pallas_kernels._swapped_operands import finish, out_types, prepare
 from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, cdiv, gemm_kernel, \
     gemm_scratch
 

@@ -34,11 +34,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels import MASK_VALUE, kv_quant
 from pallas_kernels import _int_scores as int_scores
-from pallas_kernels._mgpu import LOG2E, Ops, cdiv, compiler_params, block_pages, copy_kv_pages, kv_scratch, \
-    smem_tile_transforms
-from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, check_format, deq_transforms, \
-    dequant_block, dequant_values, load_rows, pair_columns, quant_scratch, stage_transforms
-from pallas_kernels.paged_decode_attention import combine_splits, grouped_queries, item_coords, store_partial
+from pallas_kernels._mgpu import LOG2E, Ops, compiler_params, block_pages, copy_kv_pages
+from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, dequant_block, dequant_values, load_rows, \
+    pair_columns
+from pallas_kernels.paged_decode_attention import item_coords, store_partial
+from pallas_kernels._swapped_operands import finish, out_types, prepare
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
@@ -413,63 +413,3 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     if live_rows is None:
         return out
     return jnp.where((jnp.arange(q.shape[0]) < params[1])[:, None, None], out, 0).astype(out.dtype)   # unwritten
-
-
-def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
-            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False):
-    """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
-    inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
-    consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
-    two fp8 parts [B * KH, 2 GP, D] (`kv_quant.fp8_query_parts`), their scales the one more input; `int8_mma`: q as
-    its int8 parts [B * KH, 2 G GP, D] (`kv_quant.int8_query_parts`), their scales likewise."""
-    d, ps = q.shape[2], k_cache.shape[2]
-    fmt = cache_format(k_cache, aux_cache)
-    check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
-    qr, gp, ns = grouped_queries(q, k_cache, block_kv=block_kv, num_ctas=num_ctas, num_splits=num_splits)
-    qr_in, cd = qr, q.dtype
-    tf = smem_tile_transforms(cd)
-    if fmt == "int4" and not dequant_wgs:
-        tf = deq_transforms(fmt, d)                        # the consumer's bf16 tiles' swizzle (see below)
-    if fmt != "bfloat16" and dequant_wgs:
-        # f16 operands: the e4m3 -> f16 conversion is the hardware's, and f16 math does two values an instruction.
-        # wgmma wants one swizzle for both operands: int4 at head_dim 64 writes its dequantized halves as
-        # 32-column slices, so every operand tile then takes the 64-byte swizzle of the dequantized tiles.
-        cd, tf = jnp.float16, deq_transforms(fmt, d)
-        qr = qr.astype(cd)
-    extra, q_scratch = (), plgpu.SMEM((2, gp, d), cd, transforms=tf)
-    if fp8_mma:                 # the query parts meet K's fp8 stage in wgmma: one type, one swizzle for both
-        qr, qscale = kv_quant.fp8_query_parts(qr_in)
-        extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
-    if int8_mma:                # the int8 parts meet K's codes in wgmma: one type, one swizzle for both
-        qr, qscale = kv_quant.int8_query_parts(qr_in)
-        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), jnp.int8,
-                                                 transforms=stage_transforms("int8", d))   # 64-byte tiles
-    scratch = [q_scratch,
-               plgpu.SMEM((gp, block_kv), cd, transforms=tf),
-               plgpu.SMEM((d, gp), jnp.float32),
-               plgpu.SMEM((gp,), jnp.float32),
-               plgpu.Barrier(num_barriers=2),                     # q loaded (per q buffer)
-               plgpu.Barrier(num_barriers=2),                     # q buffer free again
-               *kv_scratch(num_stages, block_kv, d, k_cache.dtype, ps, fmt),
-               plgpu.Barrier(num_arrivals=2 if k_in_consumer else 1, num_barriers=num_stages)]   # stage consumed
-    if fmt != "bfloat16" and not dequant_wgs:
-        scratch += quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1])
-    elif fmt != "bfloat16":
-        scratch += [plgpu.SMEM((num_stages, block_kv, aux_cache.shape[-1]), aux_cache.dtype),
-                    *([] if k_in_consumer else [plgpu.SMEM((2, block_kv, d), cd, transforms=tf)]),  # dequantized K
-                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V, double-buffered
-                    plgpu.Barrier(num_barriers=2),                             # tiles ready
-                    plgpu.Barrier(num_barriers=2)]                             # tiles free again
-    return qr, ns, scratch, extra
-
-
-def out_types(q, kvh: int, ns: int):
-    b, h, d = q.shape
-    gp = cdiv(h // kvh, 8) * 8
-    return (jax.ShapeDtypeStruct((b * kvh * ns, d, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b * kvh * ns, gp), jnp.float32))
-
-
-def finish(o_t, lse, q_shape, kvh: int, ns: int):
-    b, h, _ = q_shape
-    return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, h // kvh)
