@@ -118,6 +118,11 @@ def engine_run(args, workloads: list[str]) -> dict:
     return out
 
 
+def kv_dtype(engine_result: dict) -> str:
+    """The KV cache format an engine variant ran with."""
+    return (engine_result.get("engine_config") or {}).get("cache", {}).get("kv_dtype", "bfloat16")
+
+
 def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None = None) -> tuple[dict, list[list],
                                                                                            float]:
     """Flat summary, table rows and the optimal tok/s used, from each variant's engine result (in the order
@@ -151,6 +156,10 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
         if first.get("config", {}).get("num_experts"):       # e.g. pct_optimal_1024_512_mixtral (#26)
             summary[f"pct_optimal_{key}_{first['config']['model_type']}"] = summary[f"pct_optimal_{key}"]
         summary[f"preemptions_{key}"] = ours[best]["results"][w].get("trace", {}).get("preemptions", 0)
+        for kv in {kv_dtype(o) for o in ours.values()} - {"bfloat16"}:   # #21's keys, e.g. pct_optimal_1024_512_kv_fp8
+            t = max(t for v, t in tok.items() if kv_dtype(ours[v]) == kv)
+            summary[f"total_tok_s_{key}_kv_{kv}"] = t
+            summary[f"pct_optimal_{key}_kv_{kv}"] = 100 * t / optimal
         if len(ours) > 1:
             summary[f"best_variant_{key}"] = best
             summary[f"best_vs_{next(iter(tok))}_{key}"] = tok[best] / next(iter(tok.values()))

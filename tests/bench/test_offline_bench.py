@@ -45,6 +45,21 @@ def test_summarize_best_variant_peer_and_one_ceiling():
     assert len(rows) == 4
     one, _, _ = summarize({"engine": ours["seq"]}, {})
     assert "best_variant_1024_512" not in one and "vs_hf_transformers_ratio" not in one
+    assert not [k for k in s if "_kv_" in k]                    # bfloat16 KV: no per-format keys
+
+
+def test_summarize_keys_per_kv_format():
+    """#21's keys: pct_optimal_<workload>_kv_<format> for each compressed format run, its best variant's."""
+    ours = {"bf16": _engine(700.0, {"1024x512": 100_000.0}), "fp8": _engine(700.0, {"1024x512": 120_000.0}),
+            "fp8p64": _engine(700.0, {"1024x512": 125_000.0}), "int4": _engine(700.0, {"1024x512": 90_000.0})}
+    for v, kv in (("fp8", "fp8"), ("fp8p64", "fp8"), ("int4", "int4")):
+        ours[v]["engine_config"] = {"cache": {"kv_dtype": kv}}
+    s, _, optimal = summarize(ours, {})
+    assert s["pct_optimal_1024_512_kv_fp8"] == pytest.approx(100 * 125_000 / optimal)
+    assert s["pct_optimal_1024_512_kv_int4"] == pytest.approx(100 * 90_000 / optimal)
+    assert "pct_optimal_1024_512_kv_bfloat16" not in s
+    one, _, _ = summarize({"engine": ours["fp8"]}, {})          # one engine run with --kv-dtype fp8
+    assert one["pct_optimal_1024_512_kv_fp8"] == one["pct_optimal_1024_512"]
 
 
 def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
