@@ -15,7 +15,8 @@ from pallas_kernels.paged_decode_attention import combine_splits, grouped_querie
 
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
-            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False):
+            dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False,
+            deq_tiles: int = 2):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
     inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
     consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
@@ -55,10 +56,10 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         scratch += quant_scratch(fmt, num_stages, block_kv, d, aux_cache.shape[-1])
     elif fmt != "bfloat16":
         scratch += [plgpu.SMEM((num_stages, block_kv, aux_cache.shape[-1]), aux_cache.dtype),
-                    *([] if k_in_consumer else [plgpu.SMEM((2, block_kv, d), cd, transforms=tf)]),  # dequantized K
-                    plgpu.SMEM((2, block_kv, d), cd, transforms=tf),           # ... and V, double-buffered
-                    plgpu.Barrier(num_barriers=2),                             # tiles ready
-                    plgpu.Barrier(num_barriers=2)]                             # tiles free again
+                    *([] if k_in_consumer else [plgpu.SMEM((deq_tiles, block_kv, d), cd, transforms=tf)]),  # K
+                    plgpu.SMEM((deq_tiles, block_kv, d), cd, transforms=tf),   # ... and V, dequantized
+                    plgpu.Barrier(num_barriers=deq_tiles),                     # tiles ready
+                    plgpu.Barrier(num_barriers=deq_tiles)]                     # tiles free again
     return qr, ns, scratch, extra
 
 

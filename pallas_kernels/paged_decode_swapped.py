@@ -164,6 +164,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         k_cols = pair_columns(k_pairs)
     elif quantized:
         aux_s, k_deq, v_deq, deq_ready, deq_free = quant
+    nt = v_deq.shape[0] if quantized else 0     # dequantized tile buffers: block g's is g % nt
+    if quantized and nt % nd:
+        raise ValueError(f"{nt} dequantized tile buffers over {nd} dequantizers: each needs whole buffers")
     cd = jnp.float16 if fp8_mma or int8_mma else q_s.dtype   # the P V^T operands' dtype (bf16; f16 dequantized)
     # params [layer] or [layer, live rows]: with the second, items of rows past it are not visited at all (an
     # empty item still loads its queries and stores its output: 768 empty rows of a 1,024-row call cost 40 us)
@@ -213,7 +216,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             slot = lax.rem(g, num_stages)
             if k_in_consumer:
-                dslot = lax.rem(g, 2)
+                dslot = lax.rem(g, nt)
                 plgpu.barrier_wait(k_bar.at[slot])
                 k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
                 if fp8_mma:                     # K's stage straight into the wgmmas; its scale on the score rows
@@ -233,7 +236,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                     plgpu.barrier_arrive(consumed.at[slot])             # K is in registers; V's arrival is next
                     s = ops.kq_regs(parts, q) * c                             # [BKV, GP]
             elif quantized:
-                dslot = lax.rem(g, 2)
+                dslot = lax.rem(g, nt)
                 plgpu.barrier_wait(deq_ready.at[dslot])
                 kt, vt = k_deq.at[dslot], v_deq.at[dslot]
             else:
@@ -301,9 +304,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             def block(i, g):
                 @pl.when(lax.rem(g, nd) == j)
                 def _():
-                    slot, dslot = lax.rem(g, num_stages), lax.rem(g, 2)
+                    slot, dslot = lax.rem(g, num_stages), lax.rem(g, nt)
                     plgpu.barrier_wait(k_bar.at[slot])          # K's copies, and the aux rows with them
-                    pl.when(g >= 2)(lambda: plgpu.barrier_wait(deq_free.at[dslot]))
+                    pl.when(g >= nt)(lambda: plgpu.barrier_wait(deq_free.at[dslot]))
                     if not k_in_consumer:
                         dequant_block(kv_format, k_s.at[slot], k_deq.at[dslot], aux_s.at[slot], k_pairs, interpret)
                     plgpu.barrier_wait(v_bar.at[slot])
@@ -316,9 +319,9 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         total = lax.fori_loop(0, n_mine, item, jnp.int32(0))
 
         def drain(g, cr):                               # the consumer's last releases of this one's buffers
-            pl.when(lax.rem(g, nd) == j)(lambda: plgpu.barrier_wait(deq_free.at[lax.rem(g, 2)]))
+            pl.when(lax.rem(g, nd) == j)(lambda: plgpu.barrier_wait(deq_free.at[lax.rem(g, nt)]))
             return cr
-        lax.fori_loop(jnp.maximum(total - 2, 0), total, drain, None)
+        lax.fori_loop(jnp.maximum(total - nt, 0), total, drain, None)
 
     pl.when(wg == 1)(producer)
     pl.when(wg == 0)(consumer)
@@ -328,7 +331,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer", "fp8_mma", "int8_mma"), inline=True)
+                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles"), inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
@@ -337,7 +340,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    interpret: bool = False, aux_cache=None,
                                    dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
                                    k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
-                                   int8_mma: bool | None = None,
+                                   int8_mma: bool | None = None, deq_tiles: int = 2,
                                    live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
@@ -352,7 +355,9 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
     (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
     `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
-    least one dequantizer. `int8_mma` (int8 only; None: `INT8_MMA`): the same for an int8 cache's K codes."""
+    least one dequantizer. `int8_mma` (int8 or int4; None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K
+    codes. `deq_tiles`: the dequantizers' tile buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks,
+    the dequantizer then waiting for the consumer's release of each tile)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     lets_kernel_choose = dequant_wgs != 0 and k_in_consumer is not False
@@ -389,7 +394,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         row_sums = "wgmma" if share or fp8_mma or int8_mma else "reduce"
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
-                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma, int8_mma=int8_mma)
+                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma, int8_mma=int8_mma,
+                                     deq_tiles=deq_tiles)
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     if live_rows is not None:
         params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])

@@ -54,6 +54,18 @@ def test_swapped_decode_with_k_codes_read_by_int8_wgmma(paged_case, fmt, ps, g, 
     _check_swapped(paged_case, fmt, ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
 
 
+@pytest.mark.parametrize("fmt,kw", [("fp8", {"fp8_mma": True}), ("int8", {"int8_mma": True})])
+def test_swapped_decode_with_one_dequantized_tile_and_256_position_blocks(paged_case, fmt, kw):
+    """deq_tiles=1: one V tile buffer, which leaves SMEM for 256-position blocks; the dequantizer waits for the
+    consumer's release of the tile before each block."""
+    _check_swapped(paged_case, fmt, 16, 4, 128, 256, 2, 3, 2, 1, deq_tiles=1, **kw)
+
+
+def test_one_dequantized_tile_takes_one_dequantizer(paged_case):
+    with pytest.raises(ValueError, match="tile buffers over 2 dequantizers"):
+        _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 2, deq_tiles=1, int8_mma=True)
+
+
 def test_int8_query_parts_carry_the_query():
     """hi + lo / 254 in the item's scale is the query to ~1 / 64,000 of its largest value, each part on its own
     group's columns only."""
@@ -114,7 +126,10 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("int8", 16, 128, {"int8_mma": True}),
                                          ("int8", 64, 64, {"int8_mma": True, "dequant_wgs": 2, "num_stages": 2}),
                                          ("int4", 16, 128, {"int8_mma": True}),
-                                         ("int4", 64, 128, {"int8_mma": True, "dequant_wgs": 1})])
+                                         ("int4", 64, 128, {"int8_mma": True, "dequant_wgs": 1}),
+                                         ("fp8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1}),
+                                         ("int8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1,
+                                                            "dequant_wgs": 1})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
