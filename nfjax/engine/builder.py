@@ -133,7 +133,8 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_pages_per_seq": "cache", "token_buckets": "batcher", "max_seqs": "batcher",
          "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
          "layers_per_program": "execution",
-         "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution", "stable_inputs": "execution",
+         "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution",
+         "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 
 
