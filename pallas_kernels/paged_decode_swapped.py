@@ -73,9 +73,6 @@ INT8_MMA = True
 # swizzled query tiles): built 2026-11-29, interpret-checked and lowered; off until timed on a GPU.
 INT4_MMA = False
 INT8_MMA_FORMATS = ("int8", "int4")
-# ROW_SUMS_FP8_MMA: with fp8_mma on all SMs the wgmma row sums are faster too (the consumer's chain is the bound: its
-# fixed cost a block ~0.5 us, from block_kv 64 against 128): H200, context 1,280, batch 256, kernel ms 0.254 -> 0.242
-# at 16-position pages, 0.237 -> 0.228 at 64 (bench/results/fp8knobs-20261129.json, fp8p64-20261129.json).
 
 
 def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
@@ -390,7 +387,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         nd = 0
     elif nd is None:
         nd = 2 if num_stages % 2 == 0 else 1
-    if row_sums is None:        # fp8_mma's consumer bounds its rate, as on a share of the SMs (ROW_SUMS_FP8_MMA)
+    if row_sums is None:
+        # with K read by wgmmas the consumer's chain bounds the rate on all SMs too (a fixed ~0.5 us a block, from
+        # block_kv 64 against 128): fp8 at batch 256, context 1,280, H200, 0.254 -> 0.242 ms with the wgmma sums
+        # (bench/results/fp8knobs-20261129.json)
         row_sums = "wgmma" if share or fp8_mma or int8_mma else "reduce"
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
