@@ -45,7 +45,7 @@ def weight_sets(k: int, n: int, count: int):
     return sets
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="16,64,128,256,384,512,1024,2048")
     ap.add_argument("--configs", default="128x256_s4_ws")
@@ -53,9 +53,9 @@ def main():
     ap.add_argument("--name", default="dense_swiglu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
-    k, n = (256, 1024) if args.smoke else (4096, 28672)
-    tokens = [16, 128] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    args = ap.parse_args(argv)
+    k, n = (128, 512) if args.smoke else (4096, 28672)
+    tokens = [136] if args.smoke else [int(t) for t in args.tokens.split(",")]
     configs = [c for c in args.configs.split(",") if c]
     sets = weight_sets(k, n, 1 if args.smoke else args.copies)
     ils = {c: [interleave(g, u, TILE_CONFIGS[c].block_n // 2) for _, g, u in sets] for c in configs}

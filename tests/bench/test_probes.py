@@ -202,8 +202,26 @@ def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
             out = sw.paged_decode_attention_swapped(*args, scale=0.125, num_ctas=2, block_kv=64, interpret=True,
                                                     aux_cache=aux, **kw)
             assert np.all(np.asarray(out, np.float32) == 0)
+        for fmt in ("int8", "int4"):                  # int8_mma: K's codes in int8 wgmmas, as stored or unpacked
+            kc, vc, aux = make_cache(jax.random.key(0), fmt, 8, 16, 128, kvh=2)
+            q = jax.random.normal(jax.random.key(1), (2, 8, 128), jnp.bfloat16)
+            out = sw.paged_decode_attention_swapped(q, kc, vc, *args[3:], scale=0.125, num_ctas=2, block_kv=64,
+                                                    interpret=True, aux_cache=aux, int8_mma=True)
+            assert np.all(np.asarray(out, np.float32) == 0)
     finally:
         sw.Ops = real
+
+
+def test_dense_swiglu_probe_checks_and_times_both_paths_on_cpu(tmp_path):
+    """The probe's CPU smoke (interpret mode, a two-tile gate/up): both paths agree and the summary holds both."""
+    import json
+    from bench.probes import dense_swiglu
+    dense_swiglu.main(["--smoke", "--out", str(tmp_path)])
+    (f,) = tmp_path.glob("dense_swiglu-*.json")
+    d = json.loads(f.read_text())
+    assert set(d["summary"]) == {"us_m136_xla", "us_m136_128x256_s4_ws"}
+    (row,) = d["data"]["rows"]
+    assert row["128x256_s4_ws"][1] < 1e-2            # the epilogue's values against XLA's dot + swiglu
 
 
 def test_skinny_gemm_probe_persistent_rows_lower_for_the_gpu_and_refuse_unknown_configs(capsys):
