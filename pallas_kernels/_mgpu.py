@@ -135,13 +135,8 @@ class Ops:
         """[rows, N] f32 whose every row holds the column sums of q_s's int8 rows (ones @ q^T with the ones as
         wgmma's register operand): the query's sums, broadcast over the rows of a score tile."""
         ones = jnp.ones((rows, q_s.shape[1]), jnp.int8)
-        if self.interpret:
-            return jnp.dot(ones.astype(jnp.int32), q_s[...].astype(jnp.int32).T).astype(jnp.float32)
-
-        def f(acc_ref):
-            plgpu.wgmma(acc_ref, plgpu.layout_cast(ones, plgpu.Layout.WGMMA_8BIT), q_s.transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((rows, q_s.shape[0]), jnp.int32)).astype(jnp.float32)
+        return self.kq_int_regs([(0, ones if self.interpret else plgpu.layout_cast(ones, plgpu.Layout.WGMMA_8BIT))],
+                                q_s)
 
     def kq_regs(self, parts, q_s):
         """sum over parts (c0, k [BKV, w] 16-bit, in registers) of k @ q_s[:, c0:c0 + w]^T -> [BKV, GP] f32: `kq` with

@@ -27,7 +27,7 @@ from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels._mgpu import cdiv, compiler_params
 from pallas_kernels.grouped_gemm_ref import grouped_gemm_ref  # noqa: F401  (re-exported beside the kernel)
 from pallas_kernels.persistent_gemm import (DEFAULT_CONFIG, NUM_WGS, TILE_CONFIGS, TileConfig, TileGrid,
-                                            gemm_kernel, gemm_scratch)
+                                            check_act_shape, gemm_kernel, gemm_scratch)
 
 
 def group_alignment(config: TileConfig | str = DEFAULT_CONFIG) -> int:
@@ -96,8 +96,7 @@ def grouped_gemm(x: Float[Array, "M K"], w: Float[Array, "E K N"], group_sizes: 
         raise ValueError(f"need matching 16-bit dtypes, got {x.dtype} and {w.dtype}")
     if m % cfg.block_m:
         raise ValueError(f"M={m} rows must be a multiple of block_m={cfg.block_m} (groups padded to it)")
-    if act and (n % cfg.block_n or k_dim % cfg.block_k):
-        raise ValueError(f"act={act!r} needs N={n} a multiple of block_n={cfg.block_n} and K={k_dim} of block_k")
+    check_act_shape(act, n, k_dim, cfg)
     kp = cdiv(k_dim, cfg.block_k) * cfg.block_k
     np_ = max(cdiv(n, 64) * 64, cfg.block_n)
     if kp != k_dim:

@@ -134,6 +134,12 @@ def swiglu_tile(acc, dtype):
     return s * u
 
 
+def check_act_shape(act: str | None, n: int, k_dim: int, cfg: TileConfig) -> None:
+    """An epilogue activation reads whole tiles of the weight's [gate | up] columns: N and K unpadded."""
+    if act and (n % cfg.block_n or k_dim % cfg.block_k):
+        raise ValueError(f"act={act!r} needs N={n} a multiple of block_n={cfg.block_n} and K={k_dim} of block_k")
+
+
 def gemm_kernel(x_hbm, w_hbm, o_hbm, a_s, b_s, o_s, full, consumed, *, cfg: TileConfig, num_ctas: int,
                 cta=None, grid: TileGrid | None = None, act: str | None = None):
     """The kernel body, run by `num_ctas` CTAs; `cta` is this one's index among them (None:
@@ -302,8 +308,7 @@ def persistent_gemm(x: Float[Array, "M K"], w: Float[Array, "K N"], *, num_ctas:
         raise ValueError(f"x {x.shape} @ w {w.shape}: contraction sizes differ")
     if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
         raise ValueError(f"need matching 16-bit dtypes, got {x.dtype} and {w.dtype}")
-    if act and (n % cfg.block_n or k_dim % cfg.block_k):
-        raise ValueError(f"act={act!r} needs N={n} a multiple of block_n={cfg.block_n} and K={k_dim} of block_k")
+    check_act_shape(act, n, k_dim, cfg)
     mp = max(cdiv(m, 8) * 8, cfg.block_m)
     kp = cdiv(k_dim, cfg.block_k) * cfg.block_k
     np_ = max(cdiv(n, 64) * 64, cfg.block_n)

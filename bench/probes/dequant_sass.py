@@ -75,9 +75,6 @@ class _NoMatmulOps(Ops):
     def kq_int_regs(self, parts, q_s):
         return self.wgmma_layout(jnp.zeros((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
 
-    def ones_q_int(self, q_s, rows):
-        return self.wgmma_layout(jnp.zeros((rows, q_s.shape[0]), jnp.float32))
-
     def kq_parts(self, k_s, q_s, parts):
         return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0] // parts), jnp.float32))
 

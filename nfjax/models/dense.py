@@ -44,9 +44,9 @@ def epilogue_runs(dtype) -> bool:
 def swiglu_epilogue_fits(lin, x: Float[Array, "T K"], step_tokens: int | None = None) -> bool:
     """`lin` (a `Joined` gate/up) is interleaved in the kernel's block and the step (`step_tokens`, else x's rows)
     is large enough for it."""
-    from pallas_kernels.persistent_gemm import DEFAULT_CONFIG, TILE_CONFIGS
+    from nfjax.models.grouped import swiglu_block        # the block the joiner interleaves in (models/fused.py)
     w = lin.kernel[...]
-    block = TILE_CONFIGS[DEFAULT_CONFIG].block_n // 2
+    block = swiglu_block()
     return (getattr(lin, "interleave", 0) == block and lin.bias is None
             and (step_tokens or x.shape[0]) >= SWIGLU_EPILOGUE_MIN_ROWS
             and pallas_gemm_fits(x, w) and w.shape[1] % (2 * block) == 0)
