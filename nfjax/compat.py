@@ -52,6 +52,14 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
+# XLA's rematerialization pass off. Before buffer assignment it counts a donated input and its aliased output apart,
+# so a step program that updates the KV pool in place looks twice the pool's size (H200: "only reduced to 247 GiB"
+# against a 126 GiB limit) and the pass recomputes what it can, printing a warning for each program. End to end it
+# measured neutral (1024/512 bf16 25,673 tok/s off, 25,654 on; bench/NOTES.md section 33); off, the warnings and the
+# pass's misread go. A repeated DebugOptions field; a comma list on both versions.
+NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
+
+
 def use_compile_cache(folder: str) -> None:
     """JAX's persistent compilation cache in `folder`, for every program however short its compile (the step
     programs of a small model compile in well under the default 1 s threshold). Process-wide."""

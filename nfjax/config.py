@@ -396,6 +396,9 @@ class ExecutionConfig:
     # (GPU, 16-bit weights; steps of at least `models.dense.SWIGLU_EPILOGUE_MIN_ROWS` tokens): no [T, 2F] array is
     # written and read back (docs/design.md section 20). False: XLA's dot and a separate SwiGLU (A/B measurement).
     swiglu_epilogue: bool = True
+    # XLA's rematerialization pass, off by default: it misreads the in-place KV pool as twice its size and recomputes
+    # GEMMs to fit (nfjax/compat.py NO_REMAT). True: XLA's default pipeline (A/B measurement).
+    xla_remat: bool = False
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

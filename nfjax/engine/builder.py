@@ -107,6 +107,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-swiglu-epilogue", dest="swiglu_epilogue", action="store_const", const=False, default=None,
                    help="the MLP's gate/up as XLA's dot and a separate SwiGLU (for comparison; by default SwiGLU runs "
                         "in the Pallas GEMM's epilogue on a GPU)")
+    g.add_argument("--xla-remat", dest="xla_remat", action="store_const", const=True, default=None,
+                   help="keep XLA's rematerialization pass in the step programs (for comparison; off by default: it "
+                        "counts the in-place KV pool twice and recomputes GEMMs)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -134,6 +137,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
          "layers_per_program": "execution",
          "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution",
+         "xla_remat": "execution",
          "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from nfjax.compat import NO_COMMAND_BUFFERS, on_gpu, use_compile_cache
+from nfjax.compat import NO_COMMAND_BUFFERS, NO_REMAT, on_gpu, use_compile_cache
 from nfjax.config import EngineConfig
 from nfjax.engine.batcher import Batch
 from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input, needs_full, num_penalty_slots
@@ -139,7 +139,8 @@ class Runner:
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0        # of compile_seconds: tracing and lowering on this thread
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
-        self.xla_options = {} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)   # every step program's
+        self.xla_options = ({} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)) | (
+            {} if sc.xla_remat else dict(NO_REMAT))                                  # every step program's
 
     # ---- compilation ------------------------------------------------------------------------------
     def empty_input(self, bucket: int) -> StepInput:

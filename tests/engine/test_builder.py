@@ -111,3 +111,8 @@ def test_compile_cache_a_second_start_compiles_nothing_and_generate_prints_the_t
 
 def test_compile_cache_flag_is_an_execution_setting():
     assert overrides_from_args(_parse("--compile-cache", "/tmp/x")) == {"execution": {"compile_cache_dir": "/tmp/x"}}
+
+
+def test_xla_remat_flag_is_an_execution_setting():
+    assert overrides_from_args(_parse("--xla-remat")) == {"execution": {"xla_remat": True}}
+    assert engine_config(TINY, overrides_from_args(_parse())).execution.xla_remat is False

@@ -132,9 +132,25 @@ def test_command_buffers_off_compiles_and_matches():
     from tests.engine.conftest import make_engine
     eng = make_engine(CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=16),
                       BatcherConfig(token_buckets=(32,), max_seqs=4), execution=ExecutionConfig(command_buffers=False))
-    assert eng.runner.xla_options == {"xla_gpu_enable_command_buffer": ""}
+    assert eng.runner.xla_options == {"xla_gpu_enable_command_buffer": "", "xla_disable_hlo_passes": "rematerialization"}
     out = eng.generate("command buffers", SamplingParams.greedy(max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == naive_greedy(eng, eng.tokenizer.encode("command buffers"), 6)
+
+
+def test_rematerialization_pass_off_unless_asked():
+    """Every step program compiles without XLA's rematerialization pass (it counts the in-place KV pool twice and
+    recomputes GEMMs on a GPU); `xla_remat=True` keeps XLA's pipeline, with the same tokens."""
+    from nfjax.config import ExecutionConfig, BatcherConfig
+    from tests.engine.conftest import make_engine
+    cache, batcher = CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=16), BatcherConfig(token_buckets=(32,),
+                                                                                                  max_seqs=4)
+    off = make_engine(cache, batcher)
+    on = make_engine(cache, batcher, execution=ExecutionConfig(xla_remat=True))
+    assert off.runner.xla_options == {"xla_disable_hlo_passes": "rematerialization"}
+    assert on.runner.xla_options == {}
+    prompt = "remat"
+    params = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
+    assert off.generate(prompt, params)[0].token_ids == on.generate(prompt, params)[0].token_ids
 
 
 def test_step_inputs_staged_in_the_same_buffers():
