@@ -374,7 +374,9 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                          f"swizzled query tiles), got {q.shape[2]}")
     if fp8_mma or int8_mma:
         k_in_consumer = True
-        dequant_wgs = dequant_wgs or (2 if int8_mma else 1)     # int8's V takes two (int8mma-20261129.json)
+        # fp8's V takes one dequantizer; int8's and int4's two (int8mma-, int4mma-20261129.json) where the stages
+        # pair up, so theirs is left to the stage count below
+        dequant_wgs = dequant_wgs or (1 if fp8_mma else None)
     nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
     beside = aux_cache is not None and nd != 0
     if k_in_consumer is None:
