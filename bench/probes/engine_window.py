@@ -4,6 +4,8 @@ on the engine's own thread. Reported per step of the window: kernel ms by kernel
 their grid), the GPU's busy ms against the window's wall ms (idle = the device waiting for the host), and the step
 kinds the window held. Each variant (engine flags) runs in its own process.
 
+`--windows 100:16,250:16,500:16` traces several windows of the one run (one engine build), each reported apart.
+
 usage: python -m bench.probes.engine_window --shape llama3-8b --workload 1024x512 --num-requests 512 \
            --from-step 60 --steps 20 --variants "bf16=;fp8=--kv-dtype fp8" --out $OUT
 CPU:   python -m bench.probes.engine_window --shape smoke --workload 64x16 --num-requests 8 --from-step 2 --steps 3
@@ -66,6 +68,21 @@ def window_table(pd, steps: int) -> dict:
             "top": [{"name": k[:200], "ms": v[0], "count": v[1] / steps} for k, v in rows[:40]]}
 
 
+def parse_windows(spec: str | None, from_step: int, steps: int) -> list[tuple[int, int]]:
+    """'FROM:STEPS,...' -> [(first step, step count)], in order and apart (None: the one window of the flags)."""
+    if not spec:
+        return [(from_step, steps)]
+    try:
+        wins = [tuple(int(x) for x in w.split(":")) for w in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--windows: FROM:STEPS,... with integers, got {spec!r}") from None
+    if any(len(w) != 2 or w[0] < 1 or w[1] < 1 for w in wins):
+        raise SystemExit(f"--windows: each window FROM:STEPS with FROM >= 1 and STEPS >= 1, got {spec!r}")
+    if any(b[0] < a[0] + a[1] for a, b in zip(wins, wins[1:])):
+        raise SystemExit(f"--windows: windows in order and apart, got {spec!r}")
+    return wins
+
+
 def child(args) -> dict:
     import jax
     from bench.engine_bench import longest, step_kind
@@ -73,52 +90,57 @@ def child(args) -> dict:
     from bench.workloads import parse
     from nfjax.engine import SamplingParams
 
+    wins = parse_windows(args.windows, args.from_step, args.steps)
     cfg = model_config(args)
     work = parse(args.workload, args.num_requests, cfg.vocab_size, seed=1)
     engine = bench_engine(args, context=longest([work]))
     sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
     engine.generate([p for p, _ in work[:8]], [SamplingParams(max_tokens=4, ignore_eos=True)] * len(work[:8]))
     engine.trace.steps.clear()
-    d = os.path.join(tempfile.gettempdir(), f"engine_window_{args.variant}")
-    shutil.rmtree(d, ignore_errors=True)
-    marks: dict[str, int] = {}
+    dirs = [os.path.join(tempfile.gettempdir(), f"engine_window_{args.variant}_{i}") for i in range(len(wins))]
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    marks: list[list[int]] = [[] for _ in wins]        # per window: [first] then [first, last] recorded steps
 
     class Steps(list):
         """The trace's step list, starting and stopping the profiler as the engine records steps."""
         def append(self, st):
             super().append(st)
-            if len(self) == args.from_step and not args.no_trace:
-                jax.profiler.start_trace(d)
-                marks["first"] = len(self)
-            elif "first" in marks and "last" not in marks and len(self) == marks["first"] + args.steps:
-                jax.profiler.stop_trace()
-                marks["last"] = len(self)
+            for i, (start, n) in enumerate(wins):
+                m = marks[i]
+                if not m and len(self) == start:
+                    if not args.no_trace:
+                        jax.profiler.start_trace(dirs[i])
+                    m.append(len(self))
+                elif len(m) == 1 and len(self) == m[0] + n:
+                    if not args.no_trace:
+                        jax.profiler.stop_trace()
+                    m.append(len(self))
     steps = engine.trace.steps = Steps()
-    if args.no_trace:
-        marks["first"] = args.from_step
     t = time.perf_counter()
     engine.generate([p for p, _ in work], sps)
     dt = time.perf_counter() - t
-    if args.no_trace:
-        marks["last"] = min(len(steps), args.from_step + args.steps)
-    if "last" not in marks:
-        return {"error": f"the run ended after {len(steps)} steps, before the window closed"}
-    # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
-    # the edges by about a step each
-    kinds = collections.Counter(step_kind(s) for s in steps[marks["first"]:marks["last"]])
-    n = marks["last"] - marks["first"]
+    if len(marks[-1]) < 2:
+        if len(marks[-1]) == 1 and not args.no_trace:
+            jax.profiler.stop_trace()
+        return {"error": f"the run ended after {len(steps)} steps, before window {wins[-1]} closed"}
     from jax.profiler import ProfileData
-    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), n) if files else \
-        {"error": "not traced" if args.no_trace else "no xplane.pb written"}
-    host = [s.host_ms for s in steps[marks["first"]:marks["last"]]]
+    out = []
+    for (first, last), d in zip(marks, dirs):
+        # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
+        # the edges by about a step each
+        kinds = collections.Counter(step_kind(s) for s in steps[first:last])
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), last - first) if files else \
+            {"error": "not traced" if args.no_trace else "no xplane.pb written"}
+        host = [s.host_ms for s in steps[first:last]]
+        out.append({"window": [first, last], "kinds": dict(kinds), "host_ms_per_step": sum(host) / max(len(host), 1),
+                    "kernels": table})
     from bench.common import device_info
     return {"command": " ".join(["python -m bench.probes.engine_window", *sys.argv[1:]]), "device": device_info(),
             "date": time.strftime("%Y-%m-%d"), "variant": args.variant, "workload": args.workload,
-            "requests": len(work), "run_s": dt,
-            "window": [marks["first"], marks["last"]], "kinds": dict(kinds), "num_pages": engine.config.cache.num_pages,
-            "host_ms_per_step": sum(host) / max(len(host), 1), "engine_config": config_record(engine.config),
-            "kernels": table}
+            "requests": len(work), "run_s": dt, "steps": len(steps), **out[0], "windows": out,
+            "num_pages": engine.config.cache.num_pages, "engine_config": config_record(engine.config)}
 
 
 def main() -> None:
@@ -128,6 +150,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--from-step", type=int, default=60)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--windows", default=None, metavar="FROM:STEPS,...",
+                    help="several windows of the one run (instead of --from-step / --steps)")
     ap.add_argument("--no-trace", action="store_true", help="run the window untraced (host ms only)")
     ap.add_argument("--variants", default="", help="'NAME=FLAGS;...' engine flags per variant (own process each)")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # child mode
@@ -153,12 +177,16 @@ def main() -> None:
         if "error" in r:
             print(f"== {name}: {r['error']}")
             continue
-        k = r["kernels"]
-        print(f"== {name}: steps {r['window']} {r['kinds']}; per step: wall {k.get('wall_ms_per_step', 0):.2f} ms, "
-              f"GPU busy {k.get('busy_ms_per_step', 0):.2f} ms (idle {k.get('idle_share', 0):.1%}), host "
-              f"{r['host_ms_per_step']:.2f} ms; {r['num_pages']} pages")
-        for row in k.get("top", [])[:24]:
-            print(f"   {row['ms']:8.3f} ms x{row['count']:<7.1f} {row['name'][:140]}")
+        for w in r.get("windows", [r]):
+            k = w["kernels"]
+            if "error" in k:
+                print(f"== {name}: steps {w['window']} {w['kinds']}; host {w['host_ms_per_step']:.2f} ms; {k['error']}")
+                continue
+            print(f"== {name}: steps {w['window']} {w['kinds']}; per step: wall {k.get('wall_ms_per_step', 0):.2f} "
+                  f"ms, GPU busy {k.get('busy_ms_per_step', 0):.2f} ms (idle {k.get('idle_share', 0):.1%}), host "
+                  f"{w['host_ms_per_step']:.2f} ms; {r['num_pages']} pages")
+            for row in k.get("top", [])[:24]:
+                print(f"   {row['ms']:8.3f} ms x{row['count']:<7.1f} {row['name'][:140]}")
 
 
 if __name__ == "__main__":

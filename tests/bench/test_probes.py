@@ -1,5 +1,7 @@
 """The probes in bench/probes/: stream_schedule's reading of a scheduled HLO entry computation (the text XLA
 prints in order), and host_overhead driving the real batcher through whole workloads without a model."""
+import pytest
+
 from bench.probes.host_overhead import drive
 from bench.probes.stream_schedule import region_windows
 
@@ -285,3 +287,29 @@ def test_engine_window_tells_pallas_kernels_apart_and_counts_idle_time():
     assert top["gemm"]["ms"] == 6 and top["gemm"]["count"] == 1.5
     assert top["body_mosaic_gpu_kernel [grid:1152,1,1 command_buffer_1]"]["ms"] == 1
     assert window_table("no trace", 2) == {"error": "no trace"}
+
+
+def test_engine_window_parses_windows_and_refuses_bad_ones():
+    from bench.probes.engine_window import parse_windows
+    assert parse_windows(None, 60, 20) == [(60, 20)]
+    assert parse_windows("100:16,250:8", 60, 20) == [(100, 16), (250, 8)]
+    for bad in ("100", "100:16,110:4", "0:3", "a:b", "5:0"):
+        with pytest.raises(SystemExit, match="--windows"):
+            parse_windows(bad, 60, 20)
+
+
+def test_engine_window_reports_each_window_of_one_run(tmp_path):
+    """CPU smoke: two windows of one smoke run, each with the steps it held (no GPU lines on the CPU: the kernel
+    table says so)."""
+    import json
+    import subprocess
+    from bench.common import module_command
+    cmd = module_command("bench.probes.engine_window", "--shape", "smoke", "--workload", "64x16", "--num-requests",
+                         "8", "--windows", "2:3,8:4", "--variants", "a=", "--out", str(tmp_path))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "engine_window_a.json").read_text())
+    assert [w["window"] for w in d["windows"]] == [[2, 5], [8, 12]]
+    assert [sum(w["kinds"].values()) for w in d["windows"]] == [3, 4]
+    assert d["window"] == [2, 5] and d["steps"] >= 12
+    assert all(w["host_ms_per_step"] > 0 and "error" in w["kernels"] for w in d["windows"])
