@@ -43,6 +43,7 @@ def strategies(args) -> tuple:
 
 
 def step_ablation(args, cfg, out: dict) -> None:
+    import jax
     import numpy as np
     from bench.common import time_fn
     from bench.setup import bench_runner, config_record, setting
@@ -74,6 +75,12 @@ def step_ablation(args, cfg, out: dict) -> None:
                           "dispatch_ms": dispatch_ms(lambda: run_step(runner, b, label, inp))}
             print(f"[{b}] {label:28s} {res[label]['step_ms']:8.2f} ms  (dispatch {res[label]['dispatch_ms']:.2f} ms)",
                   flush=True)
+        # the sampled tokens of one step against Sequential's (greedy; random weights may put a few rows at a near
+        # tie, so this is recorded, not required)
+        ref = np.asarray(jax.device_get(run_step(runner, b, "sequential", inp)))
+        for label in res:
+            got = np.asarray(jax.device_get(run_step(runner, b, label, inp)))
+            res[label]["tokens_as_sequential"] = float(np.mean(got == ref))
         seq = res["sequential"]["step_ms"]
         best = min((lb for lb in res if lb != "sequential" and not lb.startswith("nanobatch")),
                    key=lambda lb: res[lb]["step_ms"], default=None)
@@ -82,7 +89,7 @@ def step_ablation(args, cfg, out: dict) -> None:
                                   "overlap_ratio": seq / res[best]["step_ms"] if best else None,
                                   "nanobatch_overhead": (res.get("nanobatch:1-1", {}).get("step_ms", seq) / seq)}
         for lb, r in res.items():
-            rows.append([b, lb, r["step_ms"], r["per_layer_ms"], seq / r["step_ms"]])
+            rows.append([b, lb, r["step_ms"], r["per_layer_ms"], seq / r["step_ms"], r["tokens_as_sequential"]])
         if args.trace and best:
             plans = [lb for lb in res if lb.startswith("nanoflow:")]
             for lb in dict.fromkeys(("sequential", best, *plans[:1])):     # and the first plan
@@ -228,7 +235,8 @@ def main() -> None:
     out = {"device": device_info(), "config": cfg.to_json(), "buckets": {}}
     if args.ablation:
         step_ablation(args, cfg, out)
-        print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this"], out["table"])
+        print_table(["bucket", "strategy", "step ms", "per-layer ms", "Sequential / this", "tokens as Sequential"],
+                    out["table"])
         save(args, out)                 # written before the R -> P table, which may run out of time
     if args.rp:
         try:

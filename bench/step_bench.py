@@ -43,11 +43,11 @@ def decode_batch(n: int, ctx: int, page_size: int) -> tuple[int, list[SeqSpec], 
 def mixed_batch(bucket: int, ctx: int, page_size: int, num_decode: int | None = None,
                 chunks: int = 2) -> tuple[int, list[SeqSpec], int]:
     """A full `bucket`: `num_decode` decodes at context `ctx` (default bucket / 16, the engine's usual mix
-    late in a 1024/512 run), the rest as `chunks` equal first prefill chunks."""
+    late in a 1024/512 run), the rest as `chunks` equal first prefill chunks (none where decodes fill the bucket)."""
     nd = bucket // 16 if num_decode is None else num_decode
     dec = [(pages_for(ctx + 1, page_size), ctx, 1)] * nd
     per = (bucket - nd) // chunks
-    return bucket, dec + [(pages_for(per, page_size), 0, per)] * chunks, nd
+    return bucket, dec + [(pages_for(per, page_size), 0, per)] * (chunks if per > 0 else 0), nd
 
 
 def synthetic_context(seq_lists, page_size: int) -> int:
