@@ -207,12 +207,13 @@ class Dequant:
         self.k_pairs = aux_columns(fmt, head_dim, "k") if self.on else []
         self.v_pairs = aux_columns(fmt, head_dim, "v") if self.on else []
 
-    def rows(self, slot) -> dict:
-        """Both K's and V's per-row parameters of stage `slot` (one aux load a block; call after K arrived)."""
+    def rows(self, slot, which: str = "kv") -> dict:
+        """K's and V's per-row parameters of stage `slot` ("k" or "v": one of them; one aux load a block; call after
+        K arrived)."""
         if not self.on:
             return {}
-        cols = pair_columns(self.k_pairs + self.v_pairs)
-        return load_rows(self.aux_s.at[slot], cols, self.interpret)
+        pairs = {"k": self.k_pairs, "v": self.v_pairs, "kv": self.k_pairs + self.v_pairs}[which]
+        return load_rows(self.aux_s.at[slot], pair_columns(pairs), self.interpret)
 
     def k(self, k_stage, rows):
         if not self.on:

@@ -259,23 +259,23 @@ def paged_flash_loop(ops: Ops, *, q_s, k_s, v_s, k_bar, v_bar, k_hbm, v_hbm, pt_
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        qp = dq.rows(slot) if dq is not None else None             # a quantized cache's per-row parameters
-        if coop:
+        if coop:                            # each warpgroup loads only its own tile's per-row parameters
             plgpu.barrier_wait(v_bar.at[slot])
 
             @pl.when(wg == 0)
             def _():
-                dq.k(k_s.at[slot], qp)
+                dq.k(k_s.at[slot], dq.rows(slot, "k"))
 
             @pl.when(wg == 1)
             def _():
-                dq.v(v_s.at[slot], qp)
+                dq.v(v_s.at[slot], dq.rows(slot, "v"))
 
             plgpu.barrier_arrive(sync.at[0])
             plgpu.barrier_wait(sync.at[0])                         # both tiles written; the stage is read
             release(i, slot)
             kt = dq.k_deq
         else:
+            qp = dq.rows(slot) if dq is not None else None         # a quantized cache's per-row parameters
             kt = dq.k(k_s.at[slot], qp) if dq is not None else k_s.at[slot]
         s = ops.qk(q_s, kt, after_issue=meet if sched is not None else None) * c
         if masked:
