@@ -55,7 +55,7 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 # XLA's rematerialization pass off. Before buffer assignment it counts a donated input and its aliased output apart,
 # so a step program that updates the KV pool in place looks twice the pool's size (H200: "only reduced to 247 GiB"
 # against a 126 GiB limit) and the pass recomputes what it can, printing a warning for each program. End to end it
-# measured neutral (1024/512 bf16 25,673 tok/s off, 25,654 on; bench/NOTES.md section 33); off, the warnings and the
+# measured neutral (1024/512 bf16 25,673 tok/s off, 25,654 on; docs/design.md section 1); off, the warnings and the
 # pass's misread go. A repeated DebugOptions field; a comma list on both versions.
 NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
