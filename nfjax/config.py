@@ -397,7 +397,7 @@ class ExecutionConfig:
     # written and read back (docs/design.md section 20). False: XLA's dot and a separate SwiGLU (A/B measurement).
     swiglu_epilogue: bool = True
     # XLA's rematerialization pass, off by default: it misreads the in-place KV pool as twice its size and recomputes
-    # GEMMs to fit (nfjax/compat.py NO_REMAT). True: XLA's default pipeline (A/B measurement).
+    # what it can to fit (nfjax/compat.py NO_REMAT; neutral end to end). True: XLA's default pipeline (A/B).
     xla_remat: bool = False
 
     def __post_init__(self):

@@ -109,7 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in the Pallas GEMM's epilogue on a GPU)")
     g.add_argument("--xla-remat", dest="xla_remat", action="store_const", const=True, default=None,
                    help="keep XLA's rematerialization pass in the step programs (for comparison; off by default: it "
-                        "counts the in-place KV pool twice and recomputes GEMMs)")
+                        "counts the in-place KV pool twice and recomputes values to fit)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
