@@ -85,6 +85,11 @@ def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     for eng in data["engines"].values():
         res = eng["results"]["64x16"]
         assert res["generated_tokens"] == 6 * 16 and res["prompt_tokens"] == 6 * 64
+        per = res["per_step"]                      # each step in order, as the per-kind means count them
+        assert len(per["kind"]) == len(per["cycle_ms"]) == len(per["decode_tokens"]) == res["trace"]["steps"]
+        assert {k: per["kind"].count(k) for k in set(per["kind"])} == {
+            k: v["steps"] for k, v in res["step_ms_by_kind"].items()}
+        assert sum(per["decode_tokens"]) == res["trace"]["decode_tokens"] and min(per["cycle_ms"]) > 0
     assert data["peers"]["64x16"]["total_tok_s"] > 0
     assert s["vs_hf_transformers_ratio"] == pytest.approx(s["total_tok_s_64_16"] / s["hf_total_tok_s_64_16"])
     assert s["best_variant_64_16"] in ("seq", "nbo") and 0 < s["pct_optimal_64_16"]
