@@ -313,3 +313,24 @@ def test_engine_window_reports_each_window_of_one_run(tmp_path):
     assert [sum(w["kinds"].values()) for w in d["windows"]] == [3, 4]
     assert d["window"] == [2, 5] and d["steps"] >= 12
     assert all(w["host_ms_per_step"] > 0 and "error" in w["kernels"] for w in d["windows"])
+
+
+def test_step_gap_places_a_gap_by_step_range(tmp_path):
+    """step_gap: two runs' per-step cycles summed over equal ranges of steps; the range where run b is slower shows
+    the difference, and a file without per-step records is a clear error."""
+    import json
+    from bench.probes.step_gap import per_step, ranges
+    a = {"kind": ["decode+prefill@2048"] * 4 + ["decode@384"] * 4, "decode_tokens": [100] * 4 + [300] * 4,
+         "cycle_ms": [50.0] * 8}
+    b = {**a, "cycle_ms": [50.0] * 4 + [60.0] * 4}
+    rs = ranges(a, b, 2)
+    assert [r["steps"] for r in rs] == ["0-3", "4-7"]
+    assert [round(r["s_b"] - r["s_a"], 6) for r in rs] == [0.0, 0.04]
+    assert rs[1]["kind_a"] == "decode@384" and rs[1]["decode_a"] == 300
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"data": {"engines": {"e": {"results": {"w": {"per_step": a}, "old": {}}}}}}))
+    assert per_step(str(f), "w", None) == ("e", a)
+    with pytest.raises(SystemExit, match="no per-step record"):
+        per_step(str(f), "old", None)
+    with pytest.raises(SystemExit, match="no engine 'x'"):
+        per_step(str(f), "w", "x")
