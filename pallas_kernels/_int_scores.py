@@ -14,15 +14,10 @@ returns each group's dot products apart; `query_sums` gets the qsum_g of an item
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import kv_quant
-
-
-def _rows(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
-
+from pallas_kernels._mgpu import bcast_rows
 
 def _part_sum(t, g: int, gp: int, ng: int):
     """hi + lo / 254 of group g from a [rows, 2 G GP] result of the parts' layout."""
@@ -48,8 +43,8 @@ def scores(s_all, k_rows: dict, k_pairs, qsums: list, gp: int, codes=INT8_CODES)
     for g, (sc_col, ce_col) in enumerate(k_pairs[:ng]):
         a, b = codes[g]
         dot = _part_sum(s_all, g, gp, ng)
-        part = ((dot * a if a != 1.0 else dot) + (b + 0.5) * qsums[g]) * _rows(k_rows[sc_col], dot.shape) + \
-            qsums[g] * _rows(k_rows[ce_col], dot.shape)
+        part = ((dot * a if a != 1.0 else dot) + (b + 0.5) * qsums[g]) * bcast_rows(k_rows[sc_col], dot.shape) + \
+            qsums[g] * bcast_rows(k_rows[ce_col], dot.shape)
         s = part if s is None else s + part
     return s
 

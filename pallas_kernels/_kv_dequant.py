@@ -26,6 +26,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import kv_quant
+from pallas_kernels._mgpu import bcast_rows
 
 QUANT_KERNEL_FORMATS = ("fp8", "int8", "int4")
 SKIP_MATH = False       # probe only (bench/probes/dequant_sass.py): loads and stores without the scale arithmetic
@@ -119,10 +120,6 @@ def load_rows(aux_ref, cols: list[int], interpret: bool) -> dict:
     return {c: jnp.where(col == c, a, 0.0).sum(axis=1) for c in cols}
 
 
-def _rows(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
 def _upcast(src, interpret: bool):
     """A stage tile of 8-bit codes (uint8: zero-extended; int8: sign-extended) as int16 in the WGMMA layout."""
     if interpret:
@@ -142,9 +139,9 @@ def _levels(codes, f16_bias: int, mid: float, scale, center, math):
         bits = codes | 0x6400 if f16_bias == 0 else codes + (0x6400 + f16_bias)
         c = lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1024 + f16_bias)
         zp = (center - mid * scale).astype(math)
-        return c * _rows(scale.astype(math), c.shape) + _rows(zp, c.shape)
+        return c * bcast_rows(scale.astype(math), c.shape) + bcast_rows(zp, c.shape)
     c = codes.astype(math)
-    return (c - mid) * _rows(scale.astype(math), c.shape) + _rows(center.astype(math), c.shape)
+    return (c - mid) * bcast_rows(scale.astype(math), c.shape) + bcast_rows(center.astype(math), c.shape)
 
 
 def dequant_values(fmt: str, src, rows: dict, pairs, interpret: bool, math) -> list[tuple[int, object]]:
@@ -159,7 +156,7 @@ def dequant_values(fmt: str, src, rows: dict, pairs, interpret: bool, math) -> l
         else:
             x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)
-        return [(0, x if SKIP_MATH else x * _rows(rows[sc].astype(math), x.shape))]
+        return [(0, x if SKIP_MATH else x * bcast_rows(rows[sc].astype(math), x.shape))]
     if fmt == "int8":
         # int4's pattern a group at a time. New against int4 on the GPU: int8 (signed) stage refs, so the load's
         # astype(int16) is a sign extension (extsi, where int4's uint8 takes extui); the load from a column slice

@@ -37,13 +37,11 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         cd, tf = jnp.float16, deq_transforms(fmt, d)
         qr = qr.astype(cd)
     extra, q_scratch = (), plgpu.SMEM((2, gp, d), cd, transforms=tf)
-    if fp8_mma:                 # the query parts meet K's fp8 stage in wgmma: one type, one swizzle for both
-        qr, qscale = kv_quant.fp8_query_parts(qr_in)
-        extra, q_scratch = (qscale,), plgpu.SMEM((2, 2 * gp, d), kv_quant.FP8, transforms=stage_transforms(fmt, d))
-    if int8_mma:                # the int8 parts meet K's codes in wgmma: one type, one swizzle for both
-        qr, qscale = kv_quant.int8_query_parts(qr_in)
-        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), jnp.int8,
-                                                 transforms=stage_transforms("int8", d))   # 64-byte tiles
+    if fp8_mma or int8_mma:     # the query's parts meet K's stage in wgmma: one type, one swizzle for both (int8's
+        parts = kv_quant.fp8_query_parts if fp8_mma else kv_quant.int8_query_parts       # 64-byte tiles)
+        qr, qscale = parts(qr_in)
+        extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), qr.dtype,
+                                                 transforms=stage_transforms("fp8" if fp8_mma else "int8", d))
     scratch = [q_scratch,
                plgpu.SMEM((gp, block_kv), cd, transforms=tf),
                plgpu.SMEM((d, gp), jnp.float32),

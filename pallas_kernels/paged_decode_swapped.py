@@ -34,7 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
 from pallas_kernels import MASK_VALUE, kv_quant
 from pallas_kernels import _int_scores as int_scores
-from pallas_kernels._mgpu import LOG2E, Ops, compiler_params, block_pages, copy_kv_pages
+from pallas_kernels._mgpu import LOG2E, Ops, bcast_rows, compiler_params, block_pages, copy_kv_pages
 from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, dequant_block, dequant_values, load_rows, \
     pair_columns
 from pallas_kernels.paged_decode_attention import item_coords, store_partial
@@ -86,10 +86,6 @@ def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
 
 def _cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _rows(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
 
 
 def _item_coords(w, lens_hbm, *, num_kv_heads, num_splits, block_kv):
@@ -221,7 +217,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 if fp8_mma:                     # K's stage straight into the wgmmas; its scale on the score rows
                     s = ops.kq_parts(k_s.at[slot], q, 2)
                     plgpu.barrier_arrive(consumed.at[slot])             # K was read; V's arrival is next
-                    s = s * _rows(k_rows[k_cols[0]], s.shape) * c
+                    s = s * bcast_rows(k_rows[k_cols[0]], s.shape) * c
                 elif int8_mma:                  # x = (code + 0.5) scale + center per group of K's columns
                     if kv_format == "int4":
                         s_all = ops.kq_int_regs(int_scores.int4_codes(k_s.at[slot], interpret), q)
