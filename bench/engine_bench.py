@@ -59,9 +59,10 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
     prompt = sum(len(p) for p, _ in work)
     gen = sum(len(o.token_ids) for o in outs)
     tot = (prompt + gen) / dt
+    kinds = [step_kind(st) for st in engine.trace.steps]
     by_kind: dict[str, list] = {}
-    for st in engine.trace.steps:
-        by_kind.setdefault(step_kind(st), []).append(st)
+    for k, st in zip(kinds, engine.trace.steps):
+        by_kind.setdefault(k, []).append(st)
 
     def mean(v, f):
         return sum(f(st) for st in v) / len(v)
@@ -75,7 +76,7 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
                                for k, v in by_kind.items()},
            # each step in order: its kind, decode tokens, and cycle (host ms + ms blocked on the read: the loop's
            # period where the GPU is the bound), so a gap between two runs can be placed in the run
-           "per_step": {"kind": [step_kind(st) for st in engine.trace.steps],
+           "per_step": {"kind": kinds,
                         "decode_tokens": [st.decode_tokens for st in engine.trace.steps],
                         "cycle_ms": [round(st.host_ms + st.wait_ms, 2) for st in engine.trace.steps]}}
     opt = ""
