@@ -27,7 +27,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
-from pallas_kernels._kv_dequant import cache_format
 from pallas_kernels._mgpu import compiler_params
 from pallas_kernels import paged_decode_swapped as swapped
 from pallas_kernels.paged_decode_swapped import attention_kernel
@@ -62,15 +61,17 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
                                  page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"],
                                  x: Float[Array, "M K"], w, *, scale: float,
                                  attn_ctas: int, gemm_ctas: int | None = None,
-                                 num_splits: int | None = None, block_kv: int = 128, num_stages: int = 3,
+                                 num_splits: int | None = None, block_kv: int = 128, num_stages: int | None = None,
                                  config: TileConfig | str = DEFAULT_CONFIG, spread: bool = True,
                                  interpret: bool = False, aux_cache=None, dequant_wgs: int | None = None,
                                  act: str | None = None) -> tuple[Float[Array, "B H D"], Float[Array, "M N"] | tuple]:
     """(paged_decode_attention_swapped(q, ...), x @ w) from one launch of attn_ctas + gemm_ctas
     CTAs (gemm_ctas=None: the rest of the SMs). `w` may be a tuple of [K, N_i] weights (then x @ w_i
     for each, one GEMM over them side by side: the MLP's gate and up projections). `aux_cache`: a quantized
-    cache (kv_quant.py), dequantized by the attention CTAs: by `dequant_wgs` warpgroups beside their consumer (None:
-    1 unless the format's paged_decode_swapped.DEQUANT_WGS is 0; 0: by the consumer, the first version).
+    cache (kv_quant.py), read by the attention CTAs as the decode kernel reads it on its own (fp8's and int8's K by
+    wgmmas against the query's parts, V by a dequantizing warpgroup; `paged_decode_swapped.kernel_options`) with at
+    most one dequantizer (`dequant_wgs` None: 1; 0: the consumer dequantizes, the first version). `num_stages`
+    None: the decode kernel's choice.
     `act="swiglu"` (one weight, its gate and up columns interleaved in blocks of half a tile): the GEMM's result is
     silu(gate) * up, [M, N / 2] (persistent_gemm.gemm_kernel's epilogue)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
@@ -84,23 +85,25 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     m, n = x.shape[0], sum(w_i.shape[1] for w_i in ws)
     gp_ = gemm_ctas or max(1, num_sms() - attn_ctas)
     gp_ = min(gp_, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n))
-    fmt = cache_format(k_cache, aux_cache)
-    nd = swapped.DEQUANT_WGS.get(fmt) if dequant_wgs is None else dequant_wgs
-    # at most one dequantizer: a fourth warpgroup would idle in the GEMM CTAs and halve their registers
-    na = 0 if aux_cache is None else 1 if nd is None else min(nd, 1)
-    if na:
-        num_stages = 2          # the double-buffered f16 tiles take a stage's SMEM (paged_decode_swapped.py)
-    qr, ns, attn_scratch, _ = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
-                                      num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=na)
+    # at most one dequantizer: a fourth warpgroup would idle in the GEMM CTAs and halve their registers. An fp8
+    # cache once took the consumer's dequantizing here, 4-10x the halves' time (docs/design.md section 5)
+    if dequant_wgs not in (None, 0, 1):
+        raise ValueError(f"dequant_wgs={dequant_wgs}: the fused kernel takes at most one dequantizing warpgroup")
+    opts = swapped.kernel_options(q, k_cache, aux_cache, num_ctas=attn_ctas, num_stages=num_stages,
+                                  dequant_wgs=(1 if aux_cache is not None else None) if dequant_wgs is None
+                                  else dequant_wgs)
+    na = opts.dequant_wgs
+    qr, ns, attn_scratch, extra = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
+                                          aux_cache=aux_cache, **opts.prepare_kwargs())
     kvh = k_cache.shape[3]
     a_prog, nw = attn_ctas, len(ws)
 
     total = a_prog + gp_
 
     def body(params, lens, pt, qr_hbm, k_hbm, v_hbm, *rest):
-        quant = int(aux_cache is not None)
-        aux_hbm = rest[0] if quant else None
-        x_hbm, rest = rest[quant], rest[quant + 1:]
+        aux_hbm, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
+        qs_hbm, rest = (rest[0], rest[1:]) if opts.query_parts else (None, rest)
+        x_hbm, rest = rest[0], rest[1:]
         w_hbm, (o_hbm, lse_hbm), y_hbm = rest[:nw], rest[nw:nw + 2], rest[nw + 2:]
         pid = lax.axis_index("p")
         is_attn, a_idx, g_idx = cta_role(pid, a_prog, total, spread)
@@ -110,7 +113,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
             pl.run_scoped(lambda *s: attention_kernel(params, lens, pt, qr_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, *s,
                                                       num_kv_heads=kvh, num_splits=ns, num_ctas=a_prog,
                                                       scale=scale, interpret=interpret, cta=a_idx,
-                                                      aux_hbm=aux_hbm, kv_format=fmt, dequant_wgs=na),
+                                                      aux_hbm=aux_hbm, qscale_hbm=qs_hbm, **opts.kernel_kwargs()),
                           *attn_scratch, collective_axes="wg")
 
         @pl.when(jnp.logical_not(is_attn))
@@ -126,6 +129,6 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
         thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr,
-      k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)), x, *ws)
+      k_cache, v_cache, *(() if aux_cache is None else (aux_cache,)), *extra, x, *ws)
     attn = finish(o_t, lse, q.shape, kvh, ns).astype(q.dtype)
     return attn, (tuple(ys) if isinstance(w, (tuple, list)) else ys[0])

@@ -22,6 +22,7 @@ ones @ P^T (`row_sums`), which needs no such reduction per block. P^T is stored 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -324,35 +325,39 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         pl.when(wg == 2 + j)(functools.partial(dequantizer, j))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
-                                             "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles"), inline=True)
-def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
-                                   v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
-                                   page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
-                                   num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
-                                   num_stages: int | None = None, row_sums: str | None = None,
-                                   interpret: bool = False, aux_cache=None,
-                                   dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
-                                   k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
-                                   int8_mma: bool | None = None, deq_tiles: int = 2,
-                                   live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
-    """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
-    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
-    on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
-    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
-    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
-    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
-    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
-    `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
-    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
-    are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
-    (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
-    `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
-    least one dequantizer. `int8_mma` (int8 or int4; None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K
-    codes. `deq_tiles`: the dequantizers' tile buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks,
-    the dequantizer then waiting for the consumer's release of each tile)."""
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How `attention_kernel` reads a cache, resolved from a call's options (None: the defaults above)."""
+    fmt: str
+    num_stages: int
+    row_sums: str
+    dequant_wgs: int
+    prefetch_pages: bool
+    k_in_consumer: bool
+    fp8_mma: bool
+    int8_mma: bool
+
+    @property
+    def query_parts(self) -> bool:
+        """The query goes in as parts with their scales, one more input after the cache's (`prepare`)."""
+        return self.fp8_mma or self.int8_mma
+
+    def prepare_kwargs(self) -> dict:
+        return dict(num_stages=self.num_stages, dequant_wgs=self.dequant_wgs, k_in_consumer=self.k_in_consumer,
+                    fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)
+
+    def kernel_kwargs(self) -> dict:
+        return dict(row_sums=self.row_sums, kv_format=self.fmt, dequant_wgs=self.dequant_wgs,
+                    prefetch_pages=self.prefetch_pages, k_in_consumer=self.k_in_consumer, fp8_mma=self.fp8_mma,
+                    int8_mma=self.int8_mma)
+
+
+def kernel_options(q, k_cache, aux_cache, *, num_ctas: int, num_stages: int | None = None,
+                   row_sums: str | None = None, dequant_wgs: int | None = None,
+                   prefetch_pages: bool | None = None, k_in_consumer: bool | None = None,
+                   fp8_mma: bool | None = None, int8_mma: bool | None = None) -> KernelOptions:
+    """`paged_decode_attention_swapped`'s options resolved (its docstring), for it and for the fused kernel that
+    runs `attention_kernel` beside a GEMM (attention_beside_gemm.py)."""
     share = num_ctas <= 0.6 * num_sms()
     fmt = cache_format(k_cache, aux_cache)
     lets_kernel_choose = dequant_wgs != 0 and k_in_consumer is not False
@@ -392,26 +397,58 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         # block_kv 64 against 128): fp8 at batch 256, context 1,280, H200, 0.254 -> 0.242 ms with the wgmma sums
         # (bench/results/fp8knobs-20261129.json)
         row_sums = "wgmma" if share or fp8_mma or int8_mma else "reduce"
+    return KernelOptions(fmt, num_stages, row_sums, nd, bool(prefetch_pages), bool(k_in_consumer), bool(fp8_mma),
+                         bool(int8_mma))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
+                                             "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
+                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles"), inline=True)
+def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
+                                   v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
+                                   page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
+                                   num_ctas: int = 132, num_splits: int | None = None, block_kv: int = 128,
+                                   num_stages: int | None = None, row_sums: str | None = None,
+                                   interpret: bool = False, aux_cache=None,
+                                   dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
+                                   k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
+                                   int8_mma: bool | None = None, deq_tiles: int = 2,
+                                   live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
+    """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
+    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
+    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
+    on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
+    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
+    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
+    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
+    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
+    `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
+    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
+    are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
+    (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
+    `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
+    least one dequantizer. `int8_mma` (int8 or int4; None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K
+    codes. `deq_tiles`: the dequantizers' tile buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks,
+    the dequantizer then waiting for the consumer's release of each tile)."""
+    o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
+                       dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
+                       fp8_mma=fp8_mma, int8_mma=int8_mma)
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
-                                     num_stages=num_stages, aux_cache=aux_cache, dequant_wgs=nd,
-                                     k_in_consumer=k_in_consumer, fp8_mma=fp8_mma, int8_mma=int8_mma,
-                                     deq_tiles=deq_tiles)
+                                     aux_cache=aux_cache, deq_tiles=deq_tiles, **o.prepare_kwargs())
     params = jnp.asarray(layer, jnp.int32).reshape(1)
     if live_rows is not None:
         params = jnp.concatenate([params, jnp.clip(jnp.asarray(live_rows, jnp.int32), 0, q.shape[0]).reshape(1)])
     kvh = k_cache.shape[3]
     kernel = functools.partial(attention_kernel, num_kv_heads=kvh, num_splits=ns, num_ctas=num_ctas,
-                               scale=scale, interpret=interpret, row_sums=row_sums, kv_format=fmt, dequant_wgs=nd,
-                               prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer, fp8_mma=fp8_mma,
-                               int8_mma=int8_mma)
+                               scale=scale, interpret=interpret, **o.kernel_kwargs())
 
     def body(params, lens, pt, qr, k, v, *rest):
         aux, rest = (rest[0], rest[1:]) if aux_cache is not None else (None, rest)
-        qs, rest = (rest[0], rest[1:]) if fp8_mma or int8_mma else (None, rest)
+        qs, rest = (rest[0], rest[1:]) if o.query_parts else (None, rest)
         kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux, qscale_hbm=qs)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
-        grid=(num_ctas,), grid_names=("p",), num_threads=2 + nd, thread_name="wg", compiler_params=compiler_params(),
+        grid=(num_ctas,), grid_names=("p",), num_threads=2 + o.dequant_wgs, thread_name="wg", compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)), *extra)

@@ -210,3 +210,23 @@ def test_prefill_heads_and_fused_on_quantized_cache_lower_for_gpu(fmt, d):
                                                   attn_ctas=33, aux_cache=aux, dequant_wgs=nd).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("fmt,d,parts", [("fp8", 128, True), ("int8", 128, True), ("int4", 128, True),
+                                         ("int4", 64, False), ("bfloat16", 128, False)])
+def test_fused_kernel_reads_the_cache_as_the_decode_kernel_does(fmt, d, parts):
+    """The fused kernel's attention CTAs take the decode kernel's resolved options with one dequantizer: fp8's and
+    int8's K by wgmmas against the query's parts (int4's at head_dim 128), K in the consumer, V by the dequantizer;
+    an fp8 cache once took the consumer's serial dequantizing there."""
+    from pallas_kernels.paged_decode_swapped import kernel_options
+    sds = jax.ShapeDtypeStruct
+    q = sds((256, 32, d), jnp.bfloat16)
+    if fmt == "bfloat16":
+        cache, aux = sds((2, 4096, 16, 8, d), jnp.bfloat16), None
+    else:
+        cache, aux = _cache_types(fmt, 16, d)
+    o = kernel_options(q, cache, aux, num_ctas=33, dequant_wgs=None if aux is None else 1)
+    assert o.query_parts == parts and o.fmt == fmt
+    assert o.dequant_wgs == (0 if aux is None else 1) and o.k_in_consumer == (aux is not None)
+    assert o.row_sums == "wgmma" and o.num_stages % max(o.dequant_wgs, 1) == 0
+    assert kernel_options(q, cache, aux, num_ctas=33, dequant_wgs=0).query_parts is False
