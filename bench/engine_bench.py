@@ -74,10 +74,12 @@ def run_workload(engine, work: Work, label: str = "", optimal_tok_s: float | Non
                                    "put_ms": mean(v, lambda s: s.put_ms),
                                    "dispatch_ms": mean(v, lambda s: s.dispatch_ms)}
                                for k, v in by_kind.items()},
-           # each step in order: its kind, decode tokens, and cycle (host ms + ms blocked on the read: the loop's
-           # period where the GPU is the bound), so a gap between two runs can be placed in the run
+           # each step in order: its kind, decode and prefill tokens, and cycle (host ms + ms blocked on the read:
+           # the loop's period where the GPU is the bound), so a gap between two runs can be placed in the run and
+           # a run's floor (bench/run_floor.py) counts the tokens each step computed
            "per_step": {"kind": kinds,
                         "decode_tokens": [st.decode_tokens for st in engine.trace.steps],
+                        "prefill_tokens": [st.prefill_tokens for st in engine.trace.steps],
                         "cycle_ms": [round(st.host_ms + st.wait_ms, 2) for st in engine.trace.steps]}}
     opt = ""
     if optimal_tok_s:

@@ -4,6 +4,7 @@ for a mixture of experts: a token reads its top-k experts only); several engine
 variants (e.g. Sequential and a NanoFlow plan) and peers side by side in the same call: `--peer hf` (default) the
 HF transformers continuous-batching peer, `--peer vllm` vLLM on the exact requests the engine ran
 (bench/peers/vllm.py; README "Benchmarks" says how it reaches the GPU machine), `--peer hf,vllm` both, `none`.
+Each run also gets its serial floor (bench/run_floor.py): what its own steps allow on this device.
 
 The engine flags are the product's (bench/setup.py), with its defaults; the page table is as wide as the
 longest request unless they size it.
@@ -77,14 +78,19 @@ def run_vllm(args, engine: dict, work_dir: str) -> dict:
 
 def engine_run(args, workloads: list[str]) -> dict:
     """Our engine on every workload (a child process per variant, so the GPU is free again afterwards)."""
-    from bench.common import device_name
+    import jax
+
+    from bench.common import device_name, measure_copy_bandwidth
     from bench.engine_bench import gemm_tflops, longest, run_workload
     from bench.peers.workload_io import stats as workload_stats
+    from bench.run_floor import run_floor
     from bench.setup import bench_engine, config_record, engine_flags, model_config
     from bench.workloads import parse
 
     cfg = model_config(args)
     gemm = gemm_tflops()
+    # the other ceiling of a run's floor (bench/run_floor.py); a small buffer off-GPU, as gemm_tflops does
+    copy = measure_copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 8 << 20)["bytes_per_s"]
     params = cfg.num_active_params()           # = num_params() for a dense model
     optimal = gemm * 1e12 / (2 * params)
     works = {w: parse(w, args.num_requests, cfg.vocab_size, seed=1) for w in workloads}
@@ -93,7 +99,8 @@ def engine_run(args, workloads: list[str]) -> dict:
         os.makedirs(args.workload_dir, exist_ok=True)
         for w, work in works.items():
             write_workload(os.path.join(args.workload_dir, f"{w}.json"), work)
-    print(f"gemm {gemm:.0f} TFLOP/s; optimal {optimal:,.0f} tok/s; compiling...", flush=True)
+    print(f"gemm {gemm:.0f} TFLOP/s; copy {copy / 1e9:,.0f} GB/s; optimal {optimal:,.0f} tok/s; compiling...",
+          flush=True)
     t = time.perf_counter()
     engine = bench_engine(args, context=longest(list(works.values())))
     compile_s = time.perf_counter() - t
@@ -104,8 +111,8 @@ def engine_run(args, workloads: list[str]) -> dict:
           f"{ec.batcher.max_seqs} sequences a step", flush=True)
     temps = engine.runner.largest_temps()
     print("largest program scratch: " + ", ".join(f"{k} {b / 2 ** 30:.2f} GiB" for k, b in temps), flush=True)
-    out = {"device": device_name(), "gemm_tflops": gemm, "params": params, "total_params": cfg.num_params(),
-           "optimal_tok_s": optimal,
+    out = {"device": device_name(), "gemm_tflops": gemm, "copy_bytes_per_s": copy, "params": params,
+           "total_params": cfg.num_params(), "optimal_tok_s": optimal,
            "compile_s": compile_s, "compile_parts_s": {"lower": engine.runner.lower_seconds,
                                                         "compile": engine.runner.compile_seconds,
                                                         "warm_up": engine.warm_up_seconds},
@@ -114,7 +121,15 @@ def engine_run(args, workloads: list[str]) -> dict:
            "config": cfg.to_json(), "engine_args": engine_flags(args), "engine_config": config_record(ec),
            "results": {}, "workloads": {w: workload_stats(work) for w, work in works.items()}}
     for w, work in works.items():
-        out["results"][w] = run_workload(engine, work, w, optimal, temperature=args.temperature, top_p=args.top_p)
+        res = out["results"][w] = run_workload(engine, work, w, optimal, temperature=args.temperature,
+                                               top_p=args.top_p)
+        fl = res["floor"] = run_floor(res["per_step"], work, cfg, ec.cache.kv_dtype, gemm, copy)
+        if fl:
+            print(f"[{w}] floor {fl['floor_s']:.3f} s ({fl['steps']} steps at max(weight read "
+                  f"{fl['weight_read_ms']:.2f} ms, GEMM {fl['gemm_us_per_token']:.2f} us/token) + KV reads "
+                  f"{fl['attention_s']:.3f} s) allows {100 * fl['floor_tok_s'] / optimal:.1f}% of optimal; "
+                  f"any schedule {100 * fl['any_schedule_tok_s'] / optimal:.1f}%; measured "
+                  f"{100 * res['total_tok_s'] / fl['floor_tok_s']:.1f}% of the floor", flush=True)
     return out
 
 
@@ -128,7 +143,9 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
     """Flat summary, table rows and the optimal tok/s used, from each variant's engine result (in the order
     run; the first is the baseline), the HF peer's result per workload and vLLM's (bench/peers/vllm.py's JSON,
     offline mode). % of optimal uses the mean of the GEMM rates the variants measured in this call, so the
-    variants are compared on one ceiling. nfjax_vs_vllm_<workload>: the best variant's tok/s over vLLM's."""
+    variants are compared on one ceiling. nfjax_vs_vllm_<workload>: the best variant's tok/s over vLLM's.
+    floor_pct_optimal_, any_schedule_pct_optimal_ and pct_of_floor_<workload>: the best variant's run floor
+    (bench/run_floor.py) against optimal, and its tok/s against that floor, where its result has one."""
     first = next(iter(ours.values()))
     vllm = vllm or {}
     vdoc = vllm.get("partial_result") or vllm     # a run past its time limit: the workloads it finished
@@ -156,6 +173,11 @@ def summarize(ours: dict[str, dict], peers: dict[str, dict], vllm: dict | None =
         if first.get("config", {}).get("num_experts"):       # e.g. pct_optimal_1024_512_mixtral (#26)
             summary[f"pct_optimal_{key}_{first['config']['model_type']}"] = summary[f"pct_optimal_{key}"]
         summary[f"preemptions_{key}"] = ours[best]["results"][w].get("trace", {}).get("preemptions", 0)
+        floor = ours[best]["results"][w].get("floor")     # absent: older result files; None: MoE
+        if floor:
+            summary[f"floor_pct_optimal_{key}"] = 100 * floor["floor_tok_s"] / optimal
+            summary[f"any_schedule_pct_optimal_{key}"] = 100 * floor["any_schedule_tok_s"] / optimal
+            summary[f"pct_of_floor_{key}"] = 100 * tok[best] / floor["floor_tok_s"]
         for kv in {kv_dtype(o) for o in ours.values()} - {"bfloat16"}:   # #21's keys, e.g. pct_optimal_1024_512_kv_fp8
             t = max(t for v, t in tok.items() if kv_dtype(ours[v]) == kv)
             summary[f"total_tok_s_{key}_kv_{kv}"] = t

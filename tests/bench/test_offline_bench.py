@@ -62,6 +62,21 @@ def test_summarize_keys_per_kv_format():
     assert one["pct_optimal_1024_512_kv_fp8"] == one["pct_optimal_1024_512"]
 
 
+def test_summarize_floor_keys_from_the_best_variant():
+    """bench/run_floor.py's floor of the best variant's run against optimal; none where a result has no floor
+    (an older file, a MoE model)."""
+    ours = {"seq": _engine(700.0, {"1024x512": 100_000.0, "sharegpt": 50_000.0}),
+            "plan": _engine(700.0, {"1024x512": 110_000.0, "sharegpt": 40_000.0})}
+    ours["seq"]["results"]["1024x512"]["floor"] = {"floor_tok_s": 1.0, "any_schedule_tok_s": 1.0}   # not the best
+    ours["plan"]["results"]["1024x512"]["floor"] = {"floor_tok_s": 200_000.0, "any_schedule_tok_s": 300_000.0}
+    ours["seq"]["results"]["sharegpt"]["floor"] = None                                              # MoE
+    s, _, optimal = summarize(ours, {})
+    assert s["floor_pct_optimal_1024_512"] == pytest.approx(100 * 200_000 / optimal)
+    assert s["any_schedule_pct_optimal_1024_512"] == pytest.approx(100 * 300_000 / optimal)
+    assert s["pct_of_floor_1024_512"] == pytest.approx(100 * 110_000 / 200_000)
+    assert not [k for k in s if "floor" in k and "sharegpt" in k]
+
+
 def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
     env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     # the product's defaults for what is not given (on a CPU: buckets 1,16,256, KV pages 512)
@@ -90,9 +105,17 @@ def test_offline_script_runs_variants_and_peer_on_cpu(tmp_path):
         assert {k: per["kind"].count(k) for k in set(per["kind"])} == {
             k: v["steps"] for k, v in res["step_ms_by_kind"].items()}
         assert sum(per["decode_tokens"]) == res["trace"]["decode_tokens"] and min(per["cycle_ms"]) > 0
+        assert len(per["prefill_tokens"]) == len(per["kind"])
+        assert sum(per["prefill_tokens"]) == res["trace"]["prefill_tokens"]
+        fl = res["floor"]                          # bench/run_floor.py on this run's steps
+        assert fl["steps"] == len(per["kind"]) and fl["total_tokens"] == 6 * (64 + 16) and fl["max_out"] == 16
+        assert fl["floor_s"] > 0 and fl["floor_tok_s"] > 0 and fl["any_schedule_tok_s"] > 0
+        assert eng["copy_bytes_per_s"] > 0
     assert data["peers"]["64x16"]["total_tok_s"] > 0
     assert s["vs_hf_transformers_ratio"] == pytest.approx(s["total_tok_s_64_16"] / s["hf_total_tok_s_64_16"])
     assert s["best_variant_64_16"] in ("seq", "nbo") and 0 < s["pct_optimal_64_16"]
+    for k in ("floor_pct_optimal_64_16", "any_schedule_pct_optimal_64_16", "pct_of_floor_64_16"):
+        assert s[k] > 0, k
 
 
 def test_offline_sampled_run_and_its_flag_check(tmp_path, monkeypatch):
