@@ -6,7 +6,8 @@ dequantizer's instructions can be counted on a CPU afterwards.
 
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
-prefetch_pages / k_in_consumer / num_splits / fp8_mma / int8_mma / deq_tiles / row_sums (0 reduce, 1 wgmma) (e.g.
+prefetch_pages / k_in_consumer / num_splits / fp8_mma / int8_mma / deq_tiles / row_sums (0 reduce, 1 wgmma) /
+num_ctas (default the SM count) (e.g.
 int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
 Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
 arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
@@ -32,7 +33,7 @@ from pallas_kernels._mgpu import Ops
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
 KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits", "fp8_mma",
-             "int8_mma", "deq_tiles", "row_sums")
+             "int8_mma", "deq_tiles", "row_sums", "num_ctas")
 ROW_SUMS = ("reduce", "wgmma")          # row_sums=0 / 1
 SKIPS = ("none", "nodeq", "nomma")
 
@@ -88,6 +89,7 @@ class _NoMatmulOps(Ops):
 def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16,
                 live: int | None = None) -> dict:
     fmt, skips, kw = parse_variant(variant)
+    nsm = kw.pop("num_ctas", nsm)       # e.g. two CTAs an SM where their SMEM and registers allow
     _kv_dequant.SKIP_MATH = "none" in skips
     if "nodeq" in skips:                # the dequantizing warpgroups keep their barriers and touch no data
         swapped.dequant_block = lambda *a, **k: None
