@@ -27,6 +27,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import MASK_VALUE
+from pallas_kernels import _score_mma
 LOG2E = math.log2(math.e)
 ROWS = 64                   # wgmma M: query rows per tile (one warpgroup)
 
@@ -83,53 +84,32 @@ class Ops:
     def col_layout(self, x):
         return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0))
 
+    def scores(self, mma: _score_mma.ScoreMMA):
+        """One block's score wgmmas (`_score_mma`) issued and awaited -> [rows, cols] f32."""
+        if self.interpret:
+            return mma.reference().astype(jnp.float32)
+
+        def f(acc_ref):
+            mma.issue(acc_ref)
+            return acc_ref[...]
+        return pl.run_scoped(f, plgpu.ACC(mma.shape, mma.dtype)).astype(jnp.float32)
+
     def kq(self, k_s, q_s):
         """[BKV, D] x [GP, D]^T -> [BKV, GP] f32: cache positions are the wgmma rows (both in SMEM)."""
-        if self.interpret:
-            return jnp.dot(k_s[...], q_s[...].T, preferred_element_type=jnp.float32)
-
-        def f(acc_ref):
-            plgpu.wgmma(acc_ref, k_s, q_s.transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.float32))
+        return self.scores(_score_mma.kq(k_s, q_s))
 
     def kq_parts(self, k_s, q_s, parts: int):
-        """`kq` against a query held as the sum of `parts` row blocks of q_s ([parts * GP, D]), one wgmma a block into
-        one accumulator: an fp8 query split into a high and a low e4m3 part keeps about bfloat16's precision."""
-        gp = q_s.shape[0] // parts
-        if self.interpret:
-            k = k_s[...].astype(jnp.float32)
-            return sum(jnp.dot(k, q_s[i * gp:(i + 1) * gp].astype(jnp.float32).T) for i in range(parts))
-
-        def f(acc_ref):
-            for i in range(parts):
-                plgpu.wgmma(acc_ref, k_s, q_s.at[pl.ds(i * gp, gp)].transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], gp), jnp.float32))
+        """`kq` against a query held as `parts` row blocks of q_s (`_score_mma.kq_parts`)."""
+        return self.scores(_score_mma.kq_parts(k_s, q_s, parts))
 
     def kq_int(self, k_s, q_s):
-        """`kq` on int8 operands (an int8 cache's K codes against the query's int8 parts), exact in an int32
-        accumulator -> [BKV, N] f32."""
-        if self.interpret:
-            return jnp.dot(k_s[...].astype(jnp.int32), q_s[...].astype(jnp.int32).T).astype(jnp.float32)
-
-        def f(acc_ref):
-            plgpu.wgmma(acc_ref, k_s, q_s.transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((k_s.shape[0], q_s.shape[0]), jnp.int32)).astype(jnp.float32)
+        """`kq` on int8 operands, exact in an int32 accumulator -> [BKV, N] f32."""
+        return self.scores(_score_mma.kq_int(k_s, q_s))
 
     def kq_int_regs(self, parts, q_s):
         """`kq_int` with K's codes in registers: sum over parts (c0, codes int8 [BKV, w], 8-bit WGMMA layout) of
         codes @ q_s[:, c0:c0 + w]^T, exact in int32 -> [BKV, N] f32."""
-        if self.interpret:
-            return sum(jnp.dot(k.astype(jnp.int32), q_s[:, c0:c0 + k.shape[1]].astype(jnp.int32).T)
-                       for c0, k in parts).astype(jnp.float32)
-
-        def f(acc_ref):
-            for c0, k in parts:
-                plgpu.wgmma(acc_ref, k, q_s.at[:, pl.ds(c0, k.shape[1])].transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((parts[0][1].shape[0], q_s.shape[0]), jnp.int32)).astype(jnp.float32)
+        return self.scores(_score_mma.kq_regs(parts, q_s, jnp.int32))
 
     def ones_q_int(self, q_s, rows: int):
         """[rows, N] f32 whose every row holds the column sums of q_s's int8 rows (ones @ q^T with the ones as
@@ -141,15 +121,7 @@ class Ops:
     def kq_regs(self, parts, q_s):
         """sum over parts (c0, k [BKV, w] 16-bit, in registers) of k @ q_s[:, c0:c0 + w]^T -> [BKV, GP] f32: `kq` with
         K as wgmma's register operand, one wgmma a column part (`_kv_dequant.dequant_values`)."""
-        if self.interpret:
-            return sum(jnp.dot(k, q_s[:, c0:c0 + k.shape[1]].T, preferred_element_type=jnp.float32)
-                       for c0, k in parts)
-
-        def f(acc_ref):
-            for c0, k in parts:
-                plgpu.wgmma(acc_ref, k, q_s.at[:, pl.ds(c0, k.shape[1])].transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
+        return self.scores(_score_mma.kq_regs(parts, q_s))
 
     def vp(self, acc, p, v_s, p_s):
         """acc + v^T @ p with acc [D, GP] f32, p [BKV, GP] (16-bit, registers), v [BKV, D] in SMEM. On the GPU
@@ -178,6 +150,23 @@ class Ops:
             plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
             plgpu.wgmma(sums_ref, ones, p_s.transpose((1, 0)))
         return pl.run_state(f)((plgpu.ACC.init(acc), plgpu.ACC.init(sums)))
+
+    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma: _score_mma.ScoreMMA):
+        """`vp_and_sums` with the next block's score wgmmas (`mma`) issued behind them and one wait for all three:
+        -> (acc, sums, the next block's scores f32). The pipelined consumer's step (paged_decode_swapped.py)."""
+        if self.interpret:
+            return (*self.vp_and_sums(acc, sums, p, v_s, p_s, ones), self.scores(mma))
+        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+
+        def f(refs):
+            acc_ref, sums_ref, s_ref = refs
+            plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
+            plgpu.wgmma(sums_ref, ones, p_s.transpose((1, 0)))
+            mma.issue(s_ref)
+        zeros = self.wgmma_layout(jnp.zeros(mma.shape, mma.dtype))
+        acc, sums, s = pl.run_state(f)((plgpu.ACC.init(acc), plgpu.ACC.init(sums), plgpu.ACC.init(zeros)))
+        return acc, sums, s.astype(jnp.float32)
 
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""

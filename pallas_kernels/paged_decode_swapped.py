@@ -22,7 +22,6 @@ ones @ P^T (`row_sums`), which needs no such reduction per block. P^T is stored 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -32,59 +31,19 @@ from jaxtyping import Array, Float, Int
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels._compat import mosaic_gpu_interpret_params, num_sms
+from pallas_kernels._compat import mosaic_gpu_interpret_params
 from pallas_kernels import MASK_VALUE, kv_quant
 from pallas_kernels import _int_scores as int_scores
+from pallas_kernels import _score_mma as score_mma
 from pallas_kernels._mgpu import LOG2E, Ops, bcast_rows, compiler_params, block_pages, copy_kv_pages
-from pallas_kernels._kv_dequant import Dequant, aux_columns, cache_format, dequant_block, dequant_values, load_rows, \
+from pallas_kernels._kv_dequant import Dequant, aux_columns, dequant_block, dequant_values, load_rows, \
     pair_columns
 from pallas_kernels.paged_decode_attention import item_coords, store_partial
 from pallas_kernels._swapped_operands import finish, out_types, prepare
+from pallas_kernels._swapped_options import INT8_MMA_FORMATS, kernel_options
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
-# A quantized cache's dequantizing warpgroups when a call names none, per format: None = 2 over an even number of
-# stages, else 1; 0 = the consumer dequantizes (the first version). H100, decode at 4k context, batch 64 / 256, of
-# the copy rate on the bytes read (attention_kv-v2-20261124.json against attention_kv-v1): int4 0.24 / 0.29 with
-# two dequantizers against 0.16 / 0.17 in the consumer. fp8 depends on the batch (kv_fp8_wgs-repeat-20261125.json,
-# three repeats in one process): one dequantizer 1.03-1.05 ms against the consumer's 1.33-1.38 at batch 256, but
-# 0.80-1.11 against 0.53-0.58 at batch 64 (not understood); so fp8 takes one from FP8_DEQUANT_MIN_WORK work items
-# (sequences x KV heads; batch 256 at 8 KV heads) and the consumer's path below. int8 (not measured yet) takes int4's
-# choice: its dequantizing is int4's integer ops and FMA, a group at a time; its stages (fp8's size) fit two deep.
-DEQUANT_WGS: dict[str, int | None] = {"fp8": 0, "int8": None, "int4": None}
-FP8_DEQUANT_MIN_WORK = 2048
-
-
-# K dequantized by the consumer into wgmma's register operand (the dequantizers do V alone), for the formats whose
-# two dequantizers bound the kernel: batch 256, 4k context, 16-position pages on an H200, best of two, int8 1.45 ->
-# 1.11 ms (4 stages; 1.16 at 2), int4 1.43 -> 1.24; fp8 0.93 -> 1.00 (its one dequantizer is not the bound). Reading
-# the page ids before the stage wait: fp8 0.93 -> 0.91, int8 1.45 -> 1.42 (bench/results/dequant_kic-20261128.json).
-K_IN_CONSUMER = ("int8", "int4")
-# fp8's K read by fp8 wgmmas against the query's two e4m3 parts, undequantized (`attention_kernel`'s fp8_mma), with
-# one dequantizer for V: H200, context 1,280, kernel ms against the dequantizing path's default, batch 64 0.074 vs
-# 0.109, batch 256 0.256 vs 0.288 (0.69 of copy against 0.61), error against the reference 0.0029 vs 0.0054 /
-# 0.0019 (bench/results/fp8mma-fix-20261129.json); fp8 at 1024/512 end to end 24,755 tok/s against 23,202.
-FP8_MMA = True
-# int8's K codes read by int8 wgmmas against the query's int8 parts (`attention_kernel`'s int8_mma), V by two
-# dequantizers: H200, context 1,280, kernel ms against K dequantized in the consumer, batch 256 0.279 vs 0.356 (0.63
-# of copy against 0.49), batch 64 0.078 vs 0.099; error against the reference 0.0018 vs 0.0017 (one dequantizer:
-# 0.296 / 0.083; bench/results/int8mma-20261129.json).
-INT8_MMA = True
-# int4's K codes the same way, unpacked into int8 registers (head_dim 128: int8 register operands need 64-byte
-# swizzled query tiles), V by two dequantizers: H200, context 4,096, kernel ms against K dequantized in the consumer,
-# batch 256 0.757 vs 1.187 (0.39 of copy against 0.25), batch 64 0.204 vs 0.305 (one dequantizer: 0.866 / 0.228);
-# error against the reference unchanged, 0.0017 (bench/results/int4mma-20261129.json).
-INT4_MMA = True
-INT8_MMA_FORMATS = ("int8", "int4")
-
-
-def default_dequant_wgs(fmt: str, work_items: int) -> int | None:
-    """The dequantizing warpgroups of a call that names none (see DEQUANT_WGS)."""
-    if fmt == "fp8" and work_items >= FP8_DEQUANT_MIN_WORK:
-        return 1
-    return DEQUANT_WGS.get(fmt)
-
-
 def _cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
@@ -101,7 +60,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
                      kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
                      k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False,
-                     qscale_hbm=None):
+                     qscale_hbm=None, pipeline: bool = False):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -134,7 +93,15 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
     `int8_mma` (int8 or int4, with `k_in_consumer`): the same for a grouped cache's K codes (int8's as stored, int4's
     unpacked into registers) in int8 wgmmas against the query's int8 parts, each group's scale and center applied to
-    its scores (pallas_kernels/_int_scores.py)."""
+    its scores (pallas_kernels/_int_scores.py).
+
+    `pipeline` (with the wgmma row sums; not with K tiles from the dequantizers): each block's score wgmmas are
+    issued behind the block before's P V^T and its sums, with one wait for all three (FlashAttention-3's
+    intra-warpgroup overlap): the consumer's chain loses a wgmma round trip a block, and the next block's K work
+    (its aux rows, int4's unpacking) runs while the P V^T is in flight."""
+    if pipeline and (row_sums != "wgmma" or (dequant_wgs and kv_format != "bfloat16" and not k_in_consumer)):
+        raise ValueError("pipeline takes the wgmma row sums, and K in the consumer on a cache with dequantizers; got "
+                         f"row_sums={row_sums!r}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
     if fp8_mma and not (k_in_consumer and kv_format == "fp8"):
         raise ValueError("fp8_mma reads an fp8 cache's K with k_in_consumer's stage handling")
     if int8_mma and not (k_in_consumer and kv_format in INT8_MMA_FORMATS):
@@ -208,39 +175,35 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         by_wgmma = row_sums == "wgmma"
         ones = ops.wgmma_layout(jnp.ones((SUM_ROWS, block_kv), cd)) if by_wgmma else None
 
-        def step(g, tok0, kv_hi, q, c, carry, masked: bool, qsums=None):
-            acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
+        def k_scores(g, q, c, qsums, live=None):
+            """Block g's K up to its score wgmmas: (the wgmmas, raw scores -> scores times c). `live` (pipelined:
+            whether block g exists in this item): its waits and the K stage's release only then; otherwise the
+            wgmmas read a stage nobody filled and their scores are dropped."""
             slot = lax.rem(g, num_stages)
+            when = (lambda f: f()) if live is None else pl.when(live)
+            when(lambda: plgpu.barrier_wait(k_bar.at[slot]))
+            if not k_in_consumer:               # a bfloat16 cache: K's stage as it arrived
+                return score_mma.kq(dq.k(k_s.at[slot], dq.rows(slot)), q), lambda raw: raw * c
+            k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
+            if fp8_mma:                         # K's stage straight into the wgmmas; its scale on the score rows
+                return (score_mma.kq_parts(k_s.at[slot], q, 2),
+                        lambda raw: raw * bcast_rows(k_rows[k_cols[0]], raw.shape) * c)
+            if int8_mma:                        # x = (code + 0.5) scale + center per group of K's columns
+                codes = int_scores.INT4_CODES if kv_format == "int4" else int_scores.INT8_CODES
+                mma = (score_mma.kq_regs(int_scores.int4_codes(k_s.at[slot], interpret), q, jnp.int32)
+                       if kv_format == "int4" else score_mma.kq_int(k_s.at[slot], q))   # [BKV, 2 G GP]
+                return mma, lambda raw: int_scores.scores(raw, k_rows, k_pairs, qsums, gp, codes) * c
+            parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)   # K in registers
+            return score_mma.kq_regs(parts, q), lambda raw: raw * c
+
+        def release_k(g, live=None):
+            """K's stage read (k_in_consumer: V's dequantizer makes the stage's other arrival)."""
             if k_in_consumer:
-                dslot = lax.rem(g, nt)
-                plgpu.barrier_wait(k_bar.at[slot])
-                k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
-                if fp8_mma:                     # K's stage straight into the wgmmas; its scale on the score rows
-                    s = ops.kq_parts(k_s.at[slot], q, 2)
-                    plgpu.barrier_arrive(consumed.at[slot])             # K was read; V's arrival is next
-                    s = s * bcast_rows(k_rows[k_cols[0]], s.shape) * c
-                elif int8_mma:                  # x = (code + 0.5) scale + center per group of K's columns
-                    if kv_format == "int4":
-                        s_all = ops.kq_int_regs(int_scores.int4_codes(k_s.at[slot], interpret), q)
-                    else:
-                        s_all = ops.kq_int(k_s.at[slot], q)             # [BKV, 2 G GP]: hi, then lo blocks
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    s = int_scores.scores(s_all, k_rows, k_pairs, qsums, gp, int_scores.INT4_CODES
-                                          if kv_format == "int4" else int_scores.INT8_CODES) * c
-                else:
-                    parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)
-                    plgpu.barrier_arrive(consumed.at[slot])             # K is in registers; V's arrival is next
-                    s = ops.kq_regs(parts, q) * c                             # [BKV, GP]
-            elif quantized:
-                dslot = lax.rem(g, nt)
-                plgpu.barrier_wait(deq_ready.at[dslot])
-                kt, vt = k_deq.at[dslot], v_deq.at[dslot]
-            else:
-                plgpu.barrier_wait(k_bar.at[slot])
-                rows = dq.rows(slot)
-                kt = dq.k(k_s.at[slot], rows)
-            if not k_in_consumer:
-                s = ops.kq(kt, q) * c                                         # [BKV, GP]
+                arrive = lambda: plgpu.barrier_arrive(consumed.at[lax.rem(g, num_stages)])
+                arrive() if live is None else pl.when(live)(arrive)
+
+        def softmax(g, tok0, kv_hi, s, carry, masked: bool):
+            acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
                 s = jnp.where(tok < kv_hi, s, MASK_VALUE)
@@ -248,21 +211,48 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _cols(m_new, s.shape))
             acc = acc * _cols(alpha, acc.shape)
-            if k_in_consumer:
-                plgpu.barrier_wait(deq_ready.at[dslot])
+            l = l * _cols(alpha, l.shape) if by_wgmma else l * alpha + p.sum(axis=0)
+            slot, dslot = lax.rem(g, num_stages), lax.rem(g, nt) if quantized else None
+            if quantized:               # (without k_in_consumer `step` waited for both tiles before K's wgmma)
+                if k_in_consumer:
+                    plgpu.barrier_wait(deq_ready.at[dslot])
                 vt = v_deq.at[dslot]
-            elif not quantized:
-                plgpu.barrier_wait(v_bar.at[slot])
-                vt = dq.v(v_s.at[slot], rows)
-            if by_wgmma:
-                l = l * _cols(alpha, l.shape)
-                acc, l = ops.vp_and_sums(acc, l, p.astype(cd), vt, p_s, ones)
             else:
-                l = l * alpha + p.sum(axis=0)
-                acc = ops.vp(acc, p.astype(cd), vt, p_s)
-            # both wgmmas on this slot (tile buffer) are complete
-            plgpu.barrier_arrive(deq_free.at[dslot] if quantized else consumed.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                vt = dq.v(v_s.at[slot], dq.rows(slot))
+            return acc, m_new, l, p.astype(cd), vt
+
+        def release_v(g):
+            """Both wgmmas on block g's V (its tile buffer, or its stage) are complete."""
+            plgpu.barrier_arrive(deq_free.at[lax.rem(g, nt)] if quantized else consumed.at[lax.rem(g, num_stages)])
+
+        def step(g, tok0, kv_hi, q, c, carry, masked: bool, qsums=None):
+            if quantized and not k_in_consumer:
+                dslot = lax.rem(g, nt)
+                plgpu.barrier_wait(deq_ready.at[dslot])
+                s = ops.kq(k_deq.at[dslot], q) * c                        # [BKV, GP]
+            else:
+                mma, post = k_scores(g, q, c, qsums)
+                s = post(ops.scores(mma))
+                release_k(g)
+            acc, m_new, l, p, vt = softmax(g, tok0, kv_hi, s, carry, masked)
+            if by_wgmma:
+                acc, l = ops.vp_and_sums(acc, l, p, vt, p_s, ones)
+            else:
+                acc = ops.vp(acc, p, vt, p_s)
+            release_v(g)
             return acc, m_new, l
+
+        def piped_step(g, tok0, kv_hi, q, c, carry, masked: bool, qsums, has_next):
+            """`step` with block g's scores carried in from the step before, and block g + 1's score wgmmas issued
+            behind its P V^T, one wait for all (`Ops.vp_sums_then`)."""
+            *carry, s = carry
+            acc, m_new, l, p, vt = softmax(g, tok0, kv_hi, s, tuple(carry), masked)
+            mma, post = k_scores(g + 1, q, c, qsums, live=has_next)
+            acc, l, raw = ops.vp_sums_then(acc, l, p, vt, p_s, ones, mma)
+            release_k(g + 1, live=has_next)
+            release_v(g)
+            return acc, m_new, l, post(raw)
 
         def item(k, g):
             w = pid + k * num_ctas
@@ -277,12 +267,21 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
                  else ops.col_layout(jnp.zeros((gp,), jnp.float32)))
             n_free = jnp.clip(lax.div(jnp.maximum(kv_hi - kv_lo, 0), block_kv), 0, n_blk)   # no mask needed
-            carry = lax.fori_loop(0, n_free,
-                                  lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, False, qsums),
-                                  (acc, m, l))
-            acc, m, l = lax.fori_loop(n_free, n_blk,
-                                      lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, True, qsums),
-                                      carry)
+            if pipeline:
+                mma, post = k_scores(g, q, ci, qsums, live=n_blk > 0)          # the item's first block
+                s = post(ops.scores(mma))
+                release_k(g, live=n_blk > 0)
+
+                def body(masked):
+                    return lambda i, cr: piped_step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr, masked, qsums,
+                                                    i + 1 < n_blk)
+                carry = lax.fori_loop(0, n_free, body(False), (acc, m, l, s))
+                acc, m, l, _ = lax.fori_loop(n_free, n_blk, body(True), carry)
+            else:
+                carry = lax.fori_loop(0, n_free, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q, ci, cr,
+                                                                    False, qsums), (acc, m, l))
+                acc, m, l = lax.fori_loop(n_free, n_blk, lambda i, cr: step(g + i, kv_lo + i * block_kv, kv_hi, q,
+                                                                            ci, cr, True, qsums), carry)
             plgpu.barrier_arrive(q_free.at[qslot])
             if by_wgmma:
                 l = l.max(axis=0)                           # every row holds the sums: one reduction per item
@@ -325,85 +324,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         pl.when(wg == 2 + j)(functools.partial(dequantizer, j))
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelOptions:
-    """How `attention_kernel` reads a cache, resolved from a call's options (None: the defaults above)."""
-    fmt: str
-    num_stages: int
-    row_sums: str
-    dequant_wgs: int
-    prefetch_pages: bool
-    k_in_consumer: bool
-    fp8_mma: bool
-    int8_mma: bool
-
-    @property
-    def query_parts(self) -> bool:
-        """The query goes in as parts with their scales, one more input after the cache's (`prepare`)."""
-        return self.fp8_mma or self.int8_mma
-
-    def prepare_kwargs(self) -> dict:
-        return dict(num_stages=self.num_stages, dequant_wgs=self.dequant_wgs, k_in_consumer=self.k_in_consumer,
-                    fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)
-
-    def kernel_kwargs(self) -> dict:
-        return dict(row_sums=self.row_sums, kv_format=self.fmt, dequant_wgs=self.dequant_wgs,
-                    prefetch_pages=self.prefetch_pages, k_in_consumer=self.k_in_consumer, fp8_mma=self.fp8_mma,
-                    int8_mma=self.int8_mma)
-
-
-def kernel_options(q, k_cache, aux_cache, *, num_ctas: int, num_stages: int | None = None,
-                   row_sums: str | None = None, dequant_wgs: int | None = None,
-                   prefetch_pages: bool | None = None, k_in_consumer: bool | None = None,
-                   fp8_mma: bool | None = None, int8_mma: bool | None = None) -> KernelOptions:
-    """`paged_decode_attention_swapped`'s options resolved (its docstring), for it and for the fused kernel that
-    runs `attention_kernel` beside a GEMM (attention_beside_gemm.py)."""
-    share = num_ctas <= 0.6 * num_sms()
-    fmt = cache_format(k_cache, aux_cache)
-    lets_kernel_choose = dequant_wgs != 0 and k_in_consumer is not False
-    if fp8_mma is None:             # the default where the call leaves the dequantizing to the kernel
-        fp8_mma = FP8_MMA and fmt == "fp8" and lets_kernel_choose
-    if int8_mma is None:
-        int8_mma = lets_kernel_choose and ((INT8_MMA and fmt == "int8") or (INT4_MMA and fmt == "int4"
-                                                                           and q.shape[2] == 128))
-    for name, on, want in (("fp8_mma", fp8_mma, ("fp8",)), ("int8_mma", int8_mma, INT8_MMA_FORMATS)):
-        if on and (fmt not in want or not lets_kernel_choose):
-            raise ValueError(f"{name} reads an {' or '.join(want)} cache with dequantizers for V and K in the "
-                             f"consumer; got {fmt}, dequant_wgs={dequant_wgs}, k_in_consumer={k_in_consumer}")
-    if int8_mma and fmt == "int4" and q.shape[2] != 128:
-        raise ValueError(f"int8_mma on an int4 cache needs head_dim 128 (int8 register operands take 64-byte "
-                         f"swizzled query tiles), got {q.shape[2]}")
-    if fp8_mma or int8_mma:
-        k_in_consumer = True
-        # fp8's V takes one dequantizer; int8's and int4's two (int8mma-, int4mma-20261129.json) where the stages
-        # pair up, so theirs is left to the stage count below
-        dequant_wgs = dequant_wgs or (1 if fp8_mma else None)
-    nd = default_dequant_wgs(fmt, q.shape[0] * k_cache.shape[3]) if dequant_wgs is None else dequant_wgs
-    beside = aux_cache is not None and nd != 0
-    if k_in_consumer is None:
-        k_in_consumer = beside and fmt in K_IN_CONSUMER
-    if prefetch_pages is None:
-        prefetch_pages = aux_cache is not None
-    if num_stages is None:
-        # dequantizers: the f16 tiles take 128 KB of SMEM (64 KB with K in the consumer); int4's stages (18 KB at
-        # head_dim 128) fit four deep
-        num_stages = (4 if k_cache.dtype == jnp.uint8 or k_in_consumer else 2) if beside else 3 if share else 2
-    if aux_cache is None:
-        nd = 0
-    elif nd is None:
-        nd = 2 if num_stages % 2 == 0 else 1
-    if row_sums is None:
-        # with K read by wgmmas the consumer's chain bounds the rate on all SMs too (a fixed ~0.5 us a block, from
-        # block_kv 64 against 128): fp8 at batch 256, context 1,280, H200, 0.254 -> 0.242 ms with the wgmma sums
-        # (bench/results/fp8knobs-20261129.json)
-        row_sums = "wgmma" if share or fp8_mma or int8_mma else "reduce"
-    return KernelOptions(fmt, num_stages, row_sums, nd, bool(prefetch_pages), bool(k_in_consumer), bool(fp8_mma),
-                         bool(int8_mma))
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles"), inline=True)
+                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles", "pipeline"),
+                   inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
                                    page_table: Int[Array, "B P"], seq_lens: Int[Array, "B"], *, scale: float,
@@ -413,15 +337,16 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    dequant_wgs: int | None = None, prefetch_pages: bool | None = None,
                                    k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
                                    int8_mma: bool | None = None, deq_tiles: int = 2,
-                                   live_rows: Int[Array, ""] | None = None) -> Float[Array, "B H D"]:
+                                   live_rows: Int[Array, ""] | None = None,
+                                   pipeline: bool | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
     most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
     `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
     on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
     another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
     `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
-    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`), by default over 2 stages (fp8, int8; the f16 tiles
-    take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
+    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`; the defaults named here are _swapped_options.py's), by
+    default over 2 stages (fp8, int8; the f16 tiles take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
     `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
     fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
     are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
@@ -429,10 +354,11 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
     least one dequantizer. `int8_mma` (int8 or int4; None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K
     codes. `deq_tiles`: the dequantizers' tile buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks,
-    the dequantizer then waiting for the consumer's release of each tile)."""
+    the dequantizer then waiting for the consumer's release of each tile). `pipeline` (None: `PIPELINE` where it
+    applies): each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`)."""
     o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
                        dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
-                       fp8_mma=fp8_mma, int8_mma=int8_mma)
+                       fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline)
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      aux_cache=aux_cache, deq_tiles=deq_tiles, **o.prepare_kwargs())
     params = jnp.asarray(layer, jnp.int32).reshape(1)

@@ -7,7 +7,7 @@ dequantizer's instructions can be counted on a CPU afterwards.
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
 prefetch_pages / k_in_consumer / num_splits / fp8_mma / int8_mma / deq_tiles / row_sums (0 reduce, 1 wgmma) /
-num_ctas (default the SM count) (e.g.
+num_ctas (default the SM count) / pipeline (e.g.
 int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
 Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
 arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
@@ -33,7 +33,7 @@ from pallas_kernels._mgpu import Ops
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
 KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits", "fp8_mma",
-             "int8_mma", "deq_tiles", "row_sums", "num_ctas")
+             "int8_mma", "deq_tiles", "row_sums", "num_ctas", "pipeline")
 ROW_SUMS = ("reduce", "wgmma")          # row_sums=0 / 1
 SKIPS = ("none", "nodeq", "nomma")
 
@@ -64,26 +64,17 @@ def parse_variant(variant: str) -> tuple[str, frozenset, dict]:
 class _NoMatmulOps(Ops):
     """The swapped kernel's consumer without its wgmmas: scores of zeros, the accumulators passed through."""
 
-    def kq(self, k_s, q_s):
-        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0]), jnp.float32))
-
-    def kq_regs(self, parts, q_s):
-        return self.wgmma_layout(jnp.zeros((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
-
-    def kq_int(self, k_s, q_s):
-        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0]), jnp.float32))
-
-    def kq_int_regs(self, parts, q_s):
-        return self.wgmma_layout(jnp.zeros((parts[0][1].shape[0], q_s.shape[0]), jnp.float32))
-
-    def kq_parts(self, k_s, q_s, parts):
-        return self.wgmma_layout(jnp.zeros((k_s.shape[0], q_s.shape[0] // parts), jnp.float32))
+    def scores(self, mma):
+        return self.wgmma_layout(jnp.zeros(mma.shape, jnp.float32))
 
     def vp(self, acc, p, v_s, p_s):
         return acc
 
     def vp_and_sums(self, acc, sums, p, v_s, p_s, ones):
         return acc, sums
+
+    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma):
+        return acc, sums, self.scores(mma)
 
 
 def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16,

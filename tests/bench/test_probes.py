@@ -180,14 +180,15 @@ def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
     assert parse_variant("fp8") == ("fp8", frozenset(), {})
     assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", {"none"}, {"block_kv": 64, "num_stages": 4})
     assert parse_variant("int4:nodeq+nomma") == ("int4", {"nodeq", "nomma"}, {})
+    assert parse_variant("int4@pipeline=1+num_ctas=264") == ("int4", frozenset(), {"pipeline": 1, "num_ctas": 264})
     for bad in ("int8:xor", "int8@stages=4", "int4@block_kv=x"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
 
 
 def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
-    """The probe's `nomma` skip replaces each of the consumer's matmul entry points (kq, K in registers, fp8's two
-    query parts, vp): the kernel runs through in interpret mode, and with no P V product every output is 0."""
+    """The probe's `nomma` skip replaces each of the consumer's matmul entry points (the score wgmmas, vp, and the
+    pipelined consumer's both at once): the kernel runs through in interpret mode, and with no P V product every output is 0."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -200,7 +201,8 @@ def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
     real = sw.Ops
     try:
         sw.Ops = dequant_sass._NoMatmulOps
-        for kw in ({"fp8_mma": True}, {"fp8_mma": False, "k_in_consumer": True, "dequant_wgs": 1, "num_stages": 4}):
+        for kw in ({"fp8_mma": True}, {"fp8_mma": False, "k_in_consumer": True, "dequant_wgs": 1, "num_stages": 4},
+                   {"fp8_mma": True, "pipeline": True, "row_sums": "wgmma"}):
             out = sw.paged_decode_attention_swapped(*args, scale=0.125, num_ctas=2, block_kv=64, interpret=True,
                                                     aux_cache=aux, **kw)
             assert np.all(np.asarray(out, np.float32) == 0)

@@ -230,3 +230,41 @@ def test_fused_kernel_reads_the_cache_as_the_decode_kernel_does(fmt, d, parts):
     assert o.dequant_wgs == (0 if aux is None else 1) and o.k_in_consumer == (aux is not None)
     assert o.row_sums == "wgmma" and o.num_stages % max(o.dequant_wgs, 1) == 0
     assert kernel_options(q, cache, aux, num_ctas=33, dequant_wgs=0).query_parts is False
+
+
+@pytest.mark.parametrize("fmt,ps,d,stages,nd,kw", [("bfloat16", 16, 128, 3, 0, {}),
+                                                   ("fp8", 16, 128, 4, 1, {"fp8_mma": True}),
+                                                   ("int8", 64, 128, 2, 2, {"int8_mma": True}),
+                                                   ("int4", 16, 128, 4, 2, {"int8_mma": True}),
+                                                   ("int4", 16, 64, 4, 1, {"k_in_consumer": True}),
+                                                   ("int8", 16, 128, 3, 0, {})])
+def test_swapped_decode_pipelined(paged_case, fmt, ps, d, stages, nd, kw):
+    """pipeline: each block's score wgmmas issued behind the block before's P V^T, the scores carried to the next
+    step; an item's last step issues them on a stage nobody filled and drops them (lens 1 and 2 x 64 + 5 end
+    inside a block, 3 x 16 - 1 at 16-position pages inside one). bf16, K read by fp8 / int8 wgmmas, K dequantized
+    into registers, and the consumer dequantizing both (nd 0)."""
+    _check_swapped(paged_case, fmt, ps, 4, d, 64, 2, 3, stages, nd, pipeline=True, **kw)
+
+
+def test_pipeline_refuses_the_dequantizers_k_tiles_and_reduced_sums(paged_case):
+    with pytest.raises(ValueError, match="pipeline takes the wgmma row sums"):
+        _check_swapped(paged_case, "fp8", 16, 4, 128, 64, 2, 3, 2, 1, pipeline=True, fp8_mma=False,
+                       k_in_consumer=False)
+    with pytest.raises(ValueError, match="pipeline takes the wgmma row sums"):
+        _check_swapped(paged_case, "bfloat16", 16, 8, 128, 64, 2, 3, 3, 0, pipeline=True)     # g 8: reduced sums
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int8", "int4"])
+def test_pipelined_swapped_decode_lowers_for_gpu(fmt):
+    """The pipelined consumer's three wgmma accumulators in one wait (f32, f32, and f32 or int32) build for the GPU,
+    with the formats' default K paths."""
+    sds = jax.ShapeDtypeStruct
+    if fmt == "bfloat16":
+        cache, aux = sds((2, 4096, 16, 8, 128), jnp.bfloat16), None
+    else:
+        cache, aux = _cache_types(fmt, 16, 128)
+    dec = (sds((256, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((256, 80), jnp.int32),
+           sds((256,), jnp.int32))
+    text = paged_decode_attention_swapped.trace(*dec, scale=0.1, aux_cache=aux, pipeline=True,
+                                                row_sums="wgmma").lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
