@@ -111,6 +111,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         raise ValueError(f"row_sums={row_sums!r}: one of {ROW_SUMS}")
     ops = Ops(interpret)
     num_stages, block_kv, _ = k_s.shape
+    if pipeline and num_stages < 2:     # the next block's K must arrive while this block still holds its stage
+        raise ValueError(f"pipeline needs at least 2 stages, got {num_stages}")
     ng = q_s.shape[2] // kv_quant.GROUP if int8_mma else 1         # int8_mma: the query's groups
     gp = q_s.shape[1] // (2 * ng if int8_mma else 2 if fp8_mma else 1)
     nd = dequant_wgs if kv_format != "bfloat16" else 0

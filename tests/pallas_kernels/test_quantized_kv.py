@@ -252,6 +252,8 @@ def test_pipeline_refuses_the_dequantizers_k_tiles_and_reduced_sums(paged_case):
                        k_in_consumer=False)
     with pytest.raises(ValueError, match="pipeline takes the wgmma row sums"):
         _check_swapped(paged_case, "bfloat16", 16, 8, 128, 64, 2, 3, 3, 0, pipeline=True)     # g 8: reduced sums
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        _check_swapped(paged_case, "bfloat16", 16, 4, 128, 64, 2, 3, 1, 0, pipeline=True)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int8", "int4"])
