@@ -184,8 +184,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             slot = lax.rem(g, num_stages)
             when = (lambda f: f()) if live is None else pl.when(live)
             when(lambda: plgpu.barrier_wait(k_bar.at[slot]))
-            if not k_in_consumer:               # a bfloat16 cache: K's stage as it arrived
-                return score_mma.kq(dq.k(k_s.at[slot], dq.rows(slot)), q), lambda raw: raw * c
+            if not k_in_consumer:               # bf16: K's stage as it arrived; nd 0: dequantized here into a tile
+                return score_mma.kq(dq.k(k_s.at[slot], dq.rows(slot, "k")), q), lambda raw: raw * c
             k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
             if fp8_mma:                         # K's stage straight into the wgmmas; its scale on the score rows
                 return (score_mma.kq_parts(k_s.at[slot], q, 2),
@@ -221,7 +221,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 vt = v_deq.at[dslot]
             else:
                 plgpu.barrier_wait(v_bar.at[slot])
-                vt = dq.v(v_s.at[slot], dq.rows(slot))
+                vt = dq.v(v_s.at[slot], dq.rows(slot, "v"))
             return acc, m_new, l, p.astype(cd), vt
 
         def release_v(g):
