@@ -399,6 +399,9 @@ class ExecutionConfig:
     # XLA's rematerialization pass, off by default: it misreads the in-place KV pool as twice its size and recomputes
     # what it can to fit (nfjax/compat.py NO_REMAT; neutral end to end). True: XLA's default pipeline (A/B).
     xla_remat: bool = False
+    # Lower each Pallas kernel once a process and reuse it in every program that calls it the same way
+    # (pallas_kernels/_lowering_cache.py: the host's lowering, measured on the CPU; opt-in until timed on a GPU).
+    kernel_lowering_cache: bool = False
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

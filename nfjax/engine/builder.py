@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--xla-remat", dest="xla_remat", action="store_const", const=True, default=None,
                    help="keep XLA's rematerialization pass in the step programs (for comparison; off by default: it "
                         "counts the in-place KV pool twice and recomputes values to fit)")
+    g.add_argument("--kernel-lowering-cache", dest="kernel_lowering_cache", action="store_const", const=True,
+                   default=None, help="lower each Pallas kernel once and reuse it in every program calling it the "
+                                      "same way (a shorter build; off by default until timed on a GPU)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -137,7 +140,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
          "layers_per_program": "execution",
          "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution",
-         "xla_remat": "execution",
+         "xla_remat": "execution", "kernel_lowering_cache": "execution",
          "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 

@@ -116,3 +116,8 @@ def test_compile_cache_flag_is_an_execution_setting():
 def test_xla_remat_flag_is_an_execution_setting():
     assert overrides_from_args(_parse("--xla-remat")) == {"execution": {"xla_remat": True}}
     assert engine_config(TINY, overrides_from_args(_parse())).execution.xla_remat is False
+
+
+def test_kernel_lowering_cache_flag_is_an_execution_setting():
+    assert overrides_from_args(_parse("--kernel-lowering-cache")) == {"execution": {"kernel_lowering_cache": True}}
+    assert engine_config(TINY, overrides_from_args(_parse())).execution.kernel_lowering_cache is False

@@ -153,6 +153,26 @@ def test_rematerialization_pass_off_unless_asked():
     assert off.generate(prompt, params)[0].token_ids == on.generate(prompt, params)[0].token_ids
 
 
+def test_kernel_lowering_cache_is_turned_on_by_its_setting():
+    """`kernel_lowering_cache=True` wraps the Pallas kernels' lowering before the engine's programs are lowered
+    (on a CPU no program calls a Mosaic GPU kernel, so the tokens are the plain engine's)."""
+    from nfjax.config import ExecutionConfig, BatcherConfig
+    from pallas_kernels import _lowering_cache
+    from tests.engine.conftest import make_engine
+    cache, batcher = CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=16), BatcherConfig(token_buckets=(32,),
+                                                                                                  max_seqs=4)
+    _lowering_cache.disable()
+    try:
+        plain = make_engine(cache, batcher)
+        assert not _lowering_cache.stats()["enabled"]
+        cached = make_engine(cache, batcher, execution=ExecutionConfig(kernel_lowering_cache=True))
+        assert _lowering_cache.stats()["enabled"]
+        params = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
+        assert plain.generate("lowering", params)[0].token_ids == cached.generate("lowering", params)[0].token_ids
+    finally:
+        _lowering_cache.disable()
+
+
 def test_step_inputs_staged_in_the_same_buffers():
     """Every step of a bucket reads its inputs from the same device buffers (the staging copy writes over the
     donated previous ones), and the tokens equal those of an engine that hands each step fresh buffers."""
