@@ -19,6 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import kv_quant
 from pallas_kernels._mgpu import bcast_rows
 
+
 def _part_sum(t, g: int, gp: int, ng: int):
     """hi + lo / 254 of group g from a [rows, 2 G GP] result of the parts' layout."""
     return t[:, g * gp:(g + 1) * gp] + t[:, (ng + g) * gp:(ng + g + 1) * gp] * (1.0 / kv_quant.INT8_LO)

@@ -8,9 +8,9 @@ int4 engine. Here JAX's `lower_pipelined_jaxpr_to_module` (90% of a kernel's low
 keyed by the kernel's printed jaxpr, grid mapping, meshes and compiler and cost parameters; it holds the Mosaic
 module as MLIR bytecode, which each later program parses into its own context. On the CPU host, cross-lowering
 for CUDA: 8 programs with the decode and prefill kernels in 8.5 -> 3.3 s (bf16) and 13.9 -> 7.0 s (int4), each
-program's lowered text the same as without the cache (`python -m bench.probes.lowering_cache --formats bfloat16,int4 --programs 8
---prefill`). Not yet run on a GPU, hence opt-in. Where this JAX lacks the function or its result type, `enable`
-leaves lowering as it is and says so.
+program's lowered text the same as without the cache (`python -m bench.probes.lowering_cache --formats
+bfloat16,int4 --programs 8 --prefill`). Not yet run on a GPU, hence opt-in. Where this JAX lacks the function or
+its result type, `enable` leaves lowering as it is and says so.
 """
 from __future__ import annotations
 

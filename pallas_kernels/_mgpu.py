@@ -98,30 +98,12 @@ class Ops:
         """[BKV, D] x [GP, D]^T -> [BKV, GP] f32: cache positions are the wgmma rows (both in SMEM)."""
         return self.scores(_score_mma.kq(k_s, q_s))
 
-    def kq_parts(self, k_s, q_s, parts: int):
-        """`kq` against a query held as `parts` row blocks of q_s (`_score_mma.kq_parts`)."""
-        return self.scores(_score_mma.kq_parts(k_s, q_s, parts))
-
-    def kq_int(self, k_s, q_s):
-        """`kq` on int8 operands, exact in an int32 accumulator -> [BKV, N] f32."""
-        return self.scores(_score_mma.kq_int(k_s, q_s))
-
-    def kq_int_regs(self, parts, q_s):
-        """`kq_int` with K's codes in registers: sum over parts (c0, codes int8 [BKV, w], 8-bit WGMMA layout) of
-        codes @ q_s[:, c0:c0 + w]^T, exact in int32 -> [BKV, N] f32."""
-        return self.scores(_score_mma.kq_regs(parts, q_s, jnp.int32))
-
     def ones_q_int(self, q_s, rows: int):
         """[rows, N] f32 whose every row holds the column sums of q_s's int8 rows (ones @ q^T with the ones as
         wgmma's register operand): the query's sums, broadcast over the rows of a score tile."""
         ones = jnp.ones((rows, q_s.shape[1]), jnp.int8)
-        return self.kq_int_regs([(0, ones if self.interpret else plgpu.layout_cast(ones, plgpu.Layout.WGMMA_8BIT))],
-                                q_s)
-
-    def kq_regs(self, parts, q_s):
-        """sum over parts (c0, k [BKV, w] 16-bit, in registers) of k @ q_s[:, c0:c0 + w]^T -> [BKV, GP] f32: `kq` with
-        K as wgmma's register operand, one wgmma a column part (`_kv_dequant.dequant_values`)."""
-        return self.scores(_score_mma.kq_regs(parts, q_s))
+        ones = ones if self.interpret else plgpu.layout_cast(ones, plgpu.Layout.WGMMA_8BIT)
+        return self.scores(_score_mma.kq_regs([(0, ones)], q_s, jnp.int32))
 
     def vp(self, acc, p, v_s, p_s):
         """acc + v^T @ p with acc [D, GP] f32, p [BKV, GP] (16-bit, registers), v [BKV, D] in SMEM. On the GPU
@@ -139,34 +121,29 @@ class Ops:
         """`vp`, plus sums + ones @ p with sums [R, GP] f32 and ones [R, BKV] (16-bit, registers): every row of
         sums accumulates p's column sums in a second wgmma issued beside the first, so the softmax denominator
         needs no cross-warp reduction per block."""
+        return self.vp_sums_then(acc, sums, p, v_s, p_s, ones)[:2]
+
+    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma: _score_mma.ScoreMMA | None = None):
+        """`vp_and_sums` with the next block's score wgmmas (`mma`) issued behind them and one wait for all three:
+        -> (acc, sums, the next block's scores f32, or None without `mma`). The pipelined consumer's step
+        (paged_decode_swapped.py)."""
         if self.interpret:
             return (acc + jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32),
-                    sums + jnp.dot(ones, p, preferred_element_type=jnp.float32))
+                    sums + jnp.dot(ones, p, preferred_element_type=jnp.float32),
+                    None if mma is None else self.scores(mma))
         p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
 
         def f(refs):
-            acc_ref, sums_ref = refs
-            plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
-            plgpu.wgmma(sums_ref, ones, p_s.transpose((1, 0)))
-        return pl.run_state(f)((plgpu.ACC.init(acc), plgpu.ACC.init(sums)))
-
-    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma: _score_mma.ScoreMMA):
-        """`vp_and_sums` with the next block's score wgmmas (`mma`) issued behind them and one wait for all three:
-        -> (acc, sums, the next block's scores f32). The pipelined consumer's step (paged_decode_swapped.py)."""
-        if self.interpret:
-            return (*self.vp_and_sums(acc, sums, p, v_s, p_s, ones), self.scores(mma))
-        p_s.transpose((1, 0))[...] = plgpu.layout_cast(p, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-
-        def f(refs):
-            acc_ref, sums_ref, s_ref = refs
-            plgpu.wgmma(acc_ref, v_s.transpose((1, 0)), p_s.transpose((1, 0)))
-            plgpu.wgmma(sums_ref, ones, p_s.transpose((1, 0)))
-            mma.issue(s_ref)
-        zeros = self.wgmma_layout(jnp.zeros(mma.shape, mma.dtype))
-        acc, sums, s = pl.run_state(f)((plgpu.ACC.init(acc), plgpu.ACC.init(sums), plgpu.ACC.init(zeros)))
-        return acc, sums, s.astype(jnp.float32)
+            plgpu.wgmma(refs[0], v_s.transpose((1, 0)), p_s.transpose((1, 0)))
+            plgpu.wgmma(refs[1], ones, p_s.transpose((1, 0)))
+            if mma is not None:
+                mma.issue(refs[2])
+        accs = (plgpu.ACC.init(acc), plgpu.ACC.init(sums))
+        if mma is not None:
+            accs += (plgpu.ACC.init(self.wgmma_layout(jnp.zeros(mma.shape, mma.dtype))),)
+        out = pl.run_state(f)(accs)
+        return out[0], out[1], None if mma is None else out[2].astype(jnp.float32)
 
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""

@@ -90,8 +90,7 @@ def decode_attention_beside_gemm(q: Float[Array, "B H D"], k_cache: Float[Array,
     if dequant_wgs not in (None, 0, 1):
         raise ValueError(f"dequant_wgs={dequant_wgs}: the fused kernel takes at most one dequantizing warpgroup")
     opts = swapped.kernel_options(q, k_cache, aux_cache, num_ctas=attn_ctas, num_stages=num_stages,
-                                  dequant_wgs=(1 if aux_cache is not None else None) if dequant_wgs is None
-                                  else dequant_wgs)
+                                  dequant_wgs=1 if dequant_wgs is None else dequant_wgs)    # 0 on a bf16 cache
     na = opts.dequant_wgs
     qr, ns, attn_scratch, extra = prepare(q, k_cache, num_ctas=attn_ctas, num_splits=num_splits, block_kv=block_kv,
                                           aux_cache=aux_cache, **opts.prepare_kwargs())

@@ -44,6 +44,14 @@ from pallas_kernels._swapped_options import INT8_MMA_FORMATS, kernel_options
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
+def _when(live, f) -> None:
+    """f() now (live None), or where the traced `live` holds."""
+    if live is None:
+        f()
+    else:
+        pl.when(live)(f)
+
+
 def _cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
@@ -182,8 +190,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             whether block g exists in this item): its waits and the K stage's release only then; otherwise the
             wgmmas read a stage nobody filled and their scores are dropped."""
             slot = lax.rem(g, num_stages)
-            when = (lambda f: f()) if live is None else pl.when(live)
-            when(lambda: plgpu.barrier_wait(k_bar.at[slot]))
+            _when(live, lambda: plgpu.barrier_wait(k_bar.at[slot]))
             if not k_in_consumer:               # bf16: K's stage as it arrived; nd 0: dequantized here into a tile
                 return score_mma.kq(dq.k(k_s.at[slot], dq.rows(slot, "k")), q), lambda raw: raw * c
             k_rows = load_rows(aux_s.at[slot], k_cols, interpret)
@@ -201,10 +208,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
         def release_k(g, live=None):
             """K's stage read (k_in_consumer: V's dequantizer makes the stage's other arrival)."""
             if k_in_consumer:
-                arrive = lambda: plgpu.barrier_arrive(consumed.at[lax.rem(g, num_stages)])
-                arrive() if live is None else pl.when(live)(arrive)
+                _when(live, lambda: plgpu.barrier_arrive(consumed.at[lax.rem(g, num_stages)]))
 
-        def softmax(g, tok0, kv_hi, s, carry, masked: bool):
+        def softmax_and_v(g, tok0, kv_hi, s, carry, masked: bool):
+            """Block g's online softmax over its scores `s`, then its V operand, waited for."""
             acc, m, l = carry                               # l: [SUM_ROWS, GP] (wgmma sums) or [GP]
             if masked:
                 tok = ops.iota((block_kv, gp), 0) + tok0
@@ -237,7 +244,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                 mma, post = k_scores(g, q, c, qsums)
                 s = post(ops.scores(mma))
                 release_k(g)
-            acc, m_new, l, p, vt = softmax(g, tok0, kv_hi, s, carry, masked)
+            acc, m_new, l, p, vt = softmax_and_v(g, tok0, kv_hi, s, carry, masked)
             if by_wgmma:
                 acc, l = ops.vp_and_sums(acc, l, p, vt, p_s, ones)
             else:
@@ -249,7 +256,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             """`step` with block g's scores carried in from the step before, and block g + 1's score wgmmas issued
             behind its P V^T, one wait for all (`Ops.vp_sums_then`)."""
             *carry, s = carry
-            acc, m_new, l, p, vt = softmax(g, tok0, kv_hi, s, tuple(carry), masked)
+            acc, m_new, l, p, vt = softmax_and_v(g, tok0, kv_hi, s, tuple(carry), masked)
             mma, post = k_scores(g + 1, q, c, qsums, live=has_next)
             acc, l, raw = ops.vp_sums_then(acc, l, p, vt, p_s, ones, mma)
             release_k(g + 1, live=has_next)
@@ -341,23 +348,24 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    int8_mma: bool | None = None, deq_tiles: int = 2,
                                    live_rows: Int[Array, ""] | None = None,
                                    pipeline: bool | None = None) -> Float[Array, "B H D"]:
-    """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at
-    most 60% of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json).
-    `row_sums=None`: "wgmma" on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster
-    on 33 H100 SMs), else "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in
-    another; bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`.
-    `aux_cache` [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here
-    by `dequant_wgs` warpgroups (None: `default_dequant_wgs`; the defaults named here are _swapped_options.py's), by
-    default over 2 stages (fp8, int8; the f16 tiles take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the consumer (see `attention_kernel`, and for
-    `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for int8 and int4 with dequantizers, off for
-    fp8; `prefetch_pages=None`: on for quantized caches (see K_IN_CONSUMER). `live_rows`: only rows [0, live_rows)
-    are computed (a mixed step's decodes come first in its max_seqs rows); the others give 0 without being visited
-    (rows past it must have seq_lens 0 for the result to equal a call without it). `fp8_mma` (fp8 only; None:
-    `FP8_MMA`): K read by fp8 wgmmas without dequantizing (`attention_kernel`); it takes k_in_consumer's stages and at
-    least one dequantizer. `int8_mma` (int8 or int4; None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K
-    codes. `deq_tiles`: the dequantizers' tile buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks,
-    the dequantizer then waiting for the consumer's release of each tile). `pipeline` (None: `PIPELINE` where it
-    applies): each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`)."""
+    """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at most 60%
+    of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json). `row_sums=None`: "wgmma"
+    on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster on 33 H100 SMs), else
+    "reduce" (equal on all 132 in one call, 0.50 vs 0.60 ms at 64-position pages in another;
+    bench/results/decode_share-rowsums{,2}-fused-20261123.json); see `attention_kernel`. `aux_cache`
+    [L, N, PS, KH, W]: the cache is quantized (fp8, int8 or int4 values, kv_quant.py), dequantized here by
+    `dequant_wgs` warpgroups (None: `default_dequant_wgs`; the defaults named here are _swapped_options.py's), by
+    default over 2 stages (fp8, int8; the f16 tiles take the SMEM of a third) or 4 (int4); `dequant_wgs=0`: by the
+    consumer (see `attention_kernel`, and for `prefetch_pages` and `k_in_consumer`). `k_in_consumer=None`: on for
+    int8 and int4 with dequantizers, off for fp8; `prefetch_pages=None`: on for quantized caches (see
+    K_IN_CONSUMER). `live_rows`: only rows [0, live_rows) are computed (a mixed step's decodes come first in its
+    max_seqs rows); the others give 0 without being visited (rows past it must have seq_lens 0 for the result to
+    equal a call without it). `fp8_mma` (fp8 only; None: `FP8_MMA`): K read by fp8 wgmmas without dequantizing
+    (`attention_kernel`); it takes k_in_consumer's stages and at least one dequantizer. `int8_mma` (int8 or int4;
+    None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K codes. `deq_tiles`: the dequantizers' tile
+    buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks, the dequantizer then waiting for the
+    consumer's release of each tile). `pipeline` (None: `PIPELINE` where it applies): each block's score wgmmas
+    issued behind the block before's P V^T (`attention_kernel`)."""
     o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
                        dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
                        fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline)
@@ -376,7 +384,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         kernel(params, lens, pt, qr, k, v, *rest, aux_hbm=aux, qscale_hbm=qs)
     o_t, lse = plgpu.kernel(
         body, out_type=out_types(q, kvh, ns), scratch_types=scratch,
-        grid=(num_ctas,), grid_names=("p",), num_threads=2 + o.dequant_wgs, thread_name="wg", compiler_params=compiler_params(),
+        grid=(num_ctas,), grid_names=("p",), num_threads=2 + o.dequant_wgs, thread_name="wg",
+        compiler_params=compiler_params(),
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)), *extra)

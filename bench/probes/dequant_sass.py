@@ -70,11 +70,8 @@ class _NoMatmulOps(Ops):
     def vp(self, acc, p, v_s, p_s):
         return acc
 
-    def vp_and_sums(self, acc, sums, p, v_s, p_s, ones):
-        return acc, sums
-
-    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma):
-        return acc, sums, self.scores(mma)
+    def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma=None):        # vp_and_sums too
+        return acc, sums, None if mma is None else self.scores(mma)
 
 
 def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, page_size: int = 16,

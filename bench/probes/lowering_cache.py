@@ -4,9 +4,9 @@ separate programs call the same kernels, and whether each program's lowered text
 The engine lowers one layer program per token bucket (and per decode-only variant): ~16 programs for the 8B
 model, each lowering the same decode and prefill kernels afresh, since JAX caches a kernel's lowering within
 one module only. A quantized cache's kernels lower slowly (int4's decode kernel ~1.3-2 s a program on the CPU
-host; with the prefill kernel ~1.7 s: ~16 x 1.7 s against int4's 59 s of lowering, bench/NOTES.md 33.1). pallas_kernels/_lowering_cache.py wraps
-JAX's `lower_pipelined_jaxpr_to_module` (90% of a kernel's lowering in a cProfile of this probe's programs) with a
-cache across programs.
+host; with the prefill kernel ~1.7 s: ~16 x 1.7 s against int4's 59 s of lowering, bench/NOTES.md 33.1).
+pallas_kernels/_lowering_cache.py wraps JAX's `lower_pipelined_jaxpr_to_module` (90% of a kernel's lowering in a
+cProfile of this probe's programs) with a cache across programs.
 
 Run: lowers `--programs` separate programs, each calling the swapped decode kernel (and with --prefill the
 prefill kernel) for each format, for CUDA, with and without the cache; prints the seconds and whether each
@@ -74,6 +74,7 @@ def main(argv=None) -> None:
         same = sum(x == y for x, y in zip(plain, with_cache))
         print(f"{fmt}: {a.programs} programs lowered in {t_plain:.2f} s, with the cache {t_cache:.2f} s "
               f"({hits} hits); lowered text the same in {same} of {a.programs}", flush=True)
+
 
 if __name__ == "__main__":
     main()

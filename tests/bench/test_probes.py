@@ -188,7 +188,8 @@ def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
 
 def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
     """The probe's `nomma` skip replaces each of the consumer's matmul entry points (the score wgmmas, vp, and the
-    pipelined consumer's both at once): the kernel runs through in interpret mode, and with no P V product every output is 0."""
+    pipelined consumer's both at once): the kernel runs through in interpret mode, and with no P V product every
+    output is 0."""
     import jax
     import jax.numpy as jnp
     import numpy as np
