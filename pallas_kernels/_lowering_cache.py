@@ -17,53 +17,74 @@ from __future__ import annotations
 import dataclasses
 import io
 
-_STATE: dict = {"orig": None, "store": {}, "hits": 0, "misses": 0}
+_STATE: dict = {"orig": None, "store": {}, "hits": 0, "misses": 0, "why_not": None}
+
+
+# JAX's entry points into a kernel's Mosaic GPU lowering: pallas_call's pipelined one (jax 0.10) and the one
+# that 0.11 lowers pallas_call and plgpu.kernel through (both via mpmd_map); the jaxpr is printed, the rest repr'd.
+_ENTRY_POINTS = ("lower_pipelined_jaxpr_to_module", "lower_unpipelined_jaxpr_to_module")
 
 
 def enable() -> bool:
     """Wrap the lowering (once a process); False where this JAX's Mosaic GPU lowering does not have the shape
-    the cache needs."""
+    the cache needs (`why_not` says how)."""
     if _STATE["orig"] is not None:
         return True
     try:
+        from jax._src import core as jax_core
         from jax._src.lib.mlir import ir
         from jax._src.pallas.mosaic_gpu import lowering as lowering_mod
-    except ImportError:
-        return False
-    orig = getattr(lowering_mod, "lower_pipelined_jaxpr_to_module", None)
+    except ImportError as e:
+        return _refuse(f"cannot import Mosaic GPU's lowering ({e})")
+    origs = {name: getattr(lowering_mod, name) for name in _ENTRY_POINTS if hasattr(lowering_mod, name)}
     result_type = getattr(lowering_mod, "LoweringResult", None)
-    if orig is None or not dataclasses.is_dataclass(result_type) or \
-            "module" not in {f.name for f in dataclasses.fields(result_type)}:
-        return False
+    if not origs:
+        return _refuse(f"jax._src.pallas.mosaic_gpu.lowering has none of {', '.join(_ENTRY_POINTS)}")
+    if not dataclasses.is_dataclass(result_type) or "module" not in {f.name for f in dataclasses.fields(result_type)}:
+        return _refuse("its LoweringResult is not a dataclass with a module field")
     store = _STATE["store"]
 
-    def lower(*args, **kwargs):
-        kw = {k: v for k, v in kwargs.items() if k != "outer_traceback"}     # where the call came from only
-        key = tuple(str(a) if i == 3 else repr(a) for i, a in enumerate(args)) + tuple(sorted(
-            (k, repr(v)) for k, v in kw.items()))
-        hit = store.get(key)
-        if hit is not None:
-            _STATE["hits"] += 1
-            code, res = hit
-            return dataclasses.replace(res, module=ir.Module.parse(code))
-        _STATE["misses"] += 1
-        res = orig(*args, **kwargs)
-        buf = io.BytesIO()
-        res.module.operation.write_bytecode(buf)
-        store[key] = (buf.getvalue(), res)
-        return res
+    def cached(name, orig):
+        def lower(*args, **kwargs):
+            kw = {k: v for k, v in kwargs.items() if k != "outer_traceback"}     # where the call came from only
+            key = (name,) + tuple(str(a) if isinstance(a, jax_core.Jaxpr) else repr(a) for a in args) + tuple(
+                sorted((k, repr(v)) for k, v in kw.items()))
+            hit = store.get(key)
+            if hit is not None:
+                _STATE["hits"] += 1
+                code, res = hit
+                return dataclasses.replace(res, module=ir.Module.parse(code))
+            _STATE["misses"] += 1
+            res = orig(*args, **kwargs)
+            buf = io.BytesIO()
+            res.module.operation.write_bytecode(buf)
+            store[key] = (buf.getvalue(), res)
+            return res
+        return lower
 
-    lowering_mod.lower_pipelined_jaxpr_to_module = lower
-    _STATE["orig"] = (lowering_mod, orig)
+    for name, orig in origs.items():
+        setattr(lowering_mod, name, cached(name, orig))
+    _STATE["orig"] = (lowering_mod, origs)
     return True
+
+
+def _refuse(why: str) -> bool:
+    _STATE["why_not"] = why
+    return False
+
+
+def why_not() -> str | None:
+    """Why the last `enable` left lowering as it was (None where it did not refuse)."""
+    return _STATE["why_not"]
 
 
 def disable() -> None:
     """JAX's own lowering back, the cache emptied."""
     if _STATE["orig"] is not None:
-        mod, orig = _STATE["orig"]
-        mod.lower_pipelined_jaxpr_to_module = orig
-    _STATE.update(orig=None, store={}, hits=0, misses=0)
+        mod, origs = _STATE["orig"]
+        for name, orig in origs.items():
+            setattr(mod, name, orig)
+    _STATE.update(orig=None, store={}, hits=0, misses=0, why_not=None)
 
 
 def stats() -> dict:

@@ -63,7 +63,8 @@ def main(argv=None) -> None:
             plain.append(program_text(fmt, j, a.prefill))
         t_plain = time.perf_counter() - t0
         if not _lowering_cache.enable():
-            raise SystemExit("this JAX's Pallas lowering is not the one pallas_kernels/_lowering_cache.py wraps")
+            raise SystemExit("this JAX's Pallas lowering is not the one pallas_kernels/_lowering_cache.py wraps: "
+                             f"{_lowering_cache.why_not()}")
         try:
             t0 = time.perf_counter()
             with_cache = [program_text(fmt, j, a.prefill) for j in range(a.programs)]

@@ -210,8 +210,8 @@ class Runner:
         if self.config.execution.kernel_lowering_cache:
             from pallas_kernels import _lowering_cache
             if not _lowering_cache.enable():
-                print("kernel_lowering_cache: this JAX's Pallas lowering is not the one the cache wraps; lowering "
-                      "each program's kernels as usual", flush=True)
+                print(f"kernel_lowering_cache: this JAX's Pallas lowering is not the one the cache wraps "
+                      f"({_lowering_cache.why_not()}); lowering each program's kernels as usual", flush=True)
         rep = self.replicated
         x_sh = jax.ShapeDtypeStruct((0, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype), sharding=rep)
         xo = self.xla_options or None

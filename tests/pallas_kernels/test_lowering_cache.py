@@ -45,3 +45,12 @@ def test_cached_lowering_gives_each_program_the_same_text(lowering_cache):
     lowering_cache.disable()
     assert lowering_cache.stats() == {"enabled": False, "hits": 0, "misses": 0}
     assert _program_text(1) == plain[1]
+
+
+def test_a_jax_without_the_entry_points_is_refused_with_the_reason(lowering_cache, monkeypatch):
+    from jax._src.pallas.mosaic_gpu import lowering as lowering_mod
+    for name in lowering_cache._ENTRY_POINTS:
+        monkeypatch.delattr(lowering_mod, name, raising=False)
+    assert lowering_cache.enable() is False
+    assert "lower_unpipelined_jaxpr_to_module" in lowering_cache.why_not()
+    assert lowering_cache.stats()["enabled"] is False
