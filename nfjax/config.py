@@ -400,7 +400,8 @@ class ExecutionConfig:
     # what it can to fit (nfjax/compat.py NO_REMAT; neutral end to end). True: XLA's default pipeline (A/B).
     xla_remat: bool = False
     # Lower each Pallas kernel once a process and reuse it in every program that calls it the same way
-    # (pallas_kernels/_lowering_cache.py: the host's lowering, measured on the CPU; opt-in until timed on a GPU).
+    # (pallas_kernels/_lowering_cache.py): 2-2.6x less lowering on the CPU host, but on the H200 builds no faster
+    # beyond their spread (int4 122 -> 115.5 s, fp8 62.9 -> 73.3 s; docs/design.md section 1), so off.
     kernel_lowering_cache: bool = False
 
     def __post_init__(self):

@@ -4,13 +4,15 @@
 The engine lowers one layer program per token bucket (and per decode-only variant), each calling the same
 attention kernels, and JAX caches a kernel's lowering within one module only, so every program lowers the kernels
 afresh: ~1.7 s a program for int4's decode and prefill kernels on the host, against 59 s of lowering for an
-int4 engine. Here JAX's `lower_pipelined_jaxpr_to_module` (90% of a kernel's lowering) is wrapped with a cache
+int4 engine. Here JAX's `lower_pipelined_jaxpr_to_module` (90% of a kernel's lowering; jax 0.11's
+`lower_unpipelined_jaxpr_to_module`) is wrapped with a cache
 keyed by the kernel's printed jaxpr, grid mapping, meshes and compiler and cost parameters; it holds the Mosaic
 module as MLIR bytecode, which each later program parses into its own context. On the CPU host, cross-lowering
 for CUDA: 8 programs with the decode and prefill kernels in 8.5 -> 3.3 s (bf16) and 13.9 -> 7.0 s (int4), each
 program's lowered text the same as without the cache (`python -m bench.probes.lowering_cache --formats
-bfloat16,int4 --programs 8 --prefill`). Not yet run on a GPU, hence opt-in. Where this JAX lacks the function or
-its result type, `enable` leaves lowering as it is and says so.
+bfloat16,int4 --programs 8 --prefill`). On the H200 (jax 0.11.2) an engine's build is mostly the compilation after
+lowering, and the cache saved less than the builds' spread (docs/design.md section 1), hence opt-in. Where this
+JAX lacks the functions or their result type, `enable` leaves lowering as it is and says why (`why_not`).
 """
 from __future__ import annotations
 

@@ -42,9 +42,10 @@ INT8_MMA = True
 # error against the reference unchanged, 0.0017 (bench/results/int4mma-20261129.json).
 INT4_MMA = True
 INT8_MMA_FORMATS = ("int8", "int4")
-# Each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`'s `pipeline`): built and
-# checked in interpret mode in session 32, not yet timed on a GPU, so off until measured
-# (bench/probes/dequant_sass.py variants FORMAT@pipeline=1).
+# Each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`'s `pipeline`), off: H200,
+# batch 256, 4k context, kernel ms shipped -> pipelined, pages of 16: int4 0.755 -> 1.01, int8 0.779 -> 0.777, fp8
+# 0.684 -> 0.677, bf16 (wgmma row sums) 0.968 -> 1.13; pages of 64 the same standing (int4 0.733 -> 0.977, fp8
+# 0.632 -> 0.624); batch 64 no better (bench/results/pipe16-, pipe64-20261129.json).
 PIPELINE = False
 
 
