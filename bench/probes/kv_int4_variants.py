@@ -32,7 +32,8 @@ Schemes (D = head_dim; P a page of P positions, any divisor of the blocked loop'
                          softmax ignores a constant q.mean added to every score of a query
   cals+rotN | cals+plainN  as cal+, each channel also divided by its calibrated std (multiplied back after):
                          the same as quantizing K / std and taking queries times std; calsNN: std ** 0.NN
-  cal+fp8 | cals+fp8     fp8 per token after the calibrated centering (and scaling)
+  cal+fp8 | cals+fp8     fp8 per token after the calibrated centering (and scaling); cal+rfp8 also rotated (as
+                         rfp8) after the centering
   fp8 | fp8e5            float8 e4m3 / e5m2, one scale per token and kv head (kv_quant's rule: amax / max,
                          rounded up to bfloat16)
   rfp8 | rfp8e5          the same after the Hadamard rotation along D (int4's: q.k and the outputs unchanged),
@@ -85,9 +86,9 @@ def parse_scheme(s: str) -> dict:
     if m:
         return {"kind": "pc" if m[2] else "cal", "page": int(m[2]) if m[2] else None, "rot": m[4] == "rot",
                 "group": int(m[5]), "bits": 4, "alpha": _alpha(m[1], m[3])}
-    m = re.fullmatch(r"(cal|cals(\d*))\+(fp8|fp8e5)", s)
+    m = re.fullmatch(r"(cal|cals(\d*))\+(r?)(fp8|fp8e5)", s)
     if m:
-        return {"kind": "calfp8", "fmt": m[3], "alpha": _alpha(m[1], m[2])}
+        return {"kind": "calfp8", "fmt": m[4], "rot": m[3] == "r", "alpha": _alpha(m[1], m[2])}
     m = re.fullmatch(r"(r?)(fp8|fp8e5)(?:p(\d+))?(?:/(.+))?", s)
     if m and (m[3] or not m[4]) and not (m[1] and m[3]):
         return {"kind": "fp8", "fmt": m[2], "rot": m[1] == "r", "page": int(m[3]) if m[3] else None,
@@ -171,8 +172,8 @@ def fake(x, spec: dict | None, pos0, seq_lens, mean=None):
         return rot(_groups(rot((x - mu) / sd), spec["group"], spec["bits"])) * sd + mu
     if k == "calfp8":
         mu, sd = mean[0], mean[1] ** spec["alpha"]
-        y = (x - mu) / sd
-        return _fp8(y, spec["fmt"], jnp.max(jnp.abs(y), -1, keepdims=True)) * sd + mu
+        y = rot((x - mu) / sd)
+        return rot(_fp8(y, spec["fmt"], jnp.max(jnp.abs(y), -1, keepdims=True))) * sd + mu
     if k == "fp8" and spec["page"] is None:
         xr = rot(x)
         return rot(_fp8(xr, spec["fmt"], jnp.max(jnp.abs(xr), -1, keepdims=True)))

@@ -67,6 +67,13 @@ def test_kv_probe_fake_schemes_match_the_format_and_wait_for_full_pages():
     inner = p.fake(x, p.parse_scheme("rot64"), 8, lens)
     np.testing.assert_array_equal(sink[:, :12], x[:, :12].astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(sink[:, 12:], inner[:, 12:])
+    # cal+rfp8: centered by the calibrated mean, then rfp8; with a zero mean and unit std it is rfp8 itself
+    plain = (jnp.zeros((3, 64)), jnp.ones((3, 64)))
+    np.testing.assert_array_equal(p.fake(x, p.parse_scheme("cal+rfp8"), 0, lens, plain),
+                                  p.fake(x, p.parse_scheme("rfp8"), 0, lens))
+    shifted = (jnp.full((3, 64), 3.0), jnp.ones((3, 64)))
+    np.testing.assert_allclose(p.fake(x + 3.0, p.parse_scheme("cal+rfp8"), 0, lens, shifted),
+                               p.fake((x + 3.0) - 3.0, p.parse_scheme("rfp8"), 0, lens) + 3.0, atol=1e-6)
 
 
 def test_batcher_replay_forms_every_step_and_sets_the_model_beside_a_measured_run(capsys):
