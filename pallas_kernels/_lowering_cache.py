@@ -66,7 +66,7 @@ def enable() -> bool:
 
     for name, orig in origs.items():
         setattr(lowering_mod, name, cached(name, orig))
-    _STATE["orig"] = (lowering_mod, origs)
+    _STATE.update(orig=(lowering_mod, origs), why_not=None)
     return True
 
 
