@@ -5,8 +5,10 @@ it). Each query tile of a chunk re-reads and, in place, re-dequantizes the whole
 way repeats the dequantizing chunk / 32 times per kv head; the second does it once and writes 2 bytes a value.
 Causal TFLOP/s by the kernels' own time (a profiler trace; on the CPU the call's time), one device call.
 
-usage: python -m bench.kernels.kv_prefill [--kv-dtype bfloat16,fp8,int8,int4] [--shapes 2x1024@1024,...] [--smoke]
-Writes <out>/kv_prefill-<YYYYMMDD>.json; summary keys prefill_tflops_<shape>_<fmt> and ..._<fmt>_predeq.
+usage: python -m bench.kernels.kv_prefill [--kv-dtype bfloat16,fp8,int8,int4] [--shapes 2x1024@1024,...]
+       [--variants "nw1=num_warpgroups=1;b64=block_kv=64+num_stages=3"] [--smoke]
+`--variants`: more in-kernel ways, each the kernel with these keyword arguments (integers; bools as 0 / 1).
+Writes <out>/kv_prefill-<YYYYMMDD>.json; summary keys prefill_tflops_<shape>_<fmt>[_<way>] (way: predeq, a variant).
 """
 from __future__ import annotations
 
@@ -51,7 +53,16 @@ def parse_shapes(s: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def prefill_case(fmt: str, nseq: int, chunk: int, ctx: int, ps: int) -> dict:
+def parse_variants(s: str) -> dict[str, dict]:
+    """"name=key=value+key=value;..." -> {name: {key: int value}}."""
+    out = {}
+    for part in [p for p in s.split(";") if p.strip()]:
+        name, _, kws = part.partition("=")
+        out[name.strip()] = {k: int(v) for k, v in (kw.split("=") for kw in kws.split("+") if kw)}
+    return out
+
+
+def prefill_case(fmt: str, nseq: int, chunk: int, ctx: int, ps: int, variants: dict | None = None) -> dict:
     qlens, lens = [chunk] * nseq, np.full(nseq, chunk + ctx)
     pages = nseq * pages_for(chunk + ctx, ps) + 2
     rng = np.random.default_rng(nseq * 7 + chunk + ctx)
@@ -66,6 +77,8 @@ def prefill_case(fmt: str, nseq: int, chunk: int, ctx: int, ps: int) -> dict:
     ways = {"in_kernel": paged_prefill_attention}
     if aux is not None:
         ways["predeq"] = prefill_predequantized
+    for name, kw in (variants or {}).items():
+        ways[name] = functools.partial(paged_prefill_attention, **kw)
     results = {}
     for name, fn in ways.items():
         try:
@@ -78,8 +91,8 @@ def prefill_case(fmt: str, nseq: int, chunk: int, ctx: int, ps: int) -> dict:
         except Exception as ex:  # noqa: BLE001 - report and go on
             traceback.print_exc()
             out[f"{name}_error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
-    if len(results) == 2:
-        out["predeq_vs_in_kernel_relerr"] = relerr(results["predeq"], results["in_kernel"])
+    for name in [n for n in results if n != "in_kernel" and "in_kernel" in results]:
+        out[f"{name}_vs_in_kernel_relerr"] = relerr(results[name], results["in_kernel"])
     del kc, vc, aux, results
     gc.collect()
     return out
@@ -89,6 +102,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-dtype", default="bfloat16,fp8,int8,int4", help="comma-separated formats")
     ap.add_argument("--shapes", default=SHAPES, help="NSEQxCHUNK@CACHED,...")
+    ap.add_argument("--variants", default="", help="NAME=key=value+key=value;... (more in-kernel ways)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="kv_prefill")
@@ -104,25 +118,25 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     dev = device_info()
     print("device", dev, flush=True)
+    variants = parse_variants(a.variants)
     rows, cases, summary = [], [], {}
     for nseq, chunk, ctx in parse_shapes(a.shapes):
         for fmt in [f for f in a.kv_dtype.split(",") if f]:
-            r = prefill_case(fmt, nseq, chunk, ctx, a.page_size)
+            r = prefill_case(fmt, nseq, chunk, ctx, a.page_size, variants)
             cases.append(r)
             shape = f"{nseq}x{chunk}@{ctx}"
-            for way in ("in_kernel", "predeq"):
+            for way in ("in_kernel", "predeq", *variants):
+                key = f"prefill_tflops_{shape}_{fmt}" + ("" if way == "in_kernel" else f"_{way}")
                 if f"{way}_tflops" in r:
-                    key = f"prefill_tflops_{shape}_{fmt}" + ("_predeq" if way == "predeq" else "")
                     summary[key] = round(r[f"{way}_tflops"], 2)
-            rows.append([shape, fmt, r.get("in_kernel_s", 0) * 1e3, r.get("in_kernel_tflops", 0),
-                         r.get("predeq_s", 0) * 1e3 or None, r.get("predeq_tflops") or None,
-                         r.get("predeq_vs_in_kernel_relerr"),
-                         (r.get("in_kernel_error") or r.get("predeq_error") or "")[:40]])
-            print(f"{shape} {fmt}: in kernel {r.get('in_kernel_tflops', 0):.0f} TFLOP/s, dequantized first "
-                  f"{r.get('predeq_tflops') or 0:.0f}  [{time.perf_counter() - t0:.0f}s]", flush=True)
-    table = print_table(["shape", "kv_dtype", "in kernel ms", "TFLOP/s", "dequantized first ms", "TFLOP/s",
-                         "relerr between", "error"], rows,
-                        title=f"\n== prefill attention per KV format (H={H}, KVH={KVH}, D={D}, page {a.page_size}) ==")
+                if f"{way}_s" in r or f"{way}_error" in r:
+                    rows.append([shape, fmt, way, r.get(f"{way}_s", 0) * 1e3, r.get(f"{way}_tflops", 0),
+                                 r.get(f"{way}_vs_in_kernel_relerr"), (r.get(f"{way}_error") or "")[:40]])
+                    print(f"{shape} {fmt} {way}: {r.get(f'{way}_tflops', 0):.0f} TFLOP/s  "
+                          f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    table = print_table(["shape", "kv_dtype", "way", "ms", "TFLOP/s", "relerr vs in kernel", "error"], rows,
+                        title=f"\n== prefill attention per KV format (H={H}, KVH={KVH}, D={D}, page {a.page_size}; "
+                              f"predeq: the pages dequantized first) ==")
     write_results(a.name, summary, {"cases": cases, "table": table, "device": dev,
                                     "shape": {"heads": H, "kv_heads": KVH, "head_dim": D},
                                     "wall_s": time.perf_counter() - t0}, out_dir=a.out)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels.kv_decode import make_cache, page_table, relerr
-from bench.kernels.kv_prefill import parse_shapes, prefill_predequantized
+from bench.kernels.kv_prefill import parse_shapes, parse_variants, prefill_predequantized
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
@@ -21,3 +21,5 @@ def test_prefill_over_a_dequantized_copy_of_the_pages_matches_the_reference():
     out = prefill_predequantized(*args, scale=0.125, aux_cache=aux, interpret=True)
     assert relerr(out, paged_prefill_attention_ref(*args, 0.125, aux_cache=aux)) < 1e-2
     assert parse_shapes("2x1024@0,1x64@48") == [(2, 1024, 0), (1, 64, 48)]
+    assert parse_variants("nw1=num_warpgroups=1;b64=block_kv=64+num_stages=3") == {
+        "nw1": {"num_warpgroups": 1}, "b64": {"block_kv": 64, "num_stages": 3}}
