@@ -35,9 +35,10 @@ class ScoreMMA:
         return out
 
 
-def kq(k_s, q_s) -> ScoreMMA:
-    """[BKV, D] x [GP, D]^T -> [BKV, GP] f32: cache positions are the wgmma rows (both in SMEM)."""
-    return ScoreMMA(((k_s, True, q_s),), (k_s.shape[0], q_s.shape[0]), jnp.float32)
+def kq(k_s, q_s, dtype=jnp.float32) -> ScoreMMA:
+    """[BKV, D] x [GP, D]^T -> [BKV, GP]: cache positions are the wgmma rows (both in SMEM); f32, or `dtype` int32
+    for int8 operands (an int8 cache's K codes against the query's int8 parts), exact."""
+    return ScoreMMA(((k_s, True, q_s),), (k_s.shape[0], q_s.shape[0]), dtype)
 
 
 def kq_parts(k_s, q_s, parts: int) -> ScoreMMA:
@@ -46,11 +47,6 @@ def kq_parts(k_s, q_s, parts: int) -> ScoreMMA:
     gp = q_s.shape[0] // parts
     return ScoreMMA(tuple((k_s, True, q_s.at[pl.ds(i * gp, gp)]) for i in range(parts)), (k_s.shape[0], gp),
                     jnp.float32)
-
-
-def kq_int(k_s, q_s) -> ScoreMMA:
-    """`kq` on int8 operands (an int8 cache's K codes against the query's int8 parts), exact in int32."""
-    return ScoreMMA(((k_s, True, q_s),), (k_s.shape[0], q_s.shape[0]), jnp.int32)
 
 
 def kq_regs(parts, q_s, dtype=jnp.float32) -> ScoreMMA:

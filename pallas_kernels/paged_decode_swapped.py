@@ -200,7 +200,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             if int8_mma:                        # x = (code + 0.5) scale + center per group of K's columns
                 codes = int_scores.INT4_CODES if kv_format == "int4" else int_scores.INT8_CODES
                 mma = (score_mma.kq_regs(int_scores.int4_codes(k_s.at[slot], interpret), q, jnp.int32)
-                       if kv_format == "int4" else score_mma.kq_int(k_s.at[slot], q))   # [BKV, 2 G GP]
+                       if kv_format == "int4" else score_mma.kq(k_s.at[slot], q, jnp.int32))   # [BKV, 2 G GP]
                 return mma, lambda raw: int_scores.scores(raw, k_rows, k_pairs, qsums, gp, codes) * c
             parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)   # K in registers
             return score_mma.kq_regs(parts, q), lambda raw: raw * c

@@ -35,6 +35,15 @@ def log(*a):
     print(*a, flush=True)
 
 
+def interpret_on_cpu() -> None:
+    """--smoke's setup before the first device use. As tests/conftest.py: the interpreter runs each warpgroup's
+    program on the CPU client's threads, and with the few threads of a 2-core machine's one device, warpgroups
+    blocked in barrier waits starve the others (the swapped kernel on a quantized cache has 4): 8 host devices give
+    it more."""
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def relerr(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("nan")
@@ -174,11 +183,7 @@ def main():
     args = ap.parse_args()
     global H, KVH
     if args.smoke:
-        # as tests/conftest.py: the interpreter runs each warpgroup's program on the CPU client's threads, and with
-        # the few threads of a 2-core machine's one device, warpgroups blocked in barrier waits starve the others
-        # (the swapped kernel on a quantized cache has 4): 8 host devices give it more
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+        interpret_on_cpu()
         H, KVH = 8, 2
         KW["interpret"] = True
         args.quick = True

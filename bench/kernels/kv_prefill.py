@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import os
 import time
 import traceback
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import device_info, print_table, write_results
-from bench.kernels.kv_decode import make_cache, page_table, relerr
+from bench.kernels.kv_decode import interpret_on_cpu, make_cache, page_table, relerr
 from bench.step_bench import kernel_us
 from nfjax.config import pages_for
 from pallas_kernels.kv_quant import dequantize_kv
@@ -109,9 +108,8 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: interpret mode, tiny shapes")
     a = ap.parse_args(argv)
     global H, KVH
-    if a.smoke:         # as kv_decode --smoke: more host devices, so interpreted warpgroups do not starve
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if a.smoke:
+        interpret_on_cpu()
         H, KVH = 8, 2
         KW["interpret"] = True
         a.shapes = "2x64@48"

@@ -112,7 +112,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "counts the in-place KV pool twice and recomputes values to fit)")
     g.add_argument("--kernel-lowering-cache", dest="kernel_lowering_cache", action="store_const", const=True,
                    default=None, help="lower each Pallas kernel once and reuse it in every program calling it the "
-                                      "same way (a shorter build; off by default until timed on a GPU)")
+                                      "same way (off by default: on an H200 it saved less than the builds' "
+                                      "spread, docs/design.md section 1)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
