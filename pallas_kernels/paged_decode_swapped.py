@@ -44,6 +44,7 @@ from pallas_kernels._swapped_options import INT8_MMA_FORMATS, kernel_options
 
 ROW_SUMS = ("wgmma", "reduce")
 SUM_ROWS = 64                                   # rows of the ones @ P^T wgmma (wgmma's smallest M)
+MAX_DEQUANT_WGS = 4                             # 2 + 4 warpgroups: 768 threads, 85 registers each at most
 def _when(live, f) -> None:
     """f() now (live None), or where the traced `live` holds."""
     if live is None:
@@ -81,8 +82,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     producer copies each block's aux rows with K; `dequant_wgs` more warpgroups (2 + j) turn each stage into f16
     tiles (pallas_kernels/_kv_dequant.py), double-buffered (`deq_ready` / `deq_free`), so dequantizing a block runs
     beside the consumer's matmuls and softmax on the one before; block g is dequantizer g % dequant_wgs's, into
-    tile buffer g % 2. The consumer's operands are then f16 (queries, P, the tiles). A dequantizer sees every
-    completion of each stage barrier it waits on: one dequantizer, or two over an even number of stages.
+    tile buffer g % deq_tiles. The consumer's operands are then f16 (queries, P, the tiles). A dequantizer sees every
+    completion of each stage barrier it waits on: `dequant_wgs` divides the stages (and the tile buffers).
     `dequant_wgs=0`: the first version, kept as a fallback: the consumer dequantizes each stage into bf16 tiles
     itself, serially (0.16-0.58 of copy at 4k context, attention_kv-v1-20261124.json).
 
@@ -124,8 +125,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     ng = q_s.shape[2] // kv_quant.GROUP if int8_mma else 1         # int8_mma: the query's groups
     gp = q_s.shape[1] // (2 * ng if int8_mma else 2 if fp8_mma else 1)
     nd = dequant_wgs if kv_format != "bfloat16" else 0
-    if nd not in (0, 1, 2) or (nd and num_stages % nd):
-        raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0, 1, or 2 over an even number of stages")
+    if not 0 <= nd <= MAX_DEQUANT_WGS or (nd and num_stages % nd):
+        raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0 to {MAX_DEQUANT_WGS}, dividing the stages")
     quantized = nd > 0                              # dequantizing warpgroups beside the consumer
     if k_in_consumer and not quantized:
         raise ValueError("k_in_consumer needs a quantized cache and dequantizing warpgroups (dequant_wgs > 0)")

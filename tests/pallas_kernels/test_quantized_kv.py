@@ -61,6 +61,14 @@ def test_swapped_decode_with_one_dequantized_tile_and_256_position_blocks(paged_
     _check_swapped(paged_case, fmt, 16, 4, 128, 256, 2, 3, 2, 1, deq_tiles=1, **kw)
 
 
+@pytest.mark.parametrize("fmt,stages,nd,tiles,kw", [("int4", 6, 3, 3, {"int8_mma": True}),
+                                                    ("fp8", 2, 1, 3, {"fp8_mma": True})])
+def test_swapped_decode_with_more_dequantizers_or_tile_buffers(paged_case, fmt, stages, nd, tiles, kw):
+    """Three dequantizers over six stages and three tile buffers (each sees every completion of its own stages'
+    and buffers' barriers), and one dequantizer three tiles ahead of the consumer."""
+    _check_swapped(paged_case, fmt, 16, 4, 128, 64, 2, 3, stages, nd, deq_tiles=tiles, **kw)
+
+
 def test_one_dequantized_tile_takes_one_dequantizer(paged_case):
     with pytest.raises(ValueError, match="tile buffers over 2 dequantizers"):
         _check_swapped(paged_case, "int8", 16, 4, 128, 64, 2, 3, 2, 2, deq_tiles=1, int8_mma=True)
@@ -129,7 +137,9 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("int4", 64, 128, {"int8_mma": True, "dequant_wgs": 1}),
                                          ("fp8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1}),
                                          ("int8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1,
-                                                            "dequant_wgs": 1})])
+                                                            "dequant_wgs": 1}),
+                                         ("int4", 64, 128, {"num_stages": 6, "dequant_wgs": 3, "deq_tiles": 3}),
+                                         ("int4", 16, 128, {"num_stages": 4, "dequant_wgs": 4, "deq_tiles": 4})])
 def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
     sds = jax.ShapeDtypeStruct
     cache, aux = _cache_types(fmt, ps, d)
