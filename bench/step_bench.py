@@ -6,11 +6,8 @@ A synthetic sequence is `(num_pages, start, num_tokens)`: `num_tokens` query tok
 """
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-
 from nfjax.config import pages_for
+from nfjax.device_trace import gpu_lines, trace  # noqa: F401 - the benches' names for them
 
 SeqSpec = tuple[int, int, int]               # (num_pages, first position, query tokens) of one sequence
 
@@ -64,45 +61,6 @@ def run_step(runner, bucket: int, label: str, inp):
     """One step of variant `label` on the runner's own KV (donated and replaced); returns the samples.
     Synthetic inputs are greedy (`make_step_input`)."""
     return runner.run_step(bucket, label, inp, any_sampled=False)
-
-
-def trace(fn, root: str, name: str, calls: int = 3):
-    """Run `fn` `calls` times under the profiler; returns the parsed ProfileData (or an error string)."""
-    import jax
-    d = os.path.join(root, name)
-    shutil.rmtree(d, ignore_errors=True)
-    jax.block_until_ready(fn())
-    try:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                r = fn()
-            jax.block_until_ready(r)
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return "no xplane.pb written"
-        from jax.profiler import ProfileData
-        return ProfileData.from_file(max(files, key=os.path.getmtime))
-    except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the caller's timings
-        return repr(e)[:300]
-
-
-def gpu_lines(pd):
-    """(line name, [(name, start_ns, duration_ns, stats)]) for every non-empty line of every GPU plane."""
-    out = []
-    for plane in pd.planes:
-        if "gpu" not in plane.name.lower():
-            continue
-        for line in plane.lines:
-            evs = []
-            for ev in line.events:
-                try:
-                    stats = {k: v for k, v in ev.stats}
-                except Exception:  # noqa: BLE001 - stats are optional
-                    stats = {}
-                evs.append((ev.name, ev.start_ns, ev.duration_ns, stats))
-            if evs:
-                out.append((f"{plane.name}/{line.name}", evs))
-    return out
 
 
 def kernel_table(pd, calls: int = 3, top: int = 40) -> dict:

@@ -11,8 +11,10 @@ A profile holds, for one decoder layer's op graph (fields, all times in ms for o
     the fused time at a share of the first op (the second takes the rest) and each op alone on its share;
   * `layer` (optional): the whole layer as Sequential compiles it, against step tokens x decodes (`ms[t][d]`, at
     context `ctx`, prefill in `chunks` chunks): the search's baseline where a class falls inside it;
-  * `floor_ms` (optional): the host's dispatch floor per op of the token ops and of the attention kernels, and
-    `launch_ms`, a launch in the step program (floor.py; estimated where absent);
+  * `timing` (optional): "device" (each time a call's kernel span on the GPU, no host dispatch in it) or "wall"
+    (the wall clock of back-to-back calls; absent: "wall", as in every profile before it);
+  * `floor_ms` (optional): the host's dispatch floor per op of the token ops and of the attention kernels (0 in a
+    device-timed profile), and `launch_ms`, a launch in the step program (floor.py; estimated where absent);
   * `value_bytes` (bytes per token of every value) and `copy_bytes_per_ms` (what joining pieces costs);
   * the record: `command`, `date`, `device` (e.g. "h100", "cpu"), `device_name`, `num_sms`, `model`, `shape`,
     `tp`, `page_size`, `align`, the op graph it was measured on, and `projections` ("joined": q/k/v and gate/up

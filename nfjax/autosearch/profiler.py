@@ -4,8 +4,10 @@ and the horizontal kernels' pairs (the interference table); returns a profile (n
 Every measurement is one jitted program running an op (or fused kernel) on `copies` distinct sets of random
 inputs of its real shapes (so the host's dispatch cost, more than a small op's kernel time on the H100's host, is
 paid once per `copies` ops: with one op a program every small op measured 0.09 ms), lowered in turn and compiled
-on a thread pool (XLA compiles outside the GIL), then timed one after another: the median per op of `reps`
-batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
+on a thread pool (XLA compiles outside the GIL), then timed one after another. On a GPU (`timing="device"`) a
+call's time is its kernels' span in a profiler trace, median of `reps` calls (nfjax/device_trace.py): the wall
+clock measured the H200 host's dispatch for every small op and for the whole layer (bench/NOTES.md section 36).
+Elsewhere (`timing="wall"`): the median per op of `reps` batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
 its copies and gets it back for the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
 SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured. The whole layer is
 also timed as Sequential compiles it at the grid's step sizes (`layer_job`): the baseline the search compares with.
@@ -26,7 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nfjax.device_trace import device_ms
 from nfjax.models.ops import GLOBAL_VALUES, run_ops
+
+
+TIMINGS = ("device", "wall")
 
 
 @dataclass(frozen=True)
@@ -220,8 +226,8 @@ def compile_jobs(jobs, threads: int | None = None, log=print) -> None:
             log(f"[profile] {j.key}: {j.error}")
 
 
-def time_job(j: _Job, reps: int, target_ms: float) -> float:
-    """Median ms per op (a call runs `j.copies` of them)."""
+def _caller(j: _Job):
+    """One call of `j` on its own inputs (a job that writes the cache gets its donated cache back each call)."""
     args = j.args()
 
     def call():
@@ -229,6 +235,12 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
         if j.writes:                           # the donated cache comes back for the next call
             args[3] = glob
         return out
+    return call
+
+
+def time_job(j: _Job, reps: int, target_ms: float) -> float:
+    """Median ms per op by the wall clock (a call runs `j.copies` of them): `reps` batches of back-to-back calls."""
+    call = _caller(j)
     jax.block_until_ready(call())
     t = time.perf_counter()
     jax.block_until_ready(call())
@@ -243,6 +255,11 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
         jax.block_until_ready(out)
         per.append((time.perf_counter() - t) * 1e3 / iters / j.copies)
     return statistics.median(per)
+
+
+def device_time_job(j: _Job, reps: int) -> float:
+    """Median ms per op on the GPU: a call's kernels' span (nfjax/device_trace.py) over its `j.copies` ops."""
+    return device_ms(_caller(j), calls=reps) / j.copies
 
 
 def copy_rate(nbytes: int) -> float:
@@ -261,8 +278,12 @@ def copy_rate(nbytes: int) -> float:
 
 
 def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int, command: str | None = None,
-            tp: int = 1, align: int | None = None, log=print) -> dict:
-    """Measure `subject` on `grid`; returns the profile dict. `num_sms` 0: shares are not measured."""
+            tp: int = 1, align: int | None = None, timing: str | None = None, log=print) -> dict:
+    """Measure `subject` on `grid`; returns the profile dict. `num_sms` 0: shares are not measured. `timing`:
+    "device" (kernel spans from a trace; the default on a GPU) or "wall" (the default elsewhere)."""
+    timing = timing or ("device" if jax.default_backend() == "gpu" else "wall")
+    if timing not in TIMINGS:
+        raise ValueError(f"timing={timing!r}: one of {TIMINGS}")
     from nfjax.autosearch.profile import FORMAT, KIND
     from nfjax.autosearch.subjects import value_bytes
     from nfjax.schedule.beside import HORIZONTAL_KERNELS
@@ -319,16 +340,25 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         if hasattr(subject, "mixed_case") and grid.ctxs else []
     for t, d in layer_cases:
         jobs.append(layer_job(subject, ("layer", t, d), subject.mixed_case(t, d, grid.ctxs[0])))
-    first = {k[0]: j for j in jobs[::-1] for k in [j.key] if k[0] in ("tokens", "decode")}
-    jobs += [floor_job(("floor", k), j) for k, j in first.items()]
+    if timing == "wall":            # a device time holds no dispatch: nothing to read as host-bound
+        first = {k[0]: j for j in jobs[::-1] for k in [j.key] if k[0] in ("tokens", "decode")}
+        jobs += [floor_job(("floor", k), j) for k, j in first.items()]
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
-    ms = {}
+    ms, wall_timed = {}, []
     for j in jobs:
         if j.compiled is not None:
             try:
-                ms[j.key] = time_job(j, grid.reps, grid.target_ms)
+                if timing == "device":
+                    try:
+                        ms[j.key] = device_time_job(j, grid.reps)
+                    except RuntimeError as e:       # no trace: the wall clock, said in the profile
+                        log(f"[profile] {j.key}: {e}; timed by the wall clock")
+                        wall_timed.append(str(j.key))
+                        ms[j.key] = time_job(j, grid.reps, grid.target_ms)
+                else:
+                    ms[j.key] = time_job(j, grid.reps, grid.target_ms)
             except Exception as e:  # noqa: BLE001
                 log(f"[profile] {j.key}: run: {e!r}"[:300])
         j.compiled = None
@@ -386,7 +416,11 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     if ts and layer_cases:
         prof["layer"] = {"tokens": ts, "decodes": list(grid.layer_decodes), "ctx": grid.ctxs[0], "chunks": 2,
                          "ms": [[round(ms["layer", t, d], 6) for d in grid.layer_decodes] for t in ts]}
-    fl = {"tokens": ms.get(("floor", "tokens")), "kernels": ms.get(("floor", "decode"))}
+    prof["timing"] = timing
+    if wall_timed:
+        prof["wall_timed"] = wall_timed
+    fl = ({"tokens": 0.0, "kernels": 0.0} if timing == "device" else
+          {"tokens": ms.get(("floor", "tokens")), "kernels": ms.get(("floor", "decode"))})
     if all(v is not None for v in fl.values()):
         prof["floor_ms"] = {k: round(v, 6) for k, v in fl.items()}
     prof["pair_min_tokens"] = {k.name: grid.min_pair_tokens for k in pairs}

@@ -116,3 +116,19 @@ def test_ops_compile_without_the_dot_merger_and_the_layer_with_it(subject):
     compile_jobs(jobs, log=lambda m: None)
     assert seen == {"up_gate": NO_DOT_MERGER, "attn_decode": NO_DOT_MERGER, "layer": None}
     assert all(j.compiled == "compiled" for j in jobs) and compiler_options(jobs[2]) is None
+
+
+def test_device_timing_needs_a_device_trace(subject):
+    """On a CPU no trace holds GPU events: a device-timed job raises, and `profile` then times it by the wall
+    clock and names it in the profile's `wall_timed` (never a device time made up from nothing)."""
+    from nfjax.autosearch.profiler import device_time_job
+    j = op_job(subject, "k", "attn_norm", subject.token_case(16))
+    compile_jobs([j], log=lambda m: None)
+    with pytest.raises(RuntimeError):
+        device_time_job(j, 2)
+
+
+def test_an_unknown_timing_is_refused(subject):
+    from nfjax.autosearch.profiler import CPU_GRID, profile
+    with pytest.raises(ValueError, match="timing"):
+        profile(subject, CPU_GRID, device="cpu", device_name="cpu", num_sms=0, timing="cycles")
