@@ -2,9 +2,9 @@
 
 A wall clock around back-to-back calls measures the host's dispatch whenever that is longer than the GPU's work:
 on the H200 machines' host a call costs ~0.3 ms, so a profile timed by the wall clock read every norm at ~0.02 ms
-and the whole Sequential layer at 1.29 ms against 0.95 in a step (bench/NOTES.md section 36). Here a call's time is
-the span of its kernels on the GPU, first start to last end, gaps between its own launches included, the host's
-waits before it not.
+and the whole Sequential layer at 1.29 ms against 0.95 in a step (bench/NOTES.md section 36). Here a call is read
+two ways on the GPU: its busy time (the union of its kernels' intervals) and its span (first start to last end,
+which also holds the idle gaps where the GPU waited for the host's next launch inside the call).
 """
 from __future__ import annotations
 
@@ -65,9 +65,8 @@ def stream_events(pd) -> list[tuple[float, float]]:
     return sorted((float(s), float(s) + float(d)) for evs in streams for _, s, d, _ in evs)
 
 
-def call_spans_ns(events: list[tuple[float, float]], calls: int) -> list[float]:
-    """Each call's span (first start to last end) from the events of `calls` calls run one after another: the
-    calls are told apart at the `calls - 1` largest idle gaps between events."""
+def split_calls(events: list[tuple[float, float]], calls: int) -> list[list[tuple[float, float]]]:
+    """The events of `calls` calls run one after another, told apart at the `calls - 1` largest idle gaps."""
     if not events:
         return []
     calls = max(1, min(calls, len(events)))
@@ -76,19 +75,37 @@ def call_spans_ns(events: list[tuple[float, float]], calls: int) -> list[float]:
         idle.append((events[i][0] - end, i))
         end = max(end, events[i][1])
     cuts = sorted(i for _, i in sorted(idle, reverse=True)[:calls - 1])
-    spans = []
-    for lo, hi in zip([0, *cuts], [*cuts, len(events)]):
-        spans.append(max(e for _, e in events[lo:hi]) - events[lo][0])
-    return spans
+    return [events[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, len(events)])]
 
 
-def device_ms(fn, calls: int = 5) -> float:
-    """The median over `calls` calls of `fn` (each awaited before the next) of its kernels' span on the GPU, in
-    ms. RuntimeError where the trace holds no GPU events (a CPU backend, a profiler failure)."""
+def call_spans_ns(events: list[tuple[float, float]], calls: int) -> list[float]:
+    """Each call's span: its first kernel's start to its last one's end (idle gaps inside the call included)."""
+    return [max(e for _, e in c) - c[0][0] for c in split_calls(events, calls)]
+
+
+def call_busy_ns(events: list[tuple[float, float]], calls: int) -> list[float]:
+    """Each call's busy time: the length of the union of its kernels' intervals (idle gaps left out, overlapping
+    kernels counted once)."""
+    out = []
+    for c in split_calls(events, calls):
+        busy, lo, hi = 0.0, c[0][0], c[0][1]
+        for s, e in c[1:]:
+            if s > hi:
+                busy, lo, hi = busy + hi - lo, s, e
+            else:
+                hi = max(hi, e)
+        out.append(busy + hi - lo)
+    return out
+
+
+def device_times(fn, calls: int = 5) -> tuple[float, float]:
+    """(busy, span) of a call of `fn` on the GPU in ms, medians over `calls` calls, each awaited before the next
+    (`call_busy_ns`, `call_spans_ns`). RuntimeError where the trace holds no GPU events (a CPU backend, a
+    profiler failure)."""
     pd = trace(fn, tempfile.mkdtemp(prefix="nfjax-device-ms-"), "t", calls=calls, sync_each=True)
     if isinstance(pd, str):
         raise RuntimeError(f"no device trace: {pd}")
-    spans = call_spans_ns(stream_events(pd), calls)
-    if not spans:
+    ev = stream_events(pd)
+    if not ev:
         raise RuntimeError("no GPU events in the trace")
-    return statistics.median(spans) / 1e6
+    return (statistics.median(call_busy_ns(ev, calls)) / 1e6, statistics.median(call_spans_ns(ev, calls)) / 1e6)

@@ -5,8 +5,9 @@ Every measurement is one jitted program running an op (or fused kernel) on `copi
 inputs of its real shapes (so the host's dispatch cost, more than a small op's kernel time on the H100's host, is
 paid once per `copies` ops: with one op a program every small op measured 0.09 ms), lowered in turn and compiled
 on a thread pool (XLA compiles outside the GIL), then timed one after another. On a GPU (`timing="device"`) a
-call's time is its kernels' span in a profiler trace, median of `reps` calls (nfjax/device_trace.py): the wall
-clock measured the H200 host's dispatch for every small op and for the whole layer (bench/NOTES.md section 36).
+call's time is its kernels' busy time in a profiler trace, median of `reps` calls (nfjax/device_trace.py; each
+span beside it in `device_spans_ms`): the wall clock measured the H200 host's dispatch for every small op and for
+the whole layer, and spans still held the host's launch gaps (bench/NOTES.md section 36).
 Elsewhere (`timing="wall"`): the median per op of `reps` batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
 its copies and gets it back for the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
 SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured. The whole layer is
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nfjax.device_trace import device_ms
+from nfjax.device_trace import device_times
 from nfjax.models.ops import GLOBAL_VALUES, run_ops
 
 
@@ -257,9 +258,10 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
     return statistics.median(per)
 
 
-def device_time_job(j: _Job, reps: int) -> float:
-    """Median ms per op on the GPU: a call's kernels' span (nfjax/device_trace.py) over its `j.copies` ops."""
-    return device_ms(_caller(j), calls=reps) / j.copies
+def device_time_job(j: _Job, reps: int) -> tuple[float, float]:
+    """(busy, span) ms per op on the GPU: a call's (nfjax/device_trace.py) over its `j.copies` ops."""
+    busy, span = device_times(_caller(j), calls=reps)
+    return busy / j.copies, span / j.copies
 
 
 def copy_rate(nbytes: int) -> float:
@@ -346,13 +348,13 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
-    ms, wall_timed = {}, []
+    ms, wall_timed, spans = {}, [], {}
     for j in jobs:
         if j.compiled is not None:
             try:
                 if timing == "device":
                     try:
-                        ms[j.key] = device_time_job(j, grid.reps)
+                        ms[j.key], spans[str(j.key)] = device_time_job(j, grid.reps)
                     except RuntimeError as e:       # no trace: the wall clock, said in the profile
                         log(f"[profile] {j.key}: {e}; timed by the wall clock")
                         wall_timed.append(str(j.key))
@@ -417,6 +419,8 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
         prof["layer"] = {"tokens": ts, "decodes": list(grid.layer_decodes), "ctx": grid.ctxs[0], "chunks": 2,
                          "ms": [[round(ms["layer", t, d], 6) for d in grid.layer_decodes] for t in ts]}
     prof["timing"] = timing
+    if spans:       # the times are busy times; each measurement's span beside them, for reading the gaps
+        prof["device_spans_ms"] = {k: round(v, 6) for k, v in spans.items()}
     if wall_timed:
         prof["wall_timed"] = wall_timed
     fl = ({"tokens": 0.0, "kernels": 0.0} if timing == "device" else
