@@ -374,6 +374,8 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
             "tokens": {}, "join_free": subject.join_free(), "errors": [f"{j.key}: {j.error}" for j in jobs if j.error]}
     if getattr(subject, "projections", None):
         prof["projections"] = subject.projections
+    if hasattr(subject, "swiglu_epilogue"):
+        prof["swiglu_epilogue"] = subject.swiglu_epilogue
     for op in token_ops:
         pts = [(n, ms[("tokens", op, n)]) for n in grid.tokens if ("tokens", op, n) in ms]
         if pts:

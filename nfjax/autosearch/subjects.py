@@ -63,7 +63,7 @@ class LlamaSubject:
     attention_ops = ("attn_decode", "attn_prefill")
 
     def __init__(self, cfg, page_size: int, max_seqs: int, max_pages: int, max_prefill_seqs: int = 16, seed: int = 0,
-                 join: bool = True):
+                 join: bool = True, swiglu_epilogue: bool = True):
         from nfjax.config import CacheConfig
         from nfjax.kv.cache import KVCache
         from nfjax.models.llama import ForwardOptions
@@ -80,9 +80,14 @@ class LlamaSubject:
         if join:
             from nfjax.models.fused import join_projections
             from nfjax.parallel import make_mesh
-            # the op graph's up_gate and act measured apart, as plans schedule them (no SwiGLU epilogue)
-            join_projections(self.layer, make_mesh(1), swiglu_epilogue=False)
+            # gate/up interleaved for the SwiGLU epilogue where the engine runs it (docs/design.md section 20): in a
+            # step of >= 128 tokens Sequential's up_gate is then the Pallas GEMM with SwiGLU, as the pair kernel's
+            # GEMM half is. Profiled with XLA's dot instead (H200, bench/NOTES.md section 36), Sequential's up_gate
+            # read 0.72 ms at 2,048 tokens against ~0.6 in the step, and plans modelled ~5% ahead of a Sequential
+            # they measured 2% behind.
+            join_projections(self.layer, make_mesh(1), swiglu_epilogue=swiglu_epilogue)
         self.projections = "joined" if join else "separate"
+        self.swiglu_epilogue = bool(join and swiglu_epilogue)
         self.inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         self.page_size, self.max_seqs, self.max_pages = page_size, max_seqs, max_pages
         self.opts = ForwardOptions(max_prefill_seqs=max_prefill_seqs)
@@ -95,7 +100,7 @@ class LlamaSubject:
 
     def make_ctx(self, meta, num_ctas):
         from nfjax.models.llama import LayerContext
-        return LayerContext(jnp.int32(0), meta, self.inv_freq, None, num_ctas, self.opts)
+        return LayerContext(jnp.int32(0), meta, self.inv_freq, num_ctas=num_ctas, opts=self.opts)
 
     def _meta(self, seqs, tokens: int, num_decode: int):
         from nfjax.kv.metadata import build_metadata

@@ -132,3 +132,11 @@ def test_an_unknown_timing_is_refused(subject):
     from nfjax.autosearch.profiler import CPU_GRID, profile
     with pytest.raises(ValueError, match="timing"):
         profile(subject, CPU_GRID, device="cpu", device_name="cpu", num_sms=0, timing="cycles")
+
+
+def test_the_subject_context_carries_its_options(subject):
+    """`make_ctx` names its fields: passed by position, the forward options once landed in `step_tokens`."""
+    meta = subject.token_case(16).ctx_args
+    ctx = subject.make_ctx(subject._meta([(0, 16)], 16, 0), 7)
+    assert ctx.opts is subject.opts and ctx.step_tokens is None and ctx.num_ctas == 7
+    assert meta is not None
