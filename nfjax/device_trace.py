@@ -2,7 +2,7 @@
 
 A wall clock around back-to-back calls measures the host's dispatch whenever that is longer than the GPU's work:
 on the H200 machines' host a call costs ~0.3 ms, so a profile timed by the wall clock read every norm at ~0.02 ms
-and the whole Sequential layer at 1.29 ms against 0.95 in a step (bench/NOTES.md section 36). Here a call is read
+and the whole Sequential layer at 1.29 ms against 0.95 in a step (docs/design.md section 12). Here a call is read
 two ways on the GPU: its busy time (the union of its kernels' intervals) and its span (first start to last end,
 which also holds the idle gaps where the GPU waited for the host's next launch inside the call).
 """

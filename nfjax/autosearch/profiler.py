@@ -7,7 +7,7 @@ paid once per `copies` ops: with one op a program every small op measured 0.09 m
 on a thread pool (XLA compiles outside the GIL), then timed one after another. On a GPU (`timing="device"`) a
 call's time is its kernels' busy time in a profiler trace, median of `reps` calls (nfjax/device_trace.py; each
 span beside it in `device_spans_ms`): the wall clock measured the H200 host's dispatch for every small op and for
-the whole layer, and spans still held the host's launch gaps (bench/NOTES.md section 36).
+the whole layer, and spans still held the host's launch gaps (docs/design.md section 12).
 Elsewhere (`timing="wall"`): the median per op of `reps` batches of back-to-back calls (one sync per batch). An op that writes the KV cache donates it, chains it through
 its copies and gets it back for the next call, so no call copies the cache. A share s runs the op's kernel on round(s x
 SMs) CTAs (`LayerContext.num_ctas`); on a CPU shares change nothing and are not measured. The whole layer is

@@ -82,7 +82,7 @@ class LlamaSubject:
             from nfjax.parallel import make_mesh
             # gate/up interleaved for the SwiGLU epilogue where the engine runs it (docs/design.md section 20): in a
             # step of >= 128 tokens Sequential's up_gate is then the Pallas GEMM with SwiGLU, as the pair kernel's
-            # GEMM half is. Profiled with XLA's dot instead (H200, bench/NOTES.md section 36), Sequential's up_gate
+            # GEMM half is. Profiled with XLA's dot instead (H200, docs/design.md section 12), Sequential's up_gate
             # read 0.72 ms at 2,048 tokens against ~0.6 in the step, and plans modelled ~5% ahead of a Sequential
             # they measured 2% behind.
             join_projections(self.layer, make_mesh(1), swiglu_epilogue=swiglu_epilogue)
