@@ -202,7 +202,8 @@ def time_step(args, cfg, chosen: dict, out: dict) -> None:
                                   "autosearch_vs_handtuned": hand / srch if hand else None,
                                   "handtuned_vs_sequential": seq / hand if hand else None}
         late = time.perf_counter() - T0 > args.trace_after
-        if args.trace and not late and b == max(args.token_buckets) and s_label != "sequential":
+        # the searched strategy's timeline, Sequential too when the search chose it (what a plan would have to beat)
+        if args.trace and not late and b == max(args.token_buckets):
             pd = trace(lambda: run_step(runner, b, s_label, inp), "/tmp/nfjax_prof", f"autosearch_{b}", calls=1)
             out["kernels"] = kernel_table(pd, calls=1, top=25)
             out["timelines"] = {s_label: _one_layer(stream_timeline(pd), cfg.num_layers)}

@@ -30,6 +30,12 @@ from pallas_kernels._mgpu import bcast_rows
 
 QUANT_KERNEL_FORMATS = ("fp8", "int8", "int4")
 SKIP_MATH = False       # probe only (bench/probes/dequant_sass.py): loads and stores without the scale arithmetic
+# How a stage's 8-bit values reach the WGMMA layout: "upcast" loads them in WGMMA_UPCAST_2X (4 bytes a load) and
+# moves them over with shuffles (shfl + selp a register pair, the measured default); "direct" loads them in the
+# WGMMA layout itself (2 bytes a load, no shuffle). Mosaic GPU lowers both; "direct" is not timed yet (the probe's
+# FORMAT:direct variants).
+CODE_LOAD = "upcast"
+CODE_LOADS = ("upcast", "direct")
 GROUPED_HEAD_DIMS = (64, 128)       # int4 / int8 in the kernels: one or two groups (the 8-wide aux row)
 
 
@@ -124,6 +130,8 @@ def _upcast(src, interpret: bool):
     """A stage tile of 8-bit codes (uint8: zero-extended; int8: sign-extended) as int16 in the WGMMA layout."""
     if interpret:
         return src[...].astype(jnp.int16)
+    if CODE_LOAD == "direct":
+        return plgpu.load(src, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
     u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)
     return plgpu.layout_cast(u, plgpu.Layout.WGMMA)
 
@@ -153,6 +161,8 @@ def dequant_values(fmt: str, src, rows: dict, pairs, interpret: bool, math) -> l
         (sc, _), = pairs
         if interpret:
             x = src[...].astype(jnp.float16).astype(math)
+        elif CODE_LOAD == "direct":
+            x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA).astype(jnp.float16).astype(math)
         else:
             x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(math)

@@ -11,7 +11,8 @@ num_ctas (default the SM count) / pipeline (e.g.
 int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
 Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
 arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
-consumer's wgmmas (its softmax stays). SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not
+consumer's wgmmas (its softmax stays). Not a skip: "direct" loads the dequantizers' 8-bit values straight into the
+WGMMA layout (`_kv_dequant.CODE_LOAD`), e.g. int4:direct. SASS needs nvdisasm on the PATH, which the H200 image's Mosaic GPU did not
 find: PTX and the ptxas report come back.
 --no-dump: no PTX / SASS files.
 """
@@ -36,6 +37,7 @@ KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_co
              "int8_mma", "deq_tiles", "row_sums", "num_ctas", "pipeline")
 ROW_SUMS = ("reduce", "wgmma")          # row_sums=0 / 1
 SKIPS = ("none", "nodeq", "nomma")
+MODES = ("direct",)             # not skips (right values): the dequantizers' 8-bit loads straight into WGMMA
 
 
 def slug(variant: str) -> str:
@@ -50,8 +52,8 @@ def parse_variant(variant: str) -> tuple[str, frozenset, dict]:
     name, _, kws = variant.partition("@")
     fmt, _, bits = name.partition(":")
     skips = frozenset(x for x in bits.split("+") if x)
-    if not skips <= set(SKIPS):
-        raise ValueError(f"variant {variant!r}: FORMAT[:SKIP+SKIP] with SKIP in {SKIPS}, then @KW=V+KW=V")
+    if not skips <= set(SKIPS) | set(MODES):
+        raise ValueError(f"variant {variant!r}: FORMAT[:SKIP+SKIP] with SKIP in {SKIPS + MODES}, then @KW=V+KW=V")
     kw = {}
     for item in (x for x in kws.split("+") if x):
         k, _, v = item.partition("=")
@@ -79,6 +81,7 @@ def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, 
     fmt, skips, kw = parse_variant(variant)
     nsm = kw.pop("num_ctas", nsm)       # e.g. two CTAs an SM where their SMEM and registers allow
     _kv_dequant.SKIP_MATH = "none" in skips
+    _kv_dequant.CODE_LOAD = "direct" if "direct" in skips else "upcast"
     if "nodeq" in skips:                # the dequantizing warpgroups keep their barriers and touch no data
         swapped.dequant_block = lambda *a, **k: None
     if "nomma" in skips:
@@ -93,7 +96,7 @@ def run_variant(variant: str, b: int, ctx: int, nsm: int, dump_dir: str | None, 
     finally:
         for k in DUMPS:
             os.environ.pop(k, None)
-        _kv_dequant.SKIP_MATH = False
+        _kv_dequant.SKIP_MATH, _kv_dequant.CODE_LOAD = False, "upcast"
         swapped.dequant_block, swapped.Ops = _dequant_block, Ops
     r["variant"] = variant
     return r

@@ -149,6 +149,25 @@ def test_swapped_decode_on_quantized_cache_lowers_for_gpu(fmt, ps, d, kw):
         lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_codes_loaded_straight_into_the_wgmma_layout_lower_for_gpu(fmt, monkeypatch):
+    """`_kv_dequant.CODE_LOAD = "direct"` (the probe's FORMAT:direct): the dequantizers load 8-bit values in the
+    WGMMA layout itself, no shuffle; every format's default kernel lowers with it, to another program."""
+    from pallas_kernels import _kv_dequant
+    sds = jax.ShapeDtypeStruct
+    cache, aux = _cache_types(fmt, 16, 128)
+    args = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((64, 256), jnp.int32),
+            sds((64,), jnp.int32))
+    text = {}
+    for mode in _kv_dequant.CODE_LOADS:
+        monkeypatch.setattr(_kv_dequant, "CODE_LOAD", mode)
+        jax.clear_caches()                      # the kernel's jit would hand back the other mode's trace
+        text[mode] = paged_decode_attention_swapped.trace(*args, scale=128 ** -0.5, aux_cache=aux).lower(
+            lowering_platforms=("cuda",)).as_text()
+    jax.clear_caches()
+    assert text["direct"] != text["upcast"]
+
+
 HEADS = [("fp8", 16, 8, 128, 64, 2, 3), ("int4", 64, 4, 64, 128, None, 2), ("int8", 16, 1, 128, 64, 2, 3)]
 
 
