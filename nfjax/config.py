@@ -275,12 +275,25 @@ class BatcherConfig:
         """Every compiled bucket: the token buckets, then the prefill bucket if any (after `resolve`)."""
         return self.token_buckets + ((self.prefill_bucket,) if self.prefill_bucket else ())
 
+    def formation_budget(self, bucket: int) -> int:
+        """The token budget a step that runs in `bucket` was formed under: the prefill bucket's own, else the largest
+        token bucket's (the batcher's `_step_limits`; after `resolve`)."""
+        return bucket if self.prefill_bucket and bucket == self.prefill_bucket else self.token_buckets[-1]
+
     def prefill_seqs_for(self, bucket: int) -> int:
         """Prefill chunks a step of `bucket` tokens may hold: `max_prefill_seqs`, or in the prefill bucket one per
         PREFILL_TOKENS_PER_CHUNK of it (a burst of short prompts fills it)."""
         if self.prefill_bucket and bucket == self.prefill_bucket:
             return max(self.max_prefill_seqs, bucket // PREFILL_TOKENS_PER_CHUNK)
         return self.max_prefill_seqs
+
+
+def prefill_copy_pages(cache: CacheConfig, sched: BatcherConfig, budget: int) -> int:
+    """KV pages the prefill rows of one step may read when the step is formed under a token `budget` (the largest
+    token bucket, or the prefill bucket): the size of `execution.prefill_dequant_first`'s bfloat16 copy, and the
+    batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end. One sequence's
+    whole table fits, so every chunk can be scheduled alone; the rest is room for the budget's other chunks."""
+    return cache.max_pages_per_seq + pages_for(budget, cache.page_size) + sched.prefill_seqs_for(budget)
 
 
 @dataclass(frozen=True)
@@ -403,6 +416,12 @@ class ExecutionConfig:
     # (pallas_kernels/_lowering_cache.py): 2-2.6x less lowering on the CPU host, but on the H200 builds no faster
     # beyond their spread (int4 122 -> 115.5 s, fp8 62.9 -> 73.3 s; docs/design.md section 1), so off.
     kernel_lowering_cache: bool = False
+    # On a quantized KV cache (fp8 / int8 / int4), a step's prefill attention first dequantizes the pages its
+    # prefill rows read into a bfloat16 copy (static size `prefill_copy_pages`; the batcher keeps each step's rows
+    # within it) and runs the bfloat16 prefill kernel over the copy, in place of the kernel dequantizing every block
+    # once per 32-token query tile. H200, kernel level: 1.45-1.85x (bench/results/kv_prefill-20261129.json); not
+    # yet timed end to end, so off (docs/design.md section 14).
+    prefill_dequant_first: bool = False
 
     def __post_init__(self):
         labels = [s.label for s in self.strategies]

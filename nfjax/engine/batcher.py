@@ -40,7 +40,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from nfjax.config import ConfigError, EngineConfig
+from nfjax.config import ConfigError, EngineConfig, prefill_copy_pages
 from nfjax.engine.bucket_fit import BucketFit, held_from, predicted
 from nfjax.engine.memory_forecast import MemoryForecast
 from nfjax.engine.penalties import num_penalty_slots
@@ -48,6 +48,7 @@ from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 from nfjax.kv.prefix_cache import page_hash, prompt_hashes
 from nfjax.kv.tiers import PrefixStats
+from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
 from pallas_kernels.kv_kivi64 import GROUP as KIVI_GROUP
 
 
@@ -115,6 +116,12 @@ class Batcher(BucketFit):
         self._missed = 0                           # decodes the step being formed could not take
         # kivi64: non-final prefill chunks end at multiples of this (0: anywhere); see the module docstring
         self.group = KIVI_GROUP if cache.kv_dtype == "kivi64" else 0
+        # execution.prefill_dequant_first: a step's prefill rows read at most this many pages a formation budget
+        # (the runner's bfloat16 copy of them, `config.prefill_copy_pages`); {} without it
+        copy = config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS
+        self._copy_limits = {b: prefill_copy_pages(cache, sched, b)
+                             for b in (self.budget, self.prefill_budget) if b and copy}
+        self._copy_cap = self._copy_used = 0       # the step being formed's limit and its prefill rows' pages
         self._made_room: set[int] = set()          # id() of the decodes `_make_room` left out of this step
         check_chunk_budget(cache.kv_dtype, sched.token_buckets)
 
@@ -340,6 +347,7 @@ class Batcher(BucketFit):
         batch.num_decode = len(batch.seqs)
         # 2) prefill chunks: running prefills first, then admit waiting requests FCFS
         budget, self._chunk_cap = self._step_limits(batch)
+        self._copy_cap, self._copy_used = self._copy_limits.get(budget, 0), 0
         left = budget - batch.num_tokens
         self._made_room = set()
         for req in [r for r in self.running if r.in_prefill]:
@@ -359,6 +367,8 @@ class Batcher(BucketFit):
                 forecast = self._forecast()
             if not self._fits_prediction(req, forecast):
                 break
+            if self._copy_cap and self._copy_used + self.cache.pages_for(req.prompt_len) > self._copy_cap:
+                break           # its first chunk ends by its prompt's end; the copy holds it in a later step
             # kivi64: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
             if self._blocked(req, left, req.prompt_len):
                 if not self._make_room(batch, req, left):
@@ -470,12 +480,15 @@ class Batcher(BucketFit):
         n = min(req.prompt_len - req.num_computed, left)
         if self.group and n < req.prompt_len - req.num_computed:
             n = (req.num_computed + n) // self.group * self.group - req.num_computed     # a non-final chunk
+        if self._copy_cap and self._copy_used + self.cache.pages_for(req.num_computed + n) > self._copy_cap:
+            return 0            # its pages would not fit the prefill copy beside this step's other chunks
         while n > 0 and not self._grow(req, req.num_computed + n):
             n = min(n, (len(req.pages) + self.allocator.num_free) * self.cache.page_size - req.num_computed)
         if n <= 0:
             return 0
         end = req.num_computed + n
         batch.seqs.append(ScheduledSeq(req, req.num_computed, n, end == req.prompt_len, None))
+        self._copy_used += self.cache.pages_for(end)
         return n
 
     def _swap_in(self, batch: Batch) -> None:

@@ -45,7 +45,8 @@ class BucketFit:
         the bucket above by more than `SHORTEN_PAD` of it (`_shorten_chunks`)."""
         n = batch.num_tokens
         chunks = len(batch.seqs) - batch.num_decode
-        if n > self.budget or chunks > self.cfg.max_prefill_seqs:
+        copy = self._copy_limits.get(self.budget)           # a normal bucket's prefill copy (prefill_dequant_first)
+        if n > self.budget or chunks > self.cfg.max_prefill_seqs or (copy and self._copy_used > copy):
             self._deferred = set()
             return self.prefill_budget                # only a step `_step_limits` gave the prefill bucket's room
         lower = max((b for b in self.cfg.token_buckets if b < n), default=0)

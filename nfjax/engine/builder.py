@@ -114,6 +114,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="lower each Pallas kernel once and reuse it in every program calling it the "
                                       "same way (off by default: on an H200 it saved less than the builds' "
                                       "spread, docs/design.md section 1)")
+    g.add_argument("--prefill-dequant-first", dest="prefill_dequant_first", action="store_const", const=True,
+                   default=None, help="on a quantized KV cache (fp8, int8, int4), dequantize the pages a step's "
+                                      "prefill rows read into a bfloat16 copy and run the bfloat16 prefill kernel "
+                                      "over it (off by default: faster at kernel level, not yet timed end to end)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -141,7 +145,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "max_prefill_seqs": "batcher", "prefill_bucket": "batcher", "predict_memory": "batcher",
          "layers_per_program": "execution",
          "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution",
-         "xla_remat": "execution", "kernel_lowering_cache": "execution",
+         "xla_remat": "execution", "kernel_lowering_cache": "execution", "prefill_dequant_first": "execution",
          "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 

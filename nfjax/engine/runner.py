@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from nfjax.compat import NO_COMMAND_BUFFERS, NO_REMAT, on_gpu, use_compile_cache
-from nfjax.config import EngineConfig
+from nfjax.config import EngineConfig, prefill_copy_pages
 from nfjax.engine.batcher import Batch
 from nfjax.engine.penalties import FullInput, Logprobs, PenaltyState, full_input, needs_full, num_penalty_slots
 from nfjax.engine.step_input import StepInput, pack, stage, unpack_into
@@ -39,6 +39,7 @@ from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
+from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
 from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_mode, head_step, layer_groups,
                                        layers_step, on_leaves, seed_slot, split_layers)
 
@@ -141,6 +142,13 @@ class Runner:
         self.opts = ForwardOptions(max_prefill_seqs=sched.max_prefill_seqs, skip_collectives=skip_collectives)
         self.xla_options = ({} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)) | (
             {} if sc.xla_remat else dict(NO_REMAT))                                  # every step program's
+
+    def prefill_copy_pages(self, bucket: int) -> int:
+        """The bfloat16 copy's pages of `bucket`'s prefill attention (`execution.prefill_dequant_first` on a
+        quantized cache the kernels read), else 0: the kernel reads the cache in place."""
+        if not (self.config.execution.prefill_dequant_first and self.cache_cfg.kv_dtype in QUANT_KERNEL_FORMATS):
+            return 0
+        return prefill_copy_pages(self.cache_cfg, self.sched, self.sched.formation_budget(bucket))
 
     # ---- compilation ------------------------------------------------------------------------------
     def empty_input(self, bucket: int) -> StepInput:
@@ -249,7 +257,8 @@ class Runner:
                     decode = (False, True) if v.label == SEQUENTIAL and b in decode_buckets else (False,)
                     for dec in decode:
                         fwd = dataclasses.replace(self.opts, decode_only=dec,
-                                                  max_prefill_seqs=self.sched.prefill_seqs_for(b))
+                                                  max_prefill_seqs=self.sched.prefill_seqs_for(b),
+                                                  prefill_copy_pages=self.prefill_copy_pages(b))
                         table = self._decode_steps if dec else self._steps
                         step = partial(layers_step, self.layer_gd, self.layer_specs, self.mesh, layer_fn, fwd,
                                        self.inv_freq)

@@ -29,7 +29,7 @@ from nfjax.kv.cache import KVCache, check_format
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-from pallas_kernels.kv_quant import KV_DTYPES, is_quantized, rotate, rotates, rotates_v
+from pallas_kernels.kv_quant import KV_DTYPES, dequantize_kv, is_quantized, rotate, rotates, rotates_v
 from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS, kernel_refusal
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
@@ -136,13 +136,33 @@ def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
 
 def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                       scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                      max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
-    """All T rows; only the prefill tokens' rows are meaningful."""
+                      max_prefill_seqs: int | None = None, copy_pages: int = 0) -> Float[Array, "T H D"]:
+    """All T rows; only the prefill tokens' rows are meaningful. `copy_pages` > 0 on a quantized cache: the prefill
+    rows' pages (at most that many: the batcher's limit) dequantized into a bfloat16 copy first (`dequantized_pages`),
+    the bfloat16 kernel over it."""
     return rotate_outputs(_prefill(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret,
-                                   max_prefill_seqs), kv)
+                                   max_prefill_seqs, copy_pages), kv)
 
 
-def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs):
+def dequantized_pages(kv: KVCache, layer: Int[Array, ""], page_table: Int[Array, "W P"], seq_lens: Int[Array, "W"],
+                      capacity: int):
+    """The pages rows of `page_table` hold up to `seq_lens`, gathered in row order into a bfloat16 copy of
+    `capacity` pages ([1, C, PS, KH, D] each for K and V, one layer), and the table renumbered into the copy. Pages
+    past `capacity` are dropped (read as entry 0): the caller keeps the rows' pages within it (the batcher's limit).
+    Unused entries of the copy hold page 0 (the scratch page); the table's entries past each row's length point at
+    entry 0."""
+    ps, p = kv.k.shape[2], page_table.shape[1]
+    live = jnp.arange(p)[None, :] < ((seq_lens + ps - 1) // ps)[:, None]             # [W, P]
+    slot = (jnp.cumsum(live.reshape(-1)) - 1).reshape(live.shape)
+    idx = jnp.zeros((capacity,), jnp.int32).at[jnp.where(live, slot, capacity).reshape(-1)].set(
+        page_table.reshape(-1), mode="drop")
+    k, v = dequantize_kv(kv.k[layer, idx], kv.v[layer, idx], kv.aux[layer, idx], jnp.bfloat16)
+    # a page past the copy reads entry 0 (wrong values, but never an index past the copy: a kernel reading past it
+    # hangs in interpret mode)
+    return k[None], v[None], jnp.where(live & (slot < capacity), slot, 0).astype(jnp.int32)
+
+
+def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs, copy_pages=0):
     if not _use_kernels(use_kernels, q, kv):
         return _reference(q, kv, layer, meta, scale)
     s = meta.seq_lens.shape[0]
@@ -158,19 +178,27 @@ def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs
         first = jnp.int32(0)
     else:
         first = nd
+    if copy_pages and kv.kv_dtype in QUANT_KERNEL_FORMATS:
+        # rows before `first` (the decodes, without a window) read nothing: their lengths count no page
+        rows = jnp.arange(lens.shape[0])
+        k, v, table = dequantized_pages(kv, layer, pt, jnp.where(rows >= first, lens, 0), copy_pages)
+        return paged_prefill_attention(q, k, v, jnp.int32(0), table, lens, qs, first, scale=scale,
+                                       interpret=interpret)
     return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret,
                                    aux_cache=kv.aux)
 
 
 def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                     scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                    num_ctas: int | None = None, max_prefill_seqs: int | None = None) -> Float[Array, "T H D"]:
-    """The whole mixed batch (padding rows: 0 on the kernel path, don't-care on the reference path)."""
+                    num_ctas: int | None = None, max_prefill_seqs: int | None = None,
+                    copy_pages: int = 0) -> Float[Array, "T H D"]:
+    """The whole mixed batch (padding rows: 0 on the kernel path, don't-care on the reference path); `copy_pages`
+    as in `prefill_attention`."""
     q = rotate_queries(q, kv)
     if not _use_kernels(use_kernels, q, kv):
         return rotate_outputs(_reference(q, kv, layer, meta, scale), kv)
     t = q.shape[0]
     dec = _decode(q, kv, layer, meta, scale, True, interpret, num_ctas)
-    pre = _prefill(q, kv, layer, meta, scale, True, interpret, max_prefill_seqs)
+    pre = _prefill(q, kv, layer, meta, scale, True, interpret, max_prefill_seqs, copy_pages)
     dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec)
     return rotate_outputs(jnp.where((jnp.arange(t) < meta.num_decode)[:, None, None], dec_full, pre), kv)

@@ -49,6 +49,9 @@ class ForwardOptions:
     skip_collectives: bool = False
     # Every row of the step is a decode (the host knows): the prefill attention kernel is left out.
     decode_only: bool = False
+    # > 0 on a quantized cache: the prefill rows' pages (at most this many, the batcher's limit) are dequantized into
+    # a bfloat16 copy first and the bfloat16 prefill kernel reads it (ExecutionConfig.prefill_dequant_first).
+    prefill_copy_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ class DecoderLayer(nnx.Module):
         if ctx.opts.decode_only:
             return attn_d
         out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5,
-                                max_prefill_seqs=ctx.opts.max_prefill_seqs).reshape(q.shape[0], -1)
+                                max_prefill_seqs=ctx.opts.max_prefill_seqs,
+                                copy_pages=ctx.opts.prefill_copy_pages).reshape(q.shape[0], -1)
         return jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))

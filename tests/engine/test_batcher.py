@@ -326,3 +326,45 @@ def test_prompts_the_prefix_cache_holds_do_not_count_toward_the_prefill_bucket()
         b.add(_req(f"again{i}", 128, 2))           # page of the last token is always computed): 16 tokens each
     again = _step(b)                               # 128 tokens to go: the token buckets, 4 chunks, not 1024
     assert again.bucket == 64 and len(again.seqs) == 4 and again.reused_tokens == 4 * 112
+
+
+def _copy_batcher(on: bool):
+    from nfjax.config import ExecutionConfig
+    cfg = EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=512, max_pages_per_seq=64,
+                                                      max_model_len=1024, kv_dtype="fp8"),
+                       batcher=BatcherConfig(token_buckets=(16, 256), max_seqs=64, max_prefill_seqs=16),
+                       execution=ExecutionConfig(prefill_dequant_first=on))
+    return Batcher(cfg)
+
+
+def test_prefill_rows_stay_within_the_dequantized_copy():
+    """execution.prefill_dequant_first: a step's prefill rows read at most `prefill_copy_pages` pages (64 of one
+    sequence's table + 16 of the 256-token budget + 16 chunks = 96). A prompt whose pages would pass it waits a
+    step; without the option it is admitted with the tokens left."""
+    from nfjax.config import pages_for, prefill_copy_pages
+    on, off = _copy_batcher(True), _copy_batcher(False)
+    assert prefill_copy_pages(on.cache, on.cfg, 256) == 96 and on._copy_limits == {256: 96} and not off._copy_limits
+    for b in (on, off):
+        b.add(_req("a", 1000, 4))
+        for _ in range(3):
+            _step(b)                                   # a: 768 of its 1,000 prompt tokens in
+        b.add(_req("b", 600, 4))
+    got_on, got_off = _step(on), _step(off)
+    assert [s.req.request_id for s in got_off.seqs] == ["a", "b"]          # b takes the 24 tokens left
+    assert [s.req.request_id for s in got_on.seqs] == ["a"]                # 63 + 38 pages > 96: b waits
+    assert on._copy_used == pages_for(1000, 16) == 63
+    assert [s.req.request_id for s in _step(on).seqs][-1] == "b"          # and comes in next
+
+
+def test_prefill_copy_limit_holds_over_a_random_run():
+    rng = random.Random(3)
+    b = _copy_batcher(True)
+    for i in range(40):
+        b.add(_req(f"r{i}", rng.randint(1, 1000 - 8), rng.randint(1, 8)))
+    steps = 0
+    while b.has_work() and steps < 2000:
+        batch = _step(b)
+        pre = batch.seqs[batch.num_decode:]
+        assert sum(b.cache.pages_for(s.start + s.num_tokens) for s in pre) <= 96
+        steps += 1
+    assert not b.has_work()

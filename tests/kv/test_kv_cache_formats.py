@@ -167,3 +167,47 @@ def test_kernel_path_matches_reference_on_quantized_cache():
     live = 1 + 1 + 9 + 14
     o, r = np.asarray(out[:live], np.float64), np.asarray(ref[:live], np.float64)
     assert np.isfinite(o).all() and np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2
+
+
+@pytest.mark.parametrize("fmt,window", [("int4", None), ("fp8", 2)])
+def test_prefill_over_a_dequantized_copy_of_its_pages(fmt, window):
+    """`copy_pages` (ExecutionConfig.prefill_dequant_first): the prefill rows' pages dequantized into a bfloat16
+    copy, the bfloat16 kernel over it (interpret mode), against the reference; with and without the prefill
+    window (`max_prefill_seqs`). The copy holds exactly the prefill rows' pages in row order."""
+    from nfjax.kv.attention import dequantized_pages
+    rng = np.random.default_rng(5)
+    specs = [(40, 1), (3, 1), (0, 9), (20, 14)]                     # two decodes, two prefill chunks
+    need = [pages_for(a + n, 16) for a, n in specs]
+    n_pages = sum(need) + 2
+    kv = KVCache.create(MODEL, CacheConfig(page_size=16, num_pages=n_pages, kv_dtype=fmt))
+    perm = rng.permutation(np.arange(1, n_pages))
+    seqs, off = [], 0
+    for (a, n), c in zip(specs, need):
+        seqs.append((perm[off:off + c].tolist(), a, n))
+        off += c
+    slots = np.concatenate([[p * 16 + i for p in pg for i in range(16)][:a + n] for pg, a, n in seqs])
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), 2, 64)), jnp.bfloat16) for _ in range(2))
+    kv = kv.write(jnp.int32(1), jnp.asarray(slots, jnp.int32), k, v)
+    meta = build_metadata(seqs, 28, 5, 5, 16, num_decode=2).to_device()
+    q = jnp.asarray(rng.standard_normal((28, 4, 64)), jnp.bfloat16)
+    ref = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=False)
+    cap = need[2] + need[3] + 1                                      # the prefill rows' pages, and one to spare
+    out = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=True, interpret=True, num_ctas=3,
+                          max_prefill_seqs=window, copy_pages=cap)
+    live = 1 + 1 + 9 + 14
+    o, r = np.asarray(out[:live], np.float64), np.asarray(ref[:live], np.float64)
+    assert np.isfinite(o).all() and np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2
+    # the path is taken: a copy too small for the rows' pages (the batcher never forms one) drops the last pages
+    short = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=True, interpret=True, num_ctas=3,
+                            max_prefill_seqs=window, copy_pages=need[2])
+    assert np.linalg.norm(np.asarray(short[11:live], np.float64) - r[11:]) > 0.1 * np.linalg.norm(r[11:])
+    # the copy: rows 2 and 3's pages in order, then page 0; the table points each row's pages at them
+    lens = jnp.asarray([0, 0, 9, 34], jnp.int32)
+    kc, vc, table = dequantized_pages(kv, jnp.int32(1), meta.page_table[:4], lens, cap)
+    pages = seqs[2][0] + seqs[3][0]
+    kd, vd = kq.dequantize_kv(kv.k[1], kv.v[1], kv.aux[1], jnp.bfloat16)
+    assert kc.shape == (1, cap, 16, 2, 64) and kc.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(kc[0, :len(pages)]), np.asarray(kd[jnp.asarray(pages)]))
+    np.testing.assert_array_equal(np.asarray(vc[0, len(pages):]), np.asarray(vd[jnp.zeros(1, jnp.int32)]))
+    assert np.asarray(table[2])[:need[2]].tolist() == list(range(need[2]))
+    assert np.asarray(table[3])[:need[3]].tolist() == list(range(need[2], need[2] + need[3]))
