@@ -102,7 +102,8 @@ def device_times(fn, calls: int = 5) -> tuple[float, float]:
     """(busy, span) of a call of `fn` on the GPU in ms, medians over `calls` calls, each awaited before the next
     (`call_busy_ns`, `call_spans_ns`). RuntimeError where the trace holds no GPU events (a CPU backend, a
     profiler failure)."""
-    pd = trace(fn, tempfile.mkdtemp(prefix="nfjax-device-ms-"), "t", calls=calls, sync_each=True)
+    with tempfile.TemporaryDirectory(prefix="nfjax-device-time-") as root:    # a profile traces ~150 jobs
+        pd = trace(fn, root, "t", calls=calls, sync_each=True)
     if isinstance(pd, str):
         raise RuntimeError(f"no device trace: {pd}")
     ev = stream_events(pd)
