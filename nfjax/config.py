@@ -276,8 +276,9 @@ class BatcherConfig:
         return self.token_buckets + ((self.prefill_bucket,) if self.prefill_bucket else ())
 
     def formation_budget(self, bucket: int) -> int:
-        """The token budget a step that runs in `bucket` was formed under: the prefill bucket's own, else the largest
-        token bucket's (the batcher's `_step_limits`; after `resolve`)."""
+        """The token budget whose limits a step that runs in `bucket` keeps: the prefill bucket's own, else the
+        largest token bucket's (after `resolve`). A step formed under the prefill bucket's budget runs in a token
+        bucket only within that bucket's limits (`BucketFit._fit_bucket`)."""
         return bucket if self.prefill_bucket and bucket == self.prefill_bucket else self.token_buckets[-1]
 
     def prefill_seqs_for(self, bucket: int) -> int:
@@ -419,8 +420,10 @@ class ExecutionConfig:
     # On a quantized KV cache (fp8 / int8 / int4), a step's prefill attention first dequantizes the pages its
     # prefill rows read into a bfloat16 copy (static size `prefill_copy_pages`; the batcher keeps each step's rows
     # within it) and runs the bfloat16 prefill kernel over the copy, in place of the kernel dequantizing every block
-    # once per 32-token query tile. H200, kernel level: 1.45-1.85x (bench/results/kv_prefill-20261129.json); not
-    # yet timed end to end, so off (docs/design.md section 14).
+    # once per 32-token query tile. H200, kernel level: 1.36-1.85x (bench/results/kv_prefill-20261129.json); not
+    # yet timed end to end, so off (docs/design.md section 14). The copy is its whole static size in every layer of
+    # a step with a prefill row, however few pages are live: ~16 MB of bfloat16 a layer for an 8B model at a
+    # 1,536-token context, ~0.55 GB at 128k (one sequence's whole table is in it), and it is not in the KV sizing.
     prefill_dequant_first: bool = False
 
     def __post_init__(self):

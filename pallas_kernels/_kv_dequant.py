@@ -130,6 +130,8 @@ def _upcast(src, interpret: bool):
     """A stage tile of 8-bit codes (uint8: zero-extended; int8: sign-extended) as int16 in the WGMMA layout."""
     if interpret:
         return src[...].astype(jnp.int16)
+    if CODE_LOAD not in CODE_LOADS:
+        raise ValueError(f"_kv_dequant.CODE_LOAD={CODE_LOAD!r}: one of {CODE_LOADS}")
     if CODE_LOAD == "direct":
         return plgpu.load(src, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
     u = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.int16)

@@ -11,7 +11,8 @@ A profile holds, for one decoder layer's op graph (fields, all times in ms for o
     the fused time at a share of the first op (the second takes the rest) and each op alone on its share;
   * `layer` (optional): the whole layer as Sequential compiles it, against step tokens x decodes (`ms[t][d]`, at
     context `ctx`, prefill in `chunks` chunks): the search's baseline where a class falls inside it;
-  * `timing` (optional): "device" (each time a call's kernel span on the GPU, no host dispatch in it) or "wall"
+  * `timing` (optional): "device" (each time a call's busy time on the GPU, the union of its kernels' intervals, no
+    host dispatch in it; each call's span beside it in `device_spans_ms`) or "wall"
     (the wall clock of back-to-back calls; absent: "wall", as in every profile before it);
   * `floor_ms` (optional): the host's dispatch floor per op of the token ops and of the attention kernels (0 in a
     device-timed profile), and `launch_ms`, a launch in the step program (floor.py; estimated where absent);

@@ -258,6 +258,18 @@ def time_job(j: _Job, reps: int, target_ms: float) -> float:
     return statistics.median(per)
 
 
+def traces_device() -> bool:
+    """Whether a profiler trace here shows the GPU's kernels (the device timing's premise), tried on a small
+    program; False: the profile takes the wall clock (with its floor jobs), never a mix of the two clocks."""
+    x = jnp.ones((1024,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    try:
+        device_times(lambda: f(x), calls=2)
+        return True
+    except RuntimeError:
+        return False
+
+
 def device_time_job(j: _Job, reps: int) -> tuple[float, float]:
     """(busy, span) ms per op on the GPU: a call's (nfjax/device_trace.py) over its `j.copies` ops."""
     busy, span = device_times(_caller(j), calls=reps)
@@ -282,10 +294,10 @@ def copy_rate(nbytes: int) -> float:
 def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int, command: str | None = None,
             tp: int = 1, align: int | None = None, timing: str | None = None, log=print) -> dict:
     """Measure `subject` on `grid`; returns the profile dict. `num_sms` 0: shares are not measured. `timing`:
-    "device" (kernel spans from a trace; the default on a GPU) or "wall" (the default elsewhere)."""
-    timing = timing or ("device" if jax.default_backend() == "gpu" else "wall")
-    if timing not in TIMINGS:
+    "device" (busy times from a trace; the default on a GPU whose traces show its kernels) or "wall" (elsewhere)."""
+    if timing is not None and timing not in TIMINGS:
         raise ValueError(f"timing={timing!r}: one of {TIMINGS}")
+    timing = timing or ("device" if jax.default_backend() == "gpu" and traces_device() else "wall")
     from nfjax.autosearch.profile import FORMAT, KIND
     from nfjax.autosearch.subjects import value_bytes
     from nfjax.schedule.beside import HORIZONTAL_KERNELS
@@ -348,17 +360,12 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     log(f"[profile] {len(jobs)} measurements: lowering and compiling ...")
     compile_jobs(jobs, log=log)
     log(f"[profile] compiled in {time.perf_counter() - t0:.1f} s; timing ...")
-    ms, wall_timed, spans = {}, [], {}
+    ms, spans = {}, {}
     for j in jobs:
         if j.compiled is not None:
-            try:
+            try:            # one clock for the whole profile: a job that fails is left out, as any failure is
                 if timing == "device":
-                    try:
-                        ms[j.key], spans[str(j.key)] = device_time_job(j, grid.reps)
-                    except RuntimeError as e:       # no trace: the wall clock, said in the profile
-                        log(f"[profile] {j.key}: {e}; timed by the wall clock")
-                        wall_timed.append(str(j.key))
-                        ms[j.key] = time_job(j, grid.reps, grid.target_ms)
+                    ms[j.key], spans[str(j.key)] = device_time_job(j, grid.reps)
                 else:
                     ms[j.key] = time_job(j, grid.reps, grid.target_ms)
             except Exception as e:  # noqa: BLE001
@@ -423,8 +430,6 @@ def profile(subject, grid: Grid, *, device: str, device_name: str, num_sms: int,
     prof["timing"] = timing
     if spans:       # the times are busy times; each measurement's span beside them, for reading the gaps
         prof["device_spans_ms"] = {k: round(v, 6) for k, v in spans.items()}
-    if wall_timed:
-        prof["wall_timed"] = wall_timed
     fl = ({"tokens": 0.0, "kernels": 0.0} if timing == "device" else
           {"tokens": ms.get(("floor", "tokens")), "kernels": ms.get(("floor", "decode"))})
     if all(v is not None for v in fl.values()):

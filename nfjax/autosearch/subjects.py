@@ -87,7 +87,9 @@ class LlamaSubject:
             # they measured 2% behind.
             join_projections(self.layer, make_mesh(1), swiglu_epilogue=swiglu_epilogue)
         self.projections = "joined" if join else "separate"
-        self.swiglu_epilogue = bool(join and swiglu_epilogue)
+        # what the profile records: whether the weight was interleaved (a CPU, or weights the kernel does not take,
+        # keep XLA's dot whatever was asked)
+        self.swiglu_epilogue = bool(getattr(getattr(self.layer, "gate_up_proj", None), "interleave", 0))
         self.inv_freq = jnp.asarray(inv_frequencies(self.cfg), jnp.float32)
         self.page_size, self.max_seqs, self.max_pages = page_size, max_seqs, max_pages
         self.opts = ForwardOptions(max_prefill_seqs=max_prefill_seqs)

@@ -367,8 +367,9 @@ class Batcher(BucketFit):
                 forecast = self._forecast()
             if not self._fits_prediction(req, forecast):
                 break
-            if self._copy_cap and self._copy_used + self.cache.pages_for(req.prompt_len) > self._copy_cap:
-                break           # its first chunk ends by its prompt's end; the copy holds it in a later step
+            if self._copy_cap and (self._copy_used + self.cache.pages_for(self._first_chunk_end(req, left))
+                                   > self._copy_cap):
+                break           # the copy holds it in a later step (checked before `_reuse_prefix` takes pages)
             # kivi64: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
             if self._blocked(req, left, req.prompt_len):
                 if not self._make_room(batch, req, left):
@@ -475,6 +476,23 @@ class Batcher(BucketFit):
         batch.seqs = [s for i, s in enumerate(batch.seqs) if i not in out]
         batch.num_decode = len(batch.seqs)
         return True
+
+    def _first_chunk_end(self, req: Request, left: int) -> int:
+        """Where a waiting request's first chunk ends at most, before `_reuse_prefix` runs: `left` tokens past the
+        prompt pages the GPU cache holds (as `_reuse_prefix` takes them, or fewer), or past what it has computed;
+        with host or disk tiers, which may hold any of its pages, its prompt's end. Never below the end
+        `_add_chunk` then finds, so its copy check cannot fail after pages were reused (nothing would give them
+        back)."""
+        a, ps = self.allocator, self.cache.page_size
+        if req.num_computed or not a.prefix:
+            base = req.num_computed
+        elif self.tiers is not None:
+            return req.prompt_len
+        else:
+            hashes, base = prompt_hashes(req, ps), 0
+            while base // ps < len(hashes) and a.contains(hashes[base // ps]):
+                base += ps
+        return min(req.prompt_len, base + left)
 
     def _add_chunk(self, batch: Batch, req: Request, left: int) -> int:
         n = min(req.prompt_len - req.num_computed, left)

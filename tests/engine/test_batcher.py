@@ -339,21 +339,35 @@ def _copy_batcher(on: bool):
 
 def test_prefill_rows_stay_within_the_dequantized_copy():
     """execution.prefill_dequant_first: a step's prefill rows read at most `prefill_copy_pages` pages (64 of one
-    sequence's table + 16 of the 256-token budget + 16 chunks = 96). A prompt whose pages would pass it waits a
-    step; without the option it is admitted with the tokens left."""
+    sequence's table + 16 of the 256-token budget + 16 chunks = 96). b's first 960 prompt tokens are in the prefix
+    cache, so its 24-token first chunk reads 62 pages: beside a's 63 it waits a step; without the option it comes in
+    with the tokens left. A chunk that reads few pages still comes in (the bound is its chunk's end, not its
+    prompt's)."""
     from nfjax.config import pages_for, prefill_copy_pages
+    from nfjax.engine.request import Request as R
     on, off = _copy_batcher(True), _copy_batcher(False)
     assert prefill_copy_pages(on.cache, on.cfg, 256) == 96 and on._copy_limits == {256: 96} and not off._copy_limits
     for b in (on, off):
-        b.add(_req("a", 1000, 4))
+        b.add(_req("p", 960, 1))                       # its prompt's pages stay in the prefix cache after it ends
+        while b.has_work():
+            _step(b)
+        b.add(R("a", [7] * 1000, SamplingParams.greedy(max_tokens=4, ignore_eos=True), 0))
         for _ in range(3):
             _step(b)                                   # a: 768 of its 1,000 prompt tokens in
-        b.add(_req("b", 600, 4))
+        b.add(_req("b", 1000, 4))
     got_on, got_off = _step(on), _step(off)
-    assert [s.req.request_id for s in got_off.seqs] == ["a", "b"]          # b takes the 24 tokens left
-    assert [s.req.request_id for s in got_on.seqs] == ["a"]                # 63 + 38 pages > 96: b waits
+    assert [s.req.request_id for s in got_off.seqs] == ["a", "b"] and got_off.seqs[1].start == 960
+    assert [s.req.request_id for s in got_on.seqs] == ["a"]                # 63 + 62 pages > 96: b waits
     assert on._copy_used == pages_for(1000, 16) == 63
-    assert [s.req.request_id for s in _step(on).seqs][-1] == "b"          # and comes in next
+    nxt = _step(on)
+    assert [s.req.request_id for s in nxt.seqs][-1] == "b" and nxt.seqs[-1].start == 960   # and comes in next
+    # a fresh 600-token prompt beside a 63-page row: its 24-token first chunk reads 2 pages, and comes in
+    c = _copy_batcher(True)
+    c.add(R("a", [7] * 1000, SamplingParams.greedy(max_tokens=4, ignore_eos=True), 0))
+    for _ in range(3):
+        _step(c)
+    c.add(_req("d", 600, 4))
+    assert [s.req.request_id for s in _step(c).seqs] == ["a", "d"] and c._copy_used == 63 + 2
 
 
 def test_prefill_copy_limit_holds_over_a_random_run():
