@@ -289,11 +289,16 @@ class BatcherConfig:
         return self.max_prefill_seqs
 
 
-def prefill_copy_pages(cache: CacheConfig, sched: BatcherConfig, budget: int) -> int:
+def prefill_copy_pages(config: "EngineConfig", budget: int) -> int:
     """KV pages the prefill rows of one step may read when the step is formed under a token `budget` (the largest
     token bucket, or the prefill bucket): the size of `execution.prefill_dequant_first`'s bfloat16 copy, and the
-    batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end. One sequence's
-    whole table fits, so every chunk can be scheduled alone; the rest is room for the budget's other chunks."""
+    batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end; 0 where there is no
+    copy (the option off, or a cache the kernels read as it is). One sequence's whole table fits, so every chunk can
+    be scheduled alone; the rest is room for the budget's other chunks. After `resolve`."""
+    from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
+    cache, sched = config.cache, config.batcher
+    if not (config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS):
+        return 0
     return cache.max_pages_per_seq + pages_for(budget, cache.page_size) + sched.prefill_seqs_for(budget)
 
 

@@ -48,7 +48,6 @@ from nfjax.engine.request import Request, Status
 from nfjax.kv.allocator import PageAllocator
 from nfjax.kv.prefix_cache import page_hash, prompt_hashes
 from nfjax.kv.tiers import PrefixStats
-from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
 from pallas_kernels.kv_kivi64 import GROUP as KIVI_GROUP
 
 
@@ -118,9 +117,8 @@ class Batcher(BucketFit):
         self.group = KIVI_GROUP if cache.kv_dtype == "kivi64" else 0
         # execution.prefill_dequant_first: a step's prefill rows read at most this many pages a formation budget
         # (the runner's bfloat16 copy of them, `config.prefill_copy_pages`); {} without it
-        copy = config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS
-        self._copy_limits = {b: prefill_copy_pages(cache, sched, b)
-                             for b in (self.budget, self.prefill_budget) if b and copy}
+        self._copy_limits = {b: n for b in (self.budget, self.prefill_budget) if b
+                             for n in [prefill_copy_pages(config, b)] if n}
         self._copy_cap = self._copy_used = 0       # the step being formed's limit and its prefill rows' pages
         self._made_room: set[int] = set()          # id() of the decodes `_make_room` left out of this step
         check_chunk_budget(cache.kv_dtype, sched.token_buckets)
@@ -447,10 +445,14 @@ class Batcher(BucketFit):
         hashes = self._wants.get(req.request_id)
         if not hashes or req.num_computed:
             return 0
+        return min(self._held_pages(hashes) * self.cache.page_size, req.prompt_len - 1)
+
+    def _held_pages(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first on, the GPU prefix cache holds."""
         n = 0
         while n < len(hashes) and self.allocator.contains(hashes[n]):
             n += 1
-        return min(n * self.cache.page_size, req.prompt_len - 1)
+        return n
 
     def _blocked(self, req: Request, left: int, rest: int) -> bool:
         """kivi64: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,
@@ -489,9 +491,7 @@ class Batcher(BucketFit):
         elif self.tiers is not None:
             return req.prompt_len
         else:
-            hashes, base = prompt_hashes(req, ps), 0
-            while base // ps < len(hashes) and a.contains(hashes[base // ps]):
-                base += ps
+            base = self._held_pages(prompt_hashes(req, ps)) * ps
         return min(req.prompt_len, base + left)
 
     def _add_chunk(self, batch: Batch, req: Request, left: int) -> int:

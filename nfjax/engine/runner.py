@@ -39,7 +39,6 @@ from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
 from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_mode, head_step, layer_groups,
                                        layers_step, on_leaves, seed_slot, split_layers)
 
@@ -146,9 +145,7 @@ class Runner:
     def prefill_copy_pages(self, bucket: int) -> int:
         """The bfloat16 copy's pages of `bucket`'s prefill attention (`execution.prefill_dequant_first` on a
         quantized cache the kernels read), else 0: the kernel reads the cache in place."""
-        if not (self.config.execution.prefill_dequant_first and self.cache_cfg.kv_dtype in QUANT_KERNEL_FORMATS):
-            return 0
-        return prefill_copy_pages(self.cache_cfg, self.sched, self.sched.formation_budget(bucket))
+        return prefill_copy_pages(self.config, self.sched.formation_budget(bucket))
 
     # ---- compilation ------------------------------------------------------------------------------
     def empty_input(self, bucket: int) -> StepInput:

@@ -328,13 +328,16 @@ def test_prompts_the_prefix_cache_holds_do_not_count_toward_the_prefill_bucket()
     assert again.bucket == 64 and len(again.seqs) == 4 and again.reused_tokens == 4 * 112
 
 
-def _copy_batcher(on: bool):
+def _copy_config(on: bool) -> EngineConfig:
     from nfjax.config import ExecutionConfig
-    cfg = EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=512, max_pages_per_seq=64,
-                                                      max_model_len=1024, kv_dtype="fp8"),
-                       batcher=BatcherConfig(token_buckets=(16, 256), max_seqs=64, max_prefill_seqs=16),
-                       execution=ExecutionConfig(prefill_dequant_first=on))
-    return Batcher(cfg)
+    return EngineConfig(model=MODEL, cache=CacheConfig(page_size=16, num_pages=512, max_pages_per_seq=64,
+                                                       max_model_len=1024, kv_dtype="fp8"),
+                        batcher=BatcherConfig(token_buckets=(16, 256), max_seqs=64, max_prefill_seqs=16),
+                        execution=ExecutionConfig(prefill_dequant_first=on))
+
+
+def _copy_batcher(on: bool):
+    return Batcher(_copy_config(on))
 
 
 def test_prefill_rows_stay_within_the_dequantized_copy():
@@ -346,7 +349,8 @@ def test_prefill_rows_stay_within_the_dequantized_copy():
     from nfjax.config import pages_for, prefill_copy_pages
     from nfjax.engine.request import Request as R
     on, off = _copy_batcher(True), _copy_batcher(False)
-    assert prefill_copy_pages(on.cache, on.cfg, 256) == 96 and on._copy_limits == {256: 96} and not off._copy_limits
+    assert prefill_copy_pages(_copy_config(True), 256) == 96 and on._copy_limits == {256: 96}
+    assert prefill_copy_pages(_copy_config(False), 256) == 0 and not off._copy_limits
     for b in (on, off):
         b.add(_req("p", 960, 1))                       # its prompt's pages stay in the prefix cache after it ends
         while b.has_work():

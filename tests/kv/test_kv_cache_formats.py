@@ -141,13 +141,11 @@ def test_bytes_per_token_counts_compressed_values_and_scales():
         assert held == bytes_per_token(MODEL, kv_dtype=fmt) * 4 * 16
 
 
-def test_kernel_path_matches_reference_on_quantized_cache():
-    """The engine's attention entry point on a mixed step batch over an int4 cache: the kernels (Mosaic GPU
-    interpret mode, dequantizing in the kernel) against the reference path (fp8 and the other shapes:
-    tests/pallas_kernels/test_quantized_kv.py)."""
-    fmt = "int4"
-    from nfjax.kv.attention import paged_attention
-    rng = np.random.default_rng(4)
+def _mixed_step(fmt: str, seed: int):
+    """A mixed step over a `fmt` cache at layer 1: two decodes (contexts 40 and 3) and two prefill chunks (9 tokens
+    from 0, 14 after 20) on shuffled pages. Returns (kv, seqs, pages each sequence needs, metadata, queries, the
+    reference path's attention)."""
+    rng = np.random.default_rng(seed)
     specs = [(40, 1), (3, 1), (0, 9), (20, 14)]
     need = [pages_for(a + n, 16) for a, n in specs]
     n_pages = sum(need) + 2
@@ -162,7 +160,16 @@ def test_kernel_path_matches_reference_on_quantized_cache():
     kv = kv.write(jnp.int32(1), jnp.asarray(slots, jnp.int32), k, v)
     meta = build_metadata(seqs, 28, 5, 5, 16, num_decode=2).to_device()
     q = jnp.asarray(rng.standard_normal((28, 4, 64)), jnp.bfloat16)
-    ref = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=False)
+    return kv, seqs, need, meta, q, paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=False)
+
+
+def test_kernel_path_matches_reference_on_quantized_cache():
+    """The engine's attention entry point on a mixed step batch over an int4 cache: the kernels (Mosaic GPU
+    interpret mode, dequantizing in the kernel) against the reference path (fp8 and the other shapes:
+    tests/pallas_kernels/test_quantized_kv.py)."""
+    fmt = "int4"
+    from nfjax.kv.attention import paged_attention
+    kv, seqs, need, meta, q, ref = _mixed_step(fmt, 4)
     out = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=True, interpret=True, num_ctas=3)
     live = 1 + 1 + 9 + 14
     o, r = np.asarray(out[:live], np.float64), np.asarray(ref[:live], np.float64)
@@ -175,22 +182,7 @@ def test_prefill_over_a_dequantized_copy_of_its_pages(fmt, window):
     copy, the bfloat16 kernel over it (interpret mode), against the reference; with and without the prefill
     window (`max_prefill_seqs`). The copy holds exactly the prefill rows' pages in row order."""
     from nfjax.kv.attention import dequantized_pages
-    rng = np.random.default_rng(5)
-    specs = [(40, 1), (3, 1), (0, 9), (20, 14)]                     # two decodes, two prefill chunks
-    need = [pages_for(a + n, 16) for a, n in specs]
-    n_pages = sum(need) + 2
-    kv = KVCache.create(MODEL, CacheConfig(page_size=16, num_pages=n_pages, kv_dtype=fmt))
-    perm = rng.permutation(np.arange(1, n_pages))
-    seqs, off = [], 0
-    for (a, n), c in zip(specs, need):
-        seqs.append((perm[off:off + c].tolist(), a, n))
-        off += c
-    slots = np.concatenate([[p * 16 + i for p in pg for i in range(16)][:a + n] for pg, a, n in seqs])
-    k, v = (jnp.asarray(rng.standard_normal((len(slots), 2, 64)), jnp.bfloat16) for _ in range(2))
-    kv = kv.write(jnp.int32(1), jnp.asarray(slots, jnp.int32), k, v)
-    meta = build_metadata(seqs, 28, 5, 5, 16, num_decode=2).to_device()
-    q = jnp.asarray(rng.standard_normal((28, 4, 64)), jnp.bfloat16)
-    ref = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=False)
+    kv, seqs, need, meta, q, ref = _mixed_step(fmt, 5)
     cap = need[2] + need[3] + 1                                      # the prefill rows' pages, and one to spare
     out = paged_attention(q, kv, jnp.int32(1), meta, 0.125, use_kernels=True, interpret=True, num_ctas=3,
                           max_prefill_seqs=window, copy_pages=cap)
