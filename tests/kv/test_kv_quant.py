@@ -144,3 +144,19 @@ def test_int4_keys_and_values_are_stored_rotated():
     x = _draw(8, (4, 192))          # head_dim 192: three 64-blocks, still orthogonal and symmetric
     np.testing.assert_allclose(rot(rot(x)), x, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(rot(x)[:, 64:128], x[:, 64:128] @ h, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_rotation_of_16_bit_inputs_is_as_exact_as_an_f32_product(d, dtype):
+    """A 16-bit input goes through H's +-1 signs in its own dtype (the tensor cores) and is scaled after: its
+    products are exact, so the f32 result matches a float64 product of the same 16-bit values to f32 rounding,
+    and the f32 path (used for f32 inputs) to within it."""
+    x = jnp.asarray(_draw(9, (3, 5, d)), dtype)
+    b = d & -d
+    ref = (np.asarray(x, np.float64).reshape(3, 5, d // b, b) @ kq.hadamard(b).astype(np.float64)).reshape(x.shape)
+    got = np.asarray(kq.rotate(x, jnp.float32))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    f32 = np.asarray(kq.rotate(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(got, f32, rtol=0, atol=1e-6 * np.abs(ref).max())
+    assert kq.rotate(x).dtype == dtype
