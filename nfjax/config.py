@@ -426,8 +426,8 @@ class ExecutionConfig:
     # prefill rows read into a bfloat16 copy (static size `prefill_copy_pages`; the batcher keeps each step's rows
     # within it) and runs the bfloat16 prefill kernel over the copy, in place of the kernel dequantizing every block
     # once per 32-token query tile. H200: 1.36-1.85x at kernel level, +0.3-1.5% end to end at 1024/512, so off
-    # (docs/design.md section 14): the copy is its whole static size in every layer of every step of a bucket
-    # (decode-only ones too), however few pages are live: ~16 MB of bfloat16 a layer for an 8B model at a
+    # (docs/design.md section 14): the copy is its whole static size in every layer of every step with a prefill
+    # row, however few pages are live: ~16 MB of bfloat16 a layer for an 8B model at a
     # 1,536-token context, ~0.55 GB at 128k (one sequence's whole table is in it), and it is not in the KV sizing.
     prefill_dequant_first: bool = False
 

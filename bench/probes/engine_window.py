@@ -17,6 +17,7 @@ import collections
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,25 @@ def window_table(pd, steps: int) -> dict:
     return {"line": ln, "busy_ms_per_step": busy / steps, "wall_ms_per_step": (t1 - t0) / 1e6 / steps,
             "idle_share": 1 - busy * 1e6 / max(t1 - t0, 1), "stat_samples": samples,
             "top": [{"name": k[:200], "ms": v[0], "count": v[1] / steps} for k, v in rows[:40]]}
+
+
+FUSION_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bfusion\(.*$", re.M)
+META = re.compile(r'op_name="([^"]*)"(?:.*?source_file="([^"]*)")?(?:.*?source_line=(\d+))?')
+
+
+def fusion_sources(hlo_texts, names) -> dict:
+    """{kernel name: "op_name @ file:line"} for the XLA fusions among `names`, from the step programs' optimized
+    HLO (a kernel is named after its fusion, "." as "_"): where in the model each costly fusion comes from."""
+    found = {}
+    for text in hlo_texts:
+        for m in FUSION_LINE.finditer(text):
+            key = m.group(1).replace(".", "_")
+            if key in names and key not in found:
+                meta = META.search(m.group(0))
+                if meta:
+                    op, f, line = meta.groups()
+                    found[key] = op[-160:] + (f" @ {os.path.basename(f)}:{line}" if f else "")
+    return found
 
 
 def parse_windows(spec: str | None, from_step: int, steps: int) -> list[tuple[int, int]]:
@@ -125,6 +145,8 @@ def child(args) -> dict:
             jax.profiler.stop_trace()
         return {"error": f"the run ended after {len(steps)} steps, before window {wins[-1]} closed"}
     from jax.profiler import ProfileData
+    hlo = [c.as_text() for table in (engine.runner._steps, engine.runner._decode_steps) for c in table.values()
+           if hasattr(c, "as_text")]
     out = []
     for (first, last), d in zip(marks, dirs):
         # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
@@ -133,6 +155,11 @@ def child(args) -> dict:
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), last - first) if files else \
             {"error": "not traced" if args.no_trace else "no xplane.pb written"}
+        if "top" in table:
+            src = fusion_sources(hlo, {r["name"] for r in table["top"]})
+            for r in table["top"]:
+                if r["name"] in src:
+                    r["source"] = src[r["name"]]
         host = [s.host_ms for s in steps[first:last]]
         out.append({"window": [first, last], "kinds": dict(kinds), "host_ms_per_step": sum(host) / max(len(host), 1),
                     "kernels": table})
@@ -186,7 +213,8 @@ def main() -> None:
                   f"ms, GPU busy {k.get('busy_ms_per_step', 0):.2f} ms (idle {k.get('idle_share', 0):.1%}), host "
                   f"{w['host_ms_per_step']:.2f} ms; {r['num_pages']} pages")
             for row in k.get("top", [])[:24]:
-                print(f"   {row['ms']:8.3f} ms x{row['count']:<7.1f} {row['name'][:140]}")
+                src = f"  <- {row['source']}" if row.get("source") else ""
+                print(f"   {row['ms']:8.3f} ms x{row['count']:<7.1f} {row['name'][:140]}{src}")
 
 
 if __name__ == "__main__":

@@ -106,11 +106,12 @@ def rotate_outputs(o: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D
 
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                      scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                     num_ctas: int | None = None) -> Float[Array, "R H D"]:
+                     num_ctas: int | None = None, cache_frame_out: bool = False) -> Float[Array, "R H D"]:
     """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
-    `num_ctas`: the decode kernel's persistent CTA count (NanoFlow's resource share)."""
-    return rotate_outputs(_decode(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret, num_ctas),
-                          kv)
+    `num_ctas`: the decode kernel's persistent CTA count (NanoFlow's resource share). `cache_frame_out`: the
+    outputs stay in the cache's frame (`rotate_outputs` left to the caller, once for a step's merged rows)."""
+    out = _decode(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret, num_ctas)
+    return out if cache_frame_out else rotate_outputs(out, kv)
 
 
 def _decode(q, kv, layer, meta, scale, use_kernels, interpret, num_ctas):
@@ -136,12 +137,14 @@ def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
 
 def prefill_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                       scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
-                      max_prefill_seqs: int | None = None, copy_pages: int = 0) -> Float[Array, "T H D"]:
+                      max_prefill_seqs: int | None = None, copy_pages: int = 0,
+                      cache_frame_out: bool = False) -> Float[Array, "T H D"]:
     """All T rows; only the prefill tokens' rows are meaningful. `copy_pages` > 0 on a quantized cache: the prefill
     rows' pages (at most that many: the batcher's limit) dequantized into a bfloat16 copy first (`dequantized_pages`),
-    the bfloat16 kernel over it."""
-    return rotate_outputs(_prefill(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret,
-                                   max_prefill_seqs, copy_pages), kv)
+    the bfloat16 kernel over it. `cache_frame_out` as in `decode_attention`."""
+    out = _prefill(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs,
+                   copy_pages)
+    return out if cache_frame_out else rotate_outputs(out, kv)
 
 
 def dequantized_pages(kv: KVCache, layer: Int[Array, ""], page_table: Int[Array, "W P"], seq_lens: Int[Array, "W"],

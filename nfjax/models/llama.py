@@ -9,7 +9,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from nfjax.config import ModelConfig
-from nfjax.kv.attention import decode_attention, prefill_attention
+from nfjax.kv.attention import decode_attention, prefill_attention, rotate_outputs
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
 from nfjax.models.dense import dense, dense_swiglu, swiglu_epilogue_fits
@@ -125,21 +125,26 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.MEMORY, ins=("q_rot", "kv"), outs=("attn_d",))
     def attn_decode(self, ctx, q, kv):
-        """Decode rows [0, num_decode) (bandwidth-bound); other rows are don't-care."""
+        """Decode rows [0, num_decode) (bandwidth-bound) in the cache's frame (rotated where the format stores V
+        rotated: `attn_prefill` rotates the merged rows back once); other rows are don't-care."""
         t = q.shape[0]
-        out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_ctas=ctx.num_ctas)
+        out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_ctas=ctx.num_ctas,
+                               cache_frame_out=True)
         out = out.reshape(out.shape[0], -1)                 # rows [0, min(S, T))
         return out if out.shape[0] == t else jnp.pad(out, ((0, t - out.shape[0]), (0, 0)))
 
     @op(Resource.COMPUTE, ins=("q_rot", "kv", "attn_d"), outs=("attn",))
     def attn_prefill(self, ctx, q, kv, attn_d):
-        """Prefill rows (compute-bound), merged with the decode rows of `attn_d`."""
+        """Prefill rows (compute-bound), merged with the decode rows of `attn_d`, out of the cache's frame."""
         if ctx.opts.decode_only:
-            return attn_d
-        out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5,
-                                max_prefill_seqs=ctx.opts.max_prefill_seqs,
-                                copy_pages=ctx.opts.prefill_copy_pages).reshape(q.shape[0], -1)
-        return jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
+            attn = attn_d
+        else:
+            out = prefill_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5,
+                                    max_prefill_seqs=ctx.opts.max_prefill_seqs, copy_pages=ctx.opts.prefill_copy_pages,
+                                    cache_frame_out=True).reshape(q.shape[0], -1)
+            attn = jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
+        # one rotation for all rows (a format storing V rotated), not one for each kind
+        return rotate_outputs(attn.reshape(q.shape), kv).reshape(attn.shape)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from nfjax.compat import num_sms, on_gpu
-from nfjax.kv.attention import decode_rows, kernels_support, rotate_outputs, rotate_queries
+from nfjax.kv.attention import decode_rows, kernels_support, rotate_queries
 from nfjax.models.dense import swiglu_epilogue_fits
 from nfjax.schedule.api import Kernel
 
@@ -52,7 +52,7 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
         gate, up = outs[0], jnp.zeros((h2.shape[0], 0), h2.dtype)
     else:
         gate, up = joined.split(outs[0]) if joined is not None else outs
-    attn = rotate_outputs(attn, kv).reshape(attn.shape[0], -1)
+    attn = attn.reshape(attn.shape[0], -1)      # in the cache's frame, as `attn_decode`'s (attn_prefill rotates)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))
     return [(attn,), (gate, up)]

@@ -344,3 +344,44 @@ def test_step_gap_places_a_gap_by_step_range(tmp_path):
         per_step(str(f), "old", None)
     with pytest.raises(SystemExit, match="no engine 'x'"):
         per_step(str(f), "w", "x")
+
+
+def test_rotation_probe_ways_agree_with_the_hadamard_product_and_the_smoke_reports_each(tmp_path):
+    """Every way of the rotation probe computes x @ H (unnorm: times sqrt(D)) to the input's precision, and the CPU
+    smoke writes both places' cost for each way."""
+    import json
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+    from bench.probes import rotation
+    from pallas_kernels.kv_quant import hadamard
+    x = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32)
+    want = x @ hadamard(64)
+    for way in rotation.WAYS:
+        got = np.asarray(rotation.rotate_by(way, jnp.asarray(x)), np.float64) / (8.0 if way == "unnorm" else 1.0)
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), err_msg=way)
+    np.testing.assert_allclose(np.asarray(rotation.rotate_by("fwht", jnp.asarray(x))), want, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown way"):
+        rotation.rotate_by("nope", jnp.asarray(x))
+    rotation.main(["--smoke", "--out", str(tmp_path)])
+    (f,) = tmp_path.glob("rotation-*.json")
+    d = json.loads(f.read_text())
+    assert set(d["summary"]) == {f"{p}_us_t64_{w}" for p in ("q", "out") for w in rotation.WAYS}
+    assert all(r["q_relerr"] < 4e-3 for r in d["data"]["rows"])      # bf16 rounding of the rotated queries
+
+
+def test_engine_window_names_where_a_fusion_comes_from():
+    """`fusion_sources` finds a compiled program's fusions by their kernel names ("." as "_") and reports the
+    model op they came from (the named scope in their metadata); names that are no fusion get nothing."""
+    import jax
+    import jax.numpy as jnp
+    from bench.probes.engine_window import FUSION_LINE, fusion_sources
+
+    def f(a, b):
+        with jax.named_scope("attn_prefill@0"):
+            return jnp.concatenate([a * 2, b + 1], -1).sum(0)
+    text = jax.jit(f).lower(jnp.ones((8, 4)), jnp.ones((8, 4))).compile().as_text()
+    names = {m.group(1).replace(".", "_") for m in FUSION_LINE.finditer(text)}
+    assert names
+    src = fusion_sources([text], names | {"nvjet_sm90_gemm"})
+    assert set(src) == names and all("attn_prefill" in v for v in src.values())
