@@ -145,8 +145,10 @@ def child(args) -> dict:
             jax.profiler.stop_trace()
         return {"error": f"the run ended after {len(steps)} steps, before window {wins[-1]} closed"}
     from jax.profiler import ProfileData
-    hlo = [c.as_text() for table in (engine.runner._steps, engine.runner._decode_steps) for c in table.values()
-           if hasattr(c, "as_text")]
+    # the optimized HLO of the programs the windows ran (their steps' buckets), for `fusion_sources`
+    buckets = {s.bucket for (first, last) in marks for s in steps[first:last]}
+    hlo = [c.as_text() for table in (engine.runner._steps, engine.runner._decode_steps)
+           for key, c in table.items() if key[0] in buckets and hasattr(c, "as_text")]
     out = []
     for (first, last), d in zip(marks, dirs):
         # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
