@@ -144,7 +144,7 @@ def rotate(x, dtype=None):
     b = d & -d
     xb = x.reshape(*x.shape[:-1], d // b, b)
     if x.dtype in (jnp.bfloat16, jnp.float16):
-        signs = jnp.asarray(hadamard(b) * np.float32(np.sqrt(b)), x.dtype)        # exactly +-1
+        signs = jnp.asarray(np.sign(hadamard(b)), x.dtype)
         y = jnp.dot(xb, signs, preferred_element_type=jnp.float32) * np.float32(1.0 / np.sqrt(b))
     else:
         y = jnp.dot(xb.astype(jnp.float32), jnp.asarray(hadamard(b)), precision="highest")

@@ -41,7 +41,7 @@ def _f32(x):
 
 def _signs(x, out_dtype):
     d = x.shape[-1]
-    return jnp.dot(x, jnp.asarray(hadamard(d) * np.float32(np.sqrt(d)), x.dtype), preferred_element_type=out_dtype)
+    return jnp.dot(x, jnp.asarray(np.sign(hadamard(d)), x.dtype), preferred_element_type=out_dtype)
 
 
 def _fwht(x):
