@@ -118,8 +118,8 @@ def run_model(name: str, formats: list[str], window: int, chunk: int, page_size:
     kvs = {f: e.runner.kv for f, e in engines.items()}
     metric = _metrics()
     pages = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(s)]
-    sums = {f: {"nll": np.zeros(w), "agree": np.zeros(w), "kl": np.zeros(w)} for f in fmts}
-    per = {f: {"nll": np.zeros((s, w)), "agree": np.zeros((s, w))} for f in fmts}     # for `paired_ci`
+    # [window, position] of each metric (the sums below and `paired_ci`'s blocks both come from them)
+    per = {f: {m: np.zeros((s, w)) for m in ("nll", "agree", "kl")} for f in fmts}
     n_pred = w - 1                                  # position t predicts token t + 1
     for j in range(0, w, chunk):
         meta = build_metadata([(pages[i], j, chunk) for i in range(s)], s * chunk, s, per_seq, page_size,
@@ -137,22 +137,20 @@ def run_model(name: str, formats: list[str], window: int, chunk: int, page_size:
             if f == "bfloat16":
                 ref_arg = arg
             keep = pos < n_pred
-            sums[f]["nll"][pos[keep]] += nll[:, keep].sum(0)
-            sums[f]["agree"][pos[keep]] += (arg == ref_arg)[:, keep].sum(0)
-            sums[f]["kl"][pos[keep]] += kl[:, keep].sum(0)
             per[f]["nll"][:, pos[keep]] = nll[:, keep]
             per[f]["agree"][:, pos[keep]] = (arg == ref_arg)[:, keep]
+            per[f]["kl"][:, pos[keep]] = kl[:, keep]
     secs = time.perf_counter() - t0
     count = s * n_pred
     out = {"model": name, "path": str(path), "windows": s, "window_tokens": w, "predicted": count, "chunk": chunk,
            "page_size": page_size, "seconds": secs, "capacity": {f: e.capacity_line() for f, e in engines.items()},
            "formats": {}}
     for f in fmts:
-        nll = sums[f]["nll"][:n_pred].sum() / count
-        out["formats"][f] = {"ppl": math.exp(nll), "nll": nll, "top1_agree": sums[f]["agree"][:n_pred].sum() / count,
-                             "kl_mean": sums[f]["kl"][:n_pred].sum() / count,
-                             # agreement per position (summed over windows), for the plot
-                             "agree_by_pos": (sums[f]["agree"][:n_pred] / s).tolist()}
+        nll = per[f]["nll"][:, :n_pred].sum() / count
+        out["formats"][f] = {"ppl": math.exp(nll), "nll": nll, "top1_agree": per[f]["agree"][:, :n_pred].sum() / count,
+                             "kl_mean": per[f]["kl"][:, :n_pred].sum() / count,
+                             # agreement per position (averaged over windows), for the plot
+                             "agree_by_pos": (per[f]["agree"][:, :n_pred].sum(0) / s).tolist()}
     base = out["formats"]["bfloat16"]["ppl"]
     for f in fmts:
         out["formats"][f]["ppl_delta_pct"] = 100.0 * (out["formats"][f]["ppl"] / base - 1.0)

@@ -145,10 +145,7 @@ def child(args) -> dict:
             jax.profiler.stop_trace()
         return {"error": f"the run ended after {len(steps)} steps, before window {wins[-1]} closed"}
     from jax.profiler import ProfileData
-    # the optimized HLO of the programs the windows ran (their steps' buckets), for `fusion_sources`
-    buckets = {s.bucket for (first, last) in marks for s in steps[first:last]}
-    hlo = [c.as_text() for table in (engine.runner._steps, engine.runner._decode_steps)
-           for key, c in table.items() if key[0] in buckets and hasattr(c, "as_text")]
+    hlo = None
     out = []
     for (first, last), d in zip(marks, dirs):
         # steps recorded while tracing; the step launched before the start and the ones in flight at the stop blur
@@ -158,6 +155,10 @@ def child(args) -> dict:
         table = window_table(ProfileData.from_file(max(files, key=os.path.getmtime)), last - first) if files else \
             {"error": "not traced" if args.no_trace else "no xplane.pb written"}
         if "top" in table:
+            if hlo is None:     # the optimized HLO of the programs the windows ran (their steps' buckets), once
+                buckets = {s.bucket for (a, b) in marks for s in steps[a:b]}
+                hlo = [c.as_text() for tb in (engine.runner._steps, engine.runner._decode_steps)
+                       for key, c in tb.items() if key[0] in buckets and hasattr(c, "as_text")]
             src = fusion_sources(hlo, {r["name"] for r in table["top"]})
             for r in table["top"]:
                 if r["name"] in src:

@@ -34,11 +34,6 @@ from pallas_kernels.kv_quant import hadamard, rotate
 WAYS = ("f32", "signs", "signs_bf16", "unnorm", "fwht", "barrier")
 
 
-def _f32(x):
-    d = x.shape[-1]
-    return jnp.dot(x.astype(jnp.float32), jnp.asarray(hadamard(d)), precision="highest").astype(x.dtype)
-
-
 def _signs(x, out_dtype):
     d = x.shape[-1]
     return jnp.dot(x, jnp.asarray(np.sign(hadamard(d)), x.dtype), preferred_element_type=out_dtype)
@@ -60,7 +55,7 @@ def rotate_by(way: str, x):
     """x [..., D] (D a power of 2) rotated by the normalized H, computed `way` (`unnorm`: times sqrt(D))."""
     d = x.shape[-1]
     if way == "f32":
-        return _f32(x)
+        return rotate(x.astype(jnp.float32), x.dtype)          # an f32 input takes rotate's f32 "highest" dot
     if way == "signs":
         return rotate(x)
     if way == "signs_bf16":
