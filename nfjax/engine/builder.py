@@ -118,6 +118,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="on a quantized KV cache (fp8, int8, int4), dequantize the pages a step's "
                                       "prefill rows read into a bfloat16 copy and run the bfloat16 prefill kernel "
                                       "over it (off by default: faster at kernel level, not yet timed end to end)")
+    g.add_argument("--no-fold-v-rotation", dest="fold_v_rotation", action="store_const", const=False, default=None,
+                   help="on int4 / kivi64 KV, rotate attention's outputs back every step instead of folding V's "
+                        "rotation into o_proj's weight at load (for comparison; folded by default)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,
@@ -146,7 +149,7 @@ _FLAT = {"page_size": "cache", "num_pages": "cache", "kv_memory_fraction": "cach
          "layers_per_program": "execution",
          "join_projections": "execution", "swiglu_epilogue": "execution", "command_buffers": "execution",
          "xla_remat": "execution", "kernel_lowering_cache": "execution", "prefill_dequant_first": "execution",
-         "stable_inputs": "execution",
+         "fold_v_rotation": "execution", "stable_inputs": "execution",
          "compile_cache_dir": "execution", "tp": "parallel"}
 
 

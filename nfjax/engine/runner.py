@@ -36,9 +36,12 @@ from nfjax.kv.cache import KVCache, device_memory, free_device_bytes
 from nfjax.kv.metadata import AttentionMetadata, build_metadata
 from nfjax.kv.tail_slots import TailCopies, TailSlots, tail_rows
 from nfjax.kv.prefix_cache import TierCopies
+from nfjax.models.fused import join_projections
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
+from nfjax.models.rotation_fold import fold_v_rotation
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
+from pallas_kernels.kv_quant import rotates_v
 from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_mode, head_step, layer_groups,
                                        layers_step, on_leaves, seed_slot, split_layers)
 
@@ -79,8 +82,11 @@ class Runner:
         self.layer_specs = jax.tree.map(lambda sp: P(*sp[1:]), state_specs(stacked, tp))
         self.layer_states = unstack_layers(stacked, self.layer_specs, mesh, release=take_weights)
         del stacked
-        if config.execution.join_projections:
-            self._join_projections(mesh, tp, config.execution.swiglu_epilogue)
+        if config.execution.join_projections:      # q/k/v and gate/up one weight each (nfjax/models/fused.py)
+            self._transform_layers(partial(join_projections, mesh=mesh,
+                                           swiglu_epilogue=config.execution.swiglu_epilogue), tp)
+        if config.execution.fold_v_rotation and rotates_v(config.cache.kv_dtype):
+            self._transform_layers(partial(fold_v_rotation, mesh=mesh, head_dim=model.cfg.head_dim), tp)
         # the free memory read below counts a deleted weight only once the copies reading it are done
         jax.block_until_ready(self.layer_states)
         self.memory_after_weights = device_memory()      # what the cache is sized from (benches record it)
@@ -504,12 +510,11 @@ class Runner:
         table = self._decode_steps if decode_only and (bucket, label) in self._decode_steps else self._steps
         return [(i0, n, table[(bucket, label) if n == full else (bucket, label, n)]) for i0, n in groups]
 
-    def _join_projections(self, mesh: Mesh, tp: int, swiglu_epilogue: bool) -> None:
-        """Each layer's q/k/v and gate/up weights joined into one weight each (nfjax/models/fused.py)."""
-        from nfjax.models.fused import join_projections
+    def _transform_layers(self, fn, tp: int) -> None:
+        """`fn(layer)` on each layer's module in place (weight transforms for serving), its state kept."""
         for i, st in enumerate(self.layer_states):
             layer = nnx.merge(self.layer_gd, st)
-            join_projections(layer, mesh, swiglu_epilogue=swiglu_epilogue)
+            fn(layer)
             gd, self.layer_states[i] = nnx.split(layer)
         self.layer_gd = gd
         self.layer_specs = state_specs(self.layer_states[0], tp)

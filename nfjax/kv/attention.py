@@ -104,6 +104,13 @@ def rotate_outputs(o: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D
     return rotate(o) if rotates_v(kv.kv_dtype) else o
 
 
+def outputs_for_o_proj(o: Float[Array, "T H D"], kv: KVCache, folded: bool) -> Float[Array, "T H D"]:
+    """Attention rows from the cache's frame into the one o_proj takes: its own, or V's rotated frame where the
+    Runner folded the rotation into its weight (`folded`, nfjax/models/rotation_fold.py); H H = I, so one rotation
+    converts either way."""
+    return rotate(o) if rotates_v(kv.kv_dtype) != folded else o
+
+
 def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""], meta: AttentionMetadata,
                      scale: float, *, use_kernels: bool | None = None, interpret: bool = False,
                      num_ctas: int | None = None, cache_frame_out: bool = False) -> Float[Array, "R H D"]:

@@ -9,7 +9,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from nfjax.config import ModelConfig
-from nfjax.kv.attention import decode_attention, prefill_attention, rotate_outputs
+from nfjax.kv.attention import decode_attention, outputs_for_o_proj, prefill_attention
 from nfjax.kv.cache import KVCache
 from nfjax.kv.metadata import AttentionMetadata
 from nfjax.models.dense import dense, dense_swiglu, swiglu_epilogue_fits
@@ -74,6 +74,7 @@ class LayerContext:
 
 class DecoderLayer(nnx.Module):
     """One pre-norm decoder layer. Its ops, in order, are the plain forward."""
+    v_rotation_folded = False     # o_proj takes V's rotated frame (nfjax/models/rotation_fold.py)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -126,7 +127,7 @@ class DecoderLayer(nnx.Module):
     @op(Resource.MEMORY, ins=("q_rot", "kv"), outs=("attn_d",))
     def attn_decode(self, ctx, q, kv):
         """Decode rows [0, num_decode) (bandwidth-bound) in the cache's frame (rotated where the format stores V
-        rotated: `attn_prefill` rotates the merged rows back once); other rows are don't-care."""
+        rotated: `attn_prefill` brings the merged rows into o_proj's frame); other rows are don't-care."""
         t = q.shape[0]
         out = decode_attention(q, kv, ctx.layer, ctx.meta, self.cfg.head_dim ** -0.5, num_ctas=ctx.num_ctas,
                                cache_frame_out=True)
@@ -135,7 +136,7 @@ class DecoderLayer(nnx.Module):
 
     @op(Resource.COMPUTE, ins=("q_rot", "kv", "attn_d"), outs=("attn",))
     def attn_prefill(self, ctx, q, kv, attn_d):
-        """Prefill rows (compute-bound), merged with the decode rows of `attn_d`, out of the cache's frame."""
+        """Prefill rows (compute-bound), merged with the decode rows of `attn_d`, in o_proj's frame."""
         if ctx.opts.decode_only:
             attn = attn_d
         else:
@@ -143,8 +144,8 @@ class DecoderLayer(nnx.Module):
                                     max_prefill_seqs=ctx.opts.max_prefill_seqs, copy_pages=ctx.opts.prefill_copy_pages,
                                     cache_frame_out=True).reshape(q.shape[0], -1)
             attn = jnp.where((jnp.arange(q.shape[0]) < ctx.meta.num_decode)[:, None], attn_d, out)
-        # one rotation for all rows (a format storing V rotated), not one for each kind
-        return rotate_outputs(attn.reshape(q.shape), kv).reshape(attn.shape)
+        # one rotation for all rows where they and o_proj differ in frame, not one for each kind
+        return outputs_for_o_proj(attn.reshape(q.shape), kv, self.v_rotation_folded).reshape(attn.shape)
 
     @op(Resource.COMPUTE, ins=("attn",), outs=("o_partial",))
     def o_proj_op(self, ctx, attn):

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 from nfjax.models.llama import LAYER_OPS, LayerContext, LlamaModel
 from nfjax.models.rope import inv_frequencies
 from pallas_kernels import MASK_VALUE
+from pallas_kernels.kv_quant import rotate
 
 _ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
 assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update reference"
@@ -77,7 +78,10 @@ def logits(model: LlamaModel, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"
                 continue            # no decode rows: attn_prefill covers every token
             if spec.name == _ATTN.name:
                 kv = env["kv"]
-                env["attn"] = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)
+                attn = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)
+                if layer.v_rotation_folded:     # o_proj takes V's rotated frame (nfjax/models/rotation_fold.py)
+                    attn = rotate(attn.reshape(attn.shape[0], -1, cfg.head_dim)).reshape(attn.shape)
+                env["attn"] = attn
             else:
                 env.update(spec(layer, ctx, env))
         return (env["out"], i + 1), None

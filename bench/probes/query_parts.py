@@ -1,0 +1,116 @@
+"""Probe (#21): the cost of the decode kernel's query operands for int4 / int8 (`kv_quant.int8_query_parts`) and fp8
+(`fp8_query_parts`), built where the engine builds them: RoPE'd queries -> (int4: the rotation) -> grouped per kv
+head -> parts. On the H200 a 2,048-token int4 step's `input_concatenate_fusion` under attn_decode took 1.5 ms (47 us
+a layer for ~40 MB moved; fp8's 0.47 ms), bench/NOTES.md 38.1. Ways of building int8's parts:
+  * `concat`: four masked copies of the two parts concatenated (shipped until this probe);
+  * `stacked`: the two parts stacked and multiplied by a [groups, D] column mask, one reshape (no concatenate);
+  * `where_i8`: the same with the parts cast to int8 first and a select for the mask.
+Each is checked equal to `concat`.
+
+usage: python -m bench.probes.query_parts [--rows 384,1024] [--out DIR]
+CPU:   python -m bench.probes.query_parts --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import device_info, print_table, write_results
+from bench.step_bench import kernel_us
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_quant import GROUP, INT8_LO, _item_units, groups, rotate
+
+WAYS = ("concat", "stacked", "where_i8", "fp8")
+
+
+def _concat(qr):
+    i, gp, d = qr.shape
+    ng = groups(d)
+    x, sc = _item_units(qr, 127.0)
+    hi = jnp.clip(jnp.round(x), -127, 127)
+    lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    col_group = jnp.arange(d) // GROUP
+    blocks = [jnp.where(col_group == g, part, 0.0) for part in (hi, lo) for g in range(ng)]
+    return jnp.concatenate(blocks, axis=1).astype(jnp.int8), sc
+
+
+def _where_i8(qr):
+    i, gp, d = qr.shape
+    ng = groups(d)
+    x, sc = _item_units(qr, 127.0)
+    hi = jnp.clip(jnp.round(x), -127, 127)
+    lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    parts = jnp.stack([hi, lo], axis=1).astype(jnp.int8)[:, :, None]                 # [I, 2, 1, GP, D]
+    on = (jnp.arange(d) // GROUP == jnp.arange(ng)[:, None])[None, None, :, None, :]  # [1, 1, G, 1, D]
+    return jnp.where(on, parts, jnp.int8(0)).reshape(i, 2 * ng * gp, d), sc
+
+
+def parts_by(way: str, q, kv_heads: int, rotated: bool):
+    """q [R, H, D] (RoPE'd) -> the kernel's query operand built `way`."""
+    r, h, d = q.shape
+    if rotated:
+        q = rotate(q)
+    qr = q.reshape(r, kv_heads, h // kv_heads, d)
+    gp = -(-(h // kv_heads) // 8) * 8
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, gp - h // kv_heads), (0, 0))).reshape(r * kv_heads, gp, d)
+    if way == "concat":
+        return _concat(qr)
+    if way == "stacked":
+        return kv_quant.int8_query_parts(qr)
+    if way == "where_i8":
+        return _where_i8(qr)
+    if way == "fp8":
+        return kv_quant.fp8_query_parts(qr)
+    raise ValueError(f"unknown way {way!r}; choose from {WAYS}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="384,1024", help="decode rows (the engine's min(max_seqs, bucket))")
+    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--copies", type=int, default=4, help="argument sets rotated past L2")
+    ap.add_argument("--name", default="query_parts")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    heads, kv_heads, hd = (8, 2, 128) if args.smoke else (32, 8, 128)
+    rows_list = [16] if args.smoke else [int(r) for r in args.rows.split(",")]
+    ways = [w for w in args.ways.split(",") if w]
+    for w in ways:
+        if w not in WAYS:
+            raise SystemExit(f"--ways: unknown {w!r}; choose from {', '.join(WAYS)}")
+    copies = 1 if args.smoke else args.copies
+    rows, summary = [], {}
+    for r in rows_list:
+        keys = jax.random.split(jax.random.key(r), copies)
+        qs = [jax.random.normal(k, (r, heads, hd), jnp.bfloat16) for k in keys]
+        ref = jax.jit(functools.partial(parts_by, "concat", kv_heads=kv_heads, rotated=True))(qs[0])
+        for w in ways:
+            for rotated in (False, True):
+                if w == "fp8" and rotated:
+                    continue
+                f = jax.jit(functools.partial(parts_by, w, kv_heads=kv_heads, rotated=rotated))
+                us = kernel_us(lambda: [f(q) for q in qs], (), copies)
+                same = None
+                if w in ("stacked", "where_i8") and rotated:
+                    got = f(qs[0])
+                    same = bool(np.array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+                                and np.array_equal(np.asarray(got[1]), np.asarray(ref[1])))
+                    if not same:
+                        raise SystemExit(f"{w} differs from concat at rows {r}")
+                row = {"rows": r, "way": w, "rotated": rotated, "us": us, "equal_to_concat": same}
+                rows.append(row)
+                summary[f"us_r{r}_{w}{'_rot' if rotated else ''}"] = round(us, 2)
+                print(row, flush=True)
+    table = print_table(["rows", "way", "rotation in", "us", "= concat"],
+                        [[x["rows"], x["way"], x["rotated"], f"{x['us']:.1f}", x["equal_to_concat"]] for x in rows],
+                        title=f"\n== decode query operands, {heads} heads / {kv_heads} kv heads x {hd} ==")
+    write_results(args.name, summary, {"rows": rows, "table": table, "device": device_info()}, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
