@@ -312,8 +312,6 @@ def int8_query_parts(qr: Float[Array, "I GP D"]):
     x, sc = _item_units(qr, 127.0)
     hi = jnp.clip(jnp.round(x), -127, 127)
     lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
-    # a [2, G] grid of blocks by one product with a [G, D] column mask: XLA's concatenate of the four masked
-    # copies wrote int8's operand at ~0.9 TB/s on the H200 (bench/probes/query_parts.py)
-    on = (jnp.arange(d) // GROUP == jnp.arange(ng)[:, None]).astype(jnp.float32)       # [G, D]
-    blocks = jnp.stack([hi, lo], axis=1)[:, :, None] * on[None, None, :, None, :]      # [I, 2, G, GP, D]
-    return blocks.reshape(i, 2 * ng * gp, d).astype(jnp.int8), sc
+    col_group = jnp.arange(d) // GROUP
+    blocks = [jnp.where(col_group == g, part, 0.0) for part in (hi, lo) for g in range(ng)]
+    return jnp.concatenate(blocks, axis=1).astype(jnp.int8), sc
