@@ -385,3 +385,25 @@ def test_engine_window_names_where_a_fusion_comes_from():
     assert names
     src = fusion_sources([text], names | {"nvjet_sm90_gemm"})
     assert set(src) == names and all("attn_prefill" in v for v in src.values())
+
+
+def test_query_parts_probe_ways_build_the_shipped_operand_and_the_smoke_reports_each(tmp_path):
+    """Every way of building int8's query parts gives `kv_quant.int8_query_parts`' operand bit for bit (the probe
+    stops on a difference), and the CPU smoke writes a time for each way and place."""
+    import json
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.probes import query_parts
+    q = jax.random.normal(jax.random.key(1), (6, 8, 128), jnp.bfloat16)
+    want = query_parts.parts_by("concat", q, kv_heads=2, rotated=True)
+    for way in ("stacked", "where_i8"):
+        got = query_parts.parts_by(way, q, kv_heads=2, rotated=True)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert np.count_nonzero(np.asarray(want[0])) > 0
+    query_parts.main(["--smoke", "--out", str(tmp_path)])
+    (f,) = tmp_path.glob("query_parts-*.json")
+    d = json.loads(f.read_text())
+    assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8") for s in ("", "_rot")}
+                                 | {"us_r16_fp8"})
