@@ -85,14 +85,17 @@ class Ops:
         return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0))
 
     def scores(self, mma: _score_mma.ScoreMMA):
-        """One block's score wgmmas (`_score_mma`) issued and awaited -> [rows, cols] f32."""
+        """One block's score wgmmas (`_score_mma`) issued and awaited -> [rows, cols] f32 (a tuple of them, one an
+        accumulator, where `mma` has several)."""
         if self.interpret:
-            return mma.reference().astype(jnp.float32)
-
-        def f(acc_ref):
-            mma.issue(acc_ref)
-            return acc_ref[...]
-        return pl.run_scoped(f, plgpu.ACC(mma.shape, mma.dtype)).astype(jnp.float32)
+            outs = mma.reference()
+        else:
+            def f(*acc_refs):
+                mma.issue(acc_refs)
+                return tuple(r[...] for r in acc_refs)
+            outs = pl.run_scoped(f, *[plgpu.ACC(mma.shape, mma.dtype)] * mma.num_accs)
+        outs = tuple(o.astype(jnp.float32) for o in outs)
+        return outs[0] if mma.num_accs == 1 else outs
 
     def kq(self, k_s, q_s):
         """[BKV, D] x [GP, D]^T -> [BKV, GP] f32: cache positions are the wgmma rows (both in SMEM)."""
@@ -125,7 +128,8 @@ class Ops:
 
     def vp_sums_then(self, acc, sums, p, v_s, p_s, ones, mma: _score_mma.ScoreMMA | None = None):
         """`vp_and_sums` with the next block's score wgmmas (`mma`) issued behind them and one wait for all three:
-        -> (acc, sums, the next block's scores f32, or None without `mma`). The pipelined consumer's step
+        -> (acc, sums, the next block's scores f32 (as `scores` gives them), or None without `mma`). The pipelined
+        consumer's step
         (paged_decode_swapped.py)."""
         if self.interpret:
             return (acc + jnp.dot(v_s[...].T, p, preferred_element_type=jnp.float32),
@@ -138,12 +142,16 @@ class Ops:
             plgpu.wgmma(refs[0], v_s.transpose((1, 0)), p_s.transpose((1, 0)))
             plgpu.wgmma(refs[1], ones, p_s.transpose((1, 0)))
             if mma is not None:
-                mma.issue(refs[2])
+                mma.issue(refs[2:])
         accs = (plgpu.ACC.init(acc), plgpu.ACC.init(sums))
         if mma is not None:
-            accs += (plgpu.ACC.init(self.wgmma_layout(jnp.zeros(mma.shape, mma.dtype))),)
+            accs += tuple(plgpu.ACC.init(self.wgmma_layout(jnp.zeros(mma.shape, mma.dtype)))
+                          for _ in range(mma.num_accs))
         out = pl.run_state(f)(accs)
-        return out[0], out[1], None if mma is None else out[2].astype(jnp.float32)
+        if mma is None:
+            return out[0], out[1], None
+        raw = tuple(o.astype(jnp.float32) for o in out[2:])
+        return out[0], out[1], raw[0] if mma.num_accs == 1 else raw
 
     def pv(self, acc, p, v_s):
         """acc + p @ v with p [ROWS, BKV] (16-bit, registers) and v [BKV, D] in SMEM."""

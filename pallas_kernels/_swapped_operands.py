@@ -16,12 +16,13 @@ from pallas_kernels.paged_decode_attention import combine_splits, grouped_querie
 
 def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int, num_stages: int, aux_cache=None,
             dequant_wgs: int = 1, k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False,
-            deq_tiles: int = 2):
+            deq_tiles: int = 2, group_accs: bool = False):
     """(q as [B * KH, GP, D] with query heads padded to GP = 8k, number of splits, scratch types, the kernel's
     inputs after the cache's); a quantized cache's scratch for `dequant_wgs` dequantizing warpgroups (0: for the
     consumer's dequantizing; with `k_in_consumer` no K tiles, and two arrivals free a stage). `fp8_mma`: q as its
     two fp8 parts [B * KH, 2 GP, D] (`kv_quant.fp8_query_parts`), their scales the one more input; `int8_mma`: q as
-    its int8 parts [B * KH, 2 G GP, D] (`kv_quant.int8_query_parts`), their scales likewise."""
+    its int8 parts [B * KH, 2 G GP, D] (`kv_quant.int8_query_parts`; [B * KH, 2 GP, D] with `group_accs`), their
+    scales likewise."""
     d, ps = q.shape[2], k_cache.shape[2]
     fmt = cache_format(k_cache, aux_cache)
     check_format(fmt, d, 0 if aux_cache is None else aux_cache.shape[-1])
@@ -38,8 +39,10 @@ def prepare(q, k_cache, *, num_ctas: int, num_splits: int | None, block_kv: int,
         qr = qr.astype(cd)
     extra, q_scratch = (), plgpu.SMEM((2, gp, d), cd, transforms=tf)
     if fp8_mma or int8_mma:     # the query's parts meet K's stage in wgmma: one type, one swizzle for both (int8's
-        parts = kv_quant.fp8_query_parts if fp8_mma else kv_quant.int8_query_parts       # 64-byte tiles)
-        qr, qscale = parts(qr_in)
+        if fp8_mma:                                                                        # 64-byte tiles)
+            qr, qscale = kv_quant.fp8_query_parts(qr_in)
+        else:
+            qr, qscale = kv_quant.int8_query_parts(qr_in, grouped=not group_accs)
         extra, q_scratch = (qscale,), plgpu.SMEM((2, *qr.shape[1:]), qr.dtype,
                                                  transforms=stage_transforms("fp8" if fp8_mma else "int8", d))
     scratch = [q_scratch,

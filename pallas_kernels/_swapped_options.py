@@ -42,6 +42,10 @@ INT8_MMA = True
 # error against the reference unchanged, 0.0017 (bench/results/int4mma-20261129.json).
 INT4_MMA = True
 INT8_MMA_FORMATS = ("int8", "int4")
+# int4's two score wgmmas (one a half of D, a group each) into two accumulators against the query's parts without
+# zero blocks (`attention_kernel`'s `group_accs`): half the query's int8 bytes (the parts array was 1.5 ms of a
+# 2,048-token mixed step on the H200, bench/NOTES.md 38.1) and half the score wgmmas' columns. Built, not timed yet.
+GROUP_ACCS = False
 # Each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`'s `pipeline`), off: H200,
 # batch 256, 4k context, kernel ms shipped -> pipelined, pages of 16: int4 0.755 -> 1.01, int8 0.779 -> 0.777, fp8
 # 0.684 -> 0.677, bf16 (wgmma row sums) 0.968 -> 1.13; pages of 64 the same standing (int4 0.733 -> 0.977, fp8
@@ -69,6 +73,7 @@ class KernelOptions:
     fp8_mma: bool
     int8_mma: bool
     pipeline: bool
+    group_accs: bool = False
 
     @property
     def query_parts(self) -> bool:
@@ -77,19 +82,19 @@ class KernelOptions:
 
     def prepare_kwargs(self) -> dict:
         return dict(num_stages=self.num_stages, dequant_wgs=self.dequant_wgs, k_in_consumer=self.k_in_consumer,
-                    fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)
+                    fp8_mma=self.fp8_mma, int8_mma=self.int8_mma, group_accs=self.group_accs)
 
     def kernel_kwargs(self) -> dict:
         return dict(row_sums=self.row_sums, kv_format=self.fmt, dequant_wgs=self.dequant_wgs,
                     prefetch_pages=self.prefetch_pages, k_in_consumer=self.k_in_consumer, fp8_mma=self.fp8_mma,
-                    int8_mma=self.int8_mma, pipeline=self.pipeline)
+                    int8_mma=self.int8_mma, pipeline=self.pipeline, group_accs=self.group_accs)
 
 
 def kernel_options(q, k_cache, aux_cache, *, num_ctas: int, num_stages: int | None = None,
                    row_sums: str | None = None, dequant_wgs: int | None = None,
                    prefetch_pages: bool | None = None, k_in_consumer: bool | None = None,
                    fp8_mma: bool | None = None, int8_mma: bool | None = None,
-                   pipeline: bool | None = None) -> KernelOptions:
+                   pipeline: bool | None = None, group_accs: bool | None = None) -> KernelOptions:
     """`paged_decode_attention_swapped`'s options resolved (its docstring), for it and for the fused kernel that
     runs `attention_kernel` beside a GEMM (attention_beside_gemm.py)."""
     share = num_ctas <= 0.6 * num_sms()
@@ -107,6 +112,11 @@ def kernel_options(q, k_cache, aux_cache, *, num_ctas: int, num_stages: int | No
     if int8_mma and fmt == "int4" and q.shape[2] != 128:
         raise ValueError(f"int8_mma on an int4 cache needs head_dim 128 (int8 register operands take 64-byte "
                          f"swizzled query tiles), got {q.shape[2]}")
+    if group_accs is None:
+        group_accs = GROUP_ACCS and int8_mma and fmt == "int4"
+    if group_accs and not (int8_mma and fmt == "int4"):
+        raise ValueError(f"group_accs splits int4's int8 score wgmmas by group: it needs int8_mma on an int4 cache, "
+                         f"got {fmt} with int8_mma={int8_mma}")
     if fp8_mma or int8_mma:
         k_in_consumer = True
         # fp8's V takes one dequantizer; int8's and int4's two (int8mma-, int4mma-20261129.json) where the stages
@@ -134,4 +144,4 @@ def kernel_options(q, k_cache, aux_cache, *, num_ctas: int, num_stages: int | No
     if pipeline is None:            # where `attention_kernel` takes it (its docstring)
         pipeline = PIPELINE and row_sums == "wgmma" and (nd == 0 or fmt == "bfloat16" or bool(k_in_consumer))
     return KernelOptions(fmt, num_stages, row_sums, nd, bool(prefetch_pages), bool(k_in_consumer), bool(fp8_mma),
-                         bool(int8_mma), bool(pipeline))
+                         bool(int8_mma), bool(pipeline), bool(group_accs))

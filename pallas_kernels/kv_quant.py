@@ -301,17 +301,20 @@ def fp8_query_parts(qr: Float[Array, "I GP D"]):
 INT8_LO = 254.0         # the low int8 part's unit: 1 / 254 of the high part's (its residual lies in [-0.5, 0.5])
 
 
-def int8_query_parts(qr: Float[Array, "I GP D"]):
+def int8_query_parts(qr: Float[Array, "I GP D"], grouped: bool = True):
     """(q as [I, 2 G GP, D] int8, the scale [I] f32) for int8 wgmmas against an int8 cache's K codes (G groups of
     GROUP along D). In units of the item's scale s = amax / 127, hi = round(q / s) and lo = round((q / s - hi) * 254):
     q = s (hi + lo / 254) to ~1 / 64,000 of amax, above bfloat16's precision. Block (p, g) of GP rows (p = 0 hi,
     1 lo) holds part p on group g's columns and zeros elsewhere, so one wgmma over all of D gives every group's dot
-    product apart (each group has its own K scale and center; paged_decode_swapped's `int8_mma`)."""
+    product apart (each group has its own K scale and center; paged_decode_swapped's `int8_mma`). `grouped=False`:
+    [I, 2 GP, D], hi then lo over all of D, for a wgmma a group (the kernel's `group_accs`): half the bytes."""
     i, gp, d = qr.shape
     ng = groups(d)
     x, sc = _item_units(qr, 127.0)
     hi = jnp.clip(jnp.round(x), -127, 127)
     lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    if not grouped:
+        return jnp.concatenate([hi, lo], axis=1).astype(jnp.int8), sc
     col_group = jnp.arange(d) // GROUP
     blocks = [jnp.where(col_group == g, part, 0.0) for part in (hi, lo) for g in range(ng)]
     return jnp.concatenate(blocks, axis=1).astype(jnp.int8), sc

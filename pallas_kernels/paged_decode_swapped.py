@@ -69,7 +69,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                      num_splits, num_ctas, scale, interpret, cta=None, row_sums: str = "wgmma", aux_hbm=None,
                      kv_format: str = "bfloat16", dequant_wgs: int = 2, prefetch_pages: bool = False,
                      k_in_consumer: bool = False, fp8_mma: bool = False, int8_mma: bool = False,
-                     qscale_hbm=None, pipeline: bool = False):
+                     qscale_hbm=None, pipeline: bool = False, group_accs: bool = False):
     """Warpgroup 1 streams every K/V block of this CTA's items through the stages (one global block
     counter, so the pipeline stays full across item boundaries); warpgroup 0 computes. `cta`: this
     CTA's index among the `num_ctas` (None: the grid index; a fused kernel gives others other work).
@@ -102,7 +102,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
     `int8_mma` (int8 or int4, with `k_in_consumer`): the same for a grouped cache's K codes (int8's as stored, int4's
     unpacked into registers) in int8 wgmmas against the query's int8 parts, each group's scale and center applied to
-    its scores (pallas_kernels/_int_scores.py).
+    its scores (pallas_kernels/_int_scores.py). `group_accs` (int4): the query's parts without zero blocks, and each
+    half of D's wgmma into its own accumulator (`_int_scores`' "apart").
 
     `pipeline` (with the wgmma row sums; not with K tiles from the dequantizers): each block's score wgmmas are
     issued behind the block before's P V^T and its sums, with one wait for all three (FlashAttention-3's
@@ -122,8 +123,10 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
     num_stages, block_kv, _ = k_s.shape
     if pipeline and num_stages < 2:     # the next block's K must arrive while this block still holds its stage
         raise ValueError(f"pipeline needs at least 2 stages, got {num_stages}")
+    if group_accs and not (int8_mma and kv_format == "int4"):
+        raise ValueError("group_accs splits int4's int8 score wgmmas by group (int8_mma on an int4 cache)")
     ng = q_s.shape[2] // kv_quant.GROUP if int8_mma else 1         # int8_mma: the query's groups
-    gp = q_s.shape[1] // (2 * ng if int8_mma else 2 if fp8_mma else 1)
+    gp = q_s.shape[1] // (2 * ng if int8_mma and not group_accs else 2 if fp8_mma or int8_mma else 1)
     nd = dequant_wgs if kv_format != "bfloat16" else 0
     if not 0 <= nd <= MAX_DEQUANT_WGS or (nd and num_stages % nd):
         raise ValueError(f"dequant_wgs={nd} with {num_stages} stages: 0 to {MAX_DEQUANT_WGS}, dividing the stages")
@@ -200,8 +203,11 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
                         lambda raw: raw * bcast_rows(k_rows[k_cols[0]], raw.shape) * c)
             if int8_mma:                        # x = (code + 0.5) scale + center per group of K's columns
                 codes = int_scores.INT4_CODES if kv_format == "int4" else int_scores.INT8_CODES
-                mma = (score_mma.kq_regs(int_scores.int4_codes(k_s.at[slot], interpret), q, jnp.int32)
-                       if kv_format == "int4" else score_mma.kq(k_s.at[slot], q, jnp.int32))   # [BKV, 2 G GP]
+                if kv_format == "int4":         # [BKV, 2 G GP], or a [BKV, 2 GP] a group apart
+                    halves = int_scores.int4_codes(k_s.at[slot], interpret)
+                    mma = (score_mma.kq_regs_apart if group_accs else score_mma.kq_regs)(halves, q, jnp.int32)
+                else:
+                    mma = score_mma.kq(k_s.at[slot], q, jnp.int32)
                 return mma, lambda raw: int_scores.scores(raw, k_rows, k_pairs, qsums, gp, codes) * c
             parts = dequant_values(kv_format, k_s.at[slot], k_rows, k_pairs, interpret, cd)   # K in registers
             return score_mma.kq_regs(parts, q), lambda raw: raw * c
@@ -271,7 +277,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
             qslot = lax.rem(k, 2)
             q = q_s.at[qslot]
             plgpu.barrier_wait(q_bar.at[qslot])
-            qsums = int_scores.query_sums(ops, q, block_kv, gp, ng) if int8_mma else None
+            qsums = int_scores.query_sums(ops, q, block_kv, gp, ng, grouped=not group_accs) if int8_mma else None
             acc = ops.wgmma_layout(jnp.zeros((q.shape[1], gp), jnp.float32))
             m = ops.col_layout(jnp.full((gp,), MASK_VALUE, jnp.float32))
             l = (ops.wgmma_layout(jnp.zeros((SUM_ROWS, gp), jnp.float32)) if by_wgmma
@@ -336,7 +342,8 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
-                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles", "pipeline"),
+                                             "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles", "pipeline",
+                                             "group_accs"),
                    inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
@@ -348,7 +355,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    k_in_consumer: bool | None = None, fp8_mma: bool | None = None,
                                    int8_mma: bool | None = None, deq_tiles: int = 2,
                                    live_rows: Int[Array, ""] | None = None,
-                                   pipeline: bool | None = None) -> Float[Array, "B H D"]:
+                                   pipeline: bool | None = None,
+                                   group_accs: bool | None = None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at most 60%
     of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json). `row_sums=None`: "wgmma"
     on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster on 33 H100 SMs), else
@@ -366,10 +374,11 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     None: `INT8_MMA` / `INT4_MMA`): the same for a grouped cache's K codes. `deq_tiles`: the dequantizers' tile
     buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks, the dequantizer then waiting for the
     consumer's release of each tile). `pipeline` (None: `PIPELINE` where it applies): each block's score wgmmas
-    issued behind the block before's P V^T (`attention_kernel`)."""
+    issued behind the block before's P V^T (`attention_kernel`). `group_accs` (int4 with int8_mma; None:
+    `GROUP_ACCS`): a score wgmma and accumulator a group, the query's parts without zero blocks."""
     o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
                        dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
-                       fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline)
+                       fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline, group_accs=group_accs)
     qr, ns, scratch, extra = prepare(q, k_cache, num_ctas=num_ctas, num_splits=num_splits, block_kv=block_kv,
                                      aux_cache=aux_cache, deq_tiles=deq_tiles, **o.prepare_kwargs())
     params = jnp.asarray(layer, jnp.int32).reshape(1)

@@ -7,8 +7,8 @@ dequantizer's instructions can be counted on a CPU afterwards.
 usage: python -m bench.probes.dequant_sass [--variants fp8,fp8:none,int8,int4,bfloat16] [--repeat 2] [--out DIR]
 A variant is FORMAT[:SKIP+SKIP][@KW=V+KW=V], KW one of the kernel's block_kv / num_stages / dequant_wgs /
 prefetch_pages / k_in_consumer / num_splits / fp8_mma / int8_mma / deq_tiles / row_sums (0 reduce, 1 wgmma) /
-num_ctas (default the SM count) / pipeline (e.g.
-int8@block_kv=64+num_stages=4, int8@k_in_consumer=1+num_stages=4).
+num_ctas (default the SM count) / pipeline / group_accs (e.g. int8@block_kv=64+num_stages=4,
+int8@k_in_consumer=1+num_stages=4, int4@group_accs=1).
 Skips are for timing only (wrong values: a large relerr shows a skip took effect): "none" skips the scale
 arithmetic; "nodeq" the dequantizing warpgroups' loads, conversions and stores (their barriers stay); "nomma" the
 consumer's wgmmas (its softmax stays). Not a skip: "direct" loads the dequantizers' 8-bit values straight into the
@@ -34,7 +34,7 @@ from pallas_kernels._mgpu import Ops
 _dequant_block = swapped.dequant_block
 DUMPS = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
 KERNEL_KW = ("block_kv", "num_stages", "dequant_wgs", "prefetch_pages", "k_in_consumer", "num_splits", "fp8_mma",
-             "int8_mma", "deq_tiles", "row_sums", "num_ctas", "pipeline")
+             "int8_mma", "deq_tiles", "row_sums", "num_ctas", "pipeline", "group_accs")
 ROW_SUMS = ("reduce", "wgmma")          # row_sums=0 / 1
 SKIPS = ("none", "nodeq", "nomma")
 MODES = ("direct",)             # not skips (right values): the dequantizers' 8-bit loads straight into WGMMA
@@ -67,7 +67,8 @@ class _NoMatmulOps(Ops):
     """The swapped kernel's consumer without its wgmmas: scores of zeros, the accumulators passed through."""
 
     def scores(self, mma):
-        return self.wgmma_layout(jnp.zeros(mma.shape, jnp.float32))
+        z = self.wgmma_layout(jnp.zeros(mma.shape, jnp.float32))
+        return z if mma.num_accs == 1 else (z,) * mma.num_accs
 
     def vp(self, acc, p, v_s, p_s):
         return acc

@@ -188,6 +188,7 @@ def test_dequant_probe_variants_parse_and_refuse_unknown_knobs():
     assert parse_variant("int8:none@block_kv=64+num_stages=4") == ("int8", {"none"}, {"block_kv": 64, "num_stages": 4})
     assert parse_variant("int4:nodeq+nomma") == ("int4", {"nodeq", "nomma"}, {})
     assert parse_variant("int4@pipeline=1+num_ctas=264") == ("int4", frozenset(), {"pipeline": 1, "num_ctas": 264})
+    assert parse_variant("int4@group_accs=1") == ("int4", frozenset(), {"group_accs": 1})
     for bad in ("int8:xor", "int8@stages=4", "int4@block_kv=x"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
@@ -214,11 +215,12 @@ def test_dequant_probe_runs_without_matmuls_on_every_consumer_path():
             out = sw.paged_decode_attention_swapped(*args, scale=0.125, num_ctas=2, block_kv=64, interpret=True,
                                                     aux_cache=aux, **kw)
             assert np.all(np.asarray(out, np.float32) == 0)
-        for fmt in ("int8", "int4"):                  # int8_mma: K's codes in int8 wgmmas, as stored or unpacked
+        # int8_mma: K's codes in int8 wgmmas, as stored or unpacked; int4's a group an accumulator (group_accs)
+        for fmt, kw in (("int8", {}), ("int4", {}), ("int4", {"group_accs": True})):
             kc, vc, aux = make_cache(jax.random.key(0), fmt, 8, 16, 128, kvh=2)
             q = jax.random.normal(jax.random.key(1), (2, 8, 128), jnp.bfloat16)
             out = sw.paged_decode_attention_swapped(q, kc, vc, *args[3:], scale=0.125, num_ctas=2, block_kv=64,
-                                                    interpret=True, aux_cache=aux, int8_mma=True)
+                                                    interpret=True, aux_cache=aux, int8_mma=True, **kw)
             assert np.all(np.asarray(out, np.float32) == 0)
     finally:
         sw.Ops = real

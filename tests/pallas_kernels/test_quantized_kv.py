@@ -54,6 +54,15 @@ def test_swapped_decode_with_k_codes_read_by_int8_wgmma(paged_case, fmt, ps, g, 
     _check_swapped(paged_case, fmt, ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
 
 
+@pytest.mark.parametrize("ps,g,stages,nd,pipeline", [(16, 4, 4, 2, False), (64, 1, 2, 1, False),
+                                                    (64, 4, 4, 2, True)])
+def test_swapped_decode_with_int4_groups_in_their_own_accumulators(paged_case, ps, g, stages, nd, pipeline):
+    """group_accs: int4's two halves of D (a group each) meet the query's hi / lo parts (no zero blocks) in a wgmma
+    and an accumulator each; also behind the block before's P V^T (pipeline), where the scores arrive as a tuple."""
+    _check_swapped(paged_case, "int4", ps, g, 128, 64, 2, 3, stages, nd, int8_mma=True, group_accs=True,
+                   pipeline=pipeline)
+
+
 @pytest.mark.parametrize("fmt,kw", [("fp8", {"fp8_mma": True}), ("int8", {"int8_mma": True})])
 def test_swapped_decode_with_one_dequantized_tile_and_256_position_blocks(paged_case, fmt, kw):
     """deq_tiles=1: one V tile buffer, which leaves SMEM for 256-position blocks; the dequantizer waits for the
@@ -84,6 +93,24 @@ def test_int8_query_parts_carry_the_query():
     assert not p[:, :, 0, :, 64:].any() and not p[:, :, 1, :, :64].any()
     back = (p[:, 0].sum(1) + p[:, 1].sum(1) / kv_quant.INT8_LO) * np.asarray(sc)[:, None, None]
     assert np.abs(back - np.asarray(q)).max() <= 2e-5 * np.abs(np.asarray(q)).max()
+
+
+def test_int8_query_parts_apart_carry_the_query_in_half_the_bytes():
+    """grouped=False (the kernel's group_accs): [hi; lo] over all of D, no zero blocks, the same values as the
+    grouped layout's blocks put together."""
+    q = jax.random.normal(jax.random.key(3), (5, 8, 128), jnp.float32) * 3
+    apart, sc = kv_quant.int8_query_parts(q, grouped=False)
+    grouped, sc2 = kv_quant.int8_query_parts(q)
+    assert apart.shape == (5, 16, 128) and apart.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(sc2))
+    g = np.asarray(grouped).reshape(5, 2, 2, 8, 128).sum(2)             # each part's two group blocks together
+    np.testing.assert_array_equal(np.asarray(apart).reshape(5, 2, 8, 128), g)
+
+
+def test_group_accs_needs_int4_with_int8_mma(paged_case):
+    for fmt, kw in (("int8", {"int8_mma": True}), ("int4", {"int8_mma": False, "k_in_consumer": True})):
+        with pytest.raises(ValueError, match="group_accs"):
+            _check_swapped(paged_case, fmt, 16, 4, 128, 64, 2, 3, 4, 2, group_accs=True, **kw)
 
 
 def test_fp8_mma_needs_fp8_and_dequantizers(paged_case):
@@ -135,6 +162,8 @@ def _check_swapped(paged_case, fmt, ps, g, d, bkv, ns, progs, stages, nd, **kw):
                                          ("int8", 64, 64, {"int8_mma": True, "dequant_wgs": 2, "num_stages": 2}),
                                          ("int4", 16, 128, {"int8_mma": True}),
                                          ("int4", 64, 128, {"int8_mma": True, "dequant_wgs": 1}),
+                                         ("int4", 16, 128, {"group_accs": True}),
+                                         ("int4", 64, 128, {"group_accs": True, "pipeline": True}),
                                          ("fp8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1}),
                                          ("int8", 16, 128, {"block_kv": 256, "num_stages": 2, "deq_tiles": 1,
                                                             "dequant_wgs": 1}),
