@@ -104,8 +104,9 @@ def token_head_bytes(kv_dtype: str, head_dim: int, model_dtype) -> int:
 
 
 # int4 stores K and V rotated along head_dim by the normalized Hadamard matrix H (orthogonal and symmetric):
-# q.k = (qH).(kH) and sum p v = (sum p vH) H, so attention takes its queries rotated and rotates its outputs back
-# (nfjax.kv.attention.rotate_queries / rotate_outputs); the kernels and references are unchanged. The rotation
+# q.k = (qH).(kH) and sum p v = (sum p vH) H, so attention takes its queries rotated and its outputs come back in
+# H's frame (nfjax.kv.attention.rotate_queries / rotate_outputs; the engine folds H into o_proj's weight instead of
+# rotating them back, nfjax/models/rotation_fold.py); the kernels and references are unchanged. The rotation
 # spreads outlier channels over the group: SmolLM2's K round-trips through int4 at 8.6% rms error rotated against
 # 13.2% plain (V 9.0% against 9.6%; fp8 gains nothing: 2.5% against 2.1%), and its held-out perplexity with an
 # int4 cache was +12.9% plain, +5.9% with K rotated, +4.4% with both (docs/design.md section 14).
@@ -301,6 +302,13 @@ def fp8_query_parts(qr: Float[Array, "I GP D"]):
 INT8_LO = 254.0         # the low int8 part's unit: 1 / 254 of the high part's (its residual lies in [-0.5, 0.5])
 
 
+def int8_hi_lo(qr: Float[Array, "I GP D"]):
+    """(hi, lo, the scale [I]) of `int8_query_parts` before its layout: hi and lo [I, GP, D] f32 integers."""
+    x, sc = _item_units(qr, 127.0)
+    hi = jnp.clip(jnp.round(x), -127, 127)
+    return hi, jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127), sc
+
+
 def int8_query_parts(qr: Float[Array, "I GP D"], grouped: bool = True):
     """(q as [I, 2 G GP, D] int8, the scale [I] f32) for int8 wgmmas against an int8 cache's K codes (G groups of
     GROUP along D). In units of the item's scale s = amax / 127, hi = round(q / s) and lo = round((q / s - hi) * 254):
@@ -310,9 +318,7 @@ def int8_query_parts(qr: Float[Array, "I GP D"], grouped: bool = True):
     [I, 2 GP, D], hi then lo over all of D, for a wgmma a group (the kernel's `group_accs`): half the bytes."""
     i, gp, d = qr.shape
     ng = groups(d)
-    x, sc = _item_units(qr, 127.0)
-    hi = jnp.clip(jnp.round(x), -127, 127)
-    lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    hi, lo, sc = int8_hi_lo(qr)
     if not grouped:
         return jnp.concatenate([hi, lo], axis=1).astype(jnp.int8), sc
     col_group = jnp.arange(d) // GROUP

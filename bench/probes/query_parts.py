@@ -4,9 +4,10 @@ head -> parts. On the H200 a 2,048-token int4 step's `input_concatenate_fusion` 
 a layer for ~40 MB moved; fp8's 0.47 ms), bench/NOTES.md 38.1. Ways of building int8's parts:
   * `concat`: four masked copies of the two parts concatenated (shipped, `kv_quant.int8_query_parts`);
   * `stacked`: the two parts stacked and multiplied by a [groups, D] column mask, one reshape (no concatenate);
-  * `where_i8`: the same with the parts cast to int8 first and a select for the mask.
-Each is checked equal to `concat`. H200, 1,024 rows (`query_parts-20261130.json`): concat 51.8 us, stacked 93.6,
-where_i8 92.9, fp8's parts 27.9: the concatenate stays.
+  * `where_i8`: the same with the parts cast to int8 first and a select for the mask;
+  * `apart`: [hi; lo] over all of D with no zero blocks, half the bytes (the kernel's `group_accs` layout).
+`stacked` and `where_i8` are checked equal to `concat`. H200, 1,024 rows (`query_parts-20261130.json`, before
+`apart`): concat 51.8 us, stacked 93.6, where_i8 92.9, fp8's parts 27.9: the concatenate stays.
 
 usage: python -m bench.probes.query_parts [--rows 384,1024] [--out DIR]
 CPU:   python -m bench.probes.query_parts --smoke
@@ -23,17 +24,15 @@ import numpy as np
 from bench.common import device_info, print_table, write_results
 from bench.step_bench import kernel_us
 from pallas_kernels import kv_quant
-from pallas_kernels.kv_quant import GROUP, INT8_LO, _item_units, groups, rotate
+from pallas_kernels.kv_quant import GROUP, groups, rotate
 
-WAYS = ("concat", "stacked", "where_i8", "fp8")
+WAYS = ("concat", "stacked", "where_i8", "apart", "fp8")
 
 
 def _stacked(qr):
     i, gp, d = qr.shape
     ng = groups(d)
-    x, sc = _item_units(qr, 127.0)
-    hi = jnp.clip(jnp.round(x), -127, 127)
-    lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    hi, lo, sc = kv_quant.int8_hi_lo(qr)
     on = (jnp.arange(d) // GROUP == jnp.arange(ng)[:, None]).astype(jnp.float32)       # [G, D]
     blocks = jnp.stack([hi, lo], axis=1)[:, :, None] * on[None, None, :, None, :]      # [I, 2, G, GP, D]
     return blocks.reshape(i, 2 * ng * gp, d).astype(jnp.int8), sc
@@ -42,9 +41,7 @@ def _stacked(qr):
 def _where_i8(qr):
     i, gp, d = qr.shape
     ng = groups(d)
-    x, sc = _item_units(qr, 127.0)
-    hi = jnp.clip(jnp.round(x), -127, 127)
-    lo = jnp.clip(jnp.round((x - hi) * INT8_LO), -127, 127)
+    hi, lo, sc = kv_quant.int8_hi_lo(qr)
     parts = jnp.stack([hi, lo], axis=1).astype(jnp.int8)[:, :, None]                 # [I, 2, 1, GP, D]
     on = (jnp.arange(d) // GROUP == jnp.arange(ng)[:, None])[None, None, :, None, :]  # [1, 1, G, 1, D]
     return jnp.where(on, parts, jnp.int8(0)).reshape(i, 2 * ng * gp, d), sc
@@ -64,6 +61,8 @@ def parts_by(way: str, q, kv_heads: int, rotated: bool):
         return _stacked(qr)
     if way == "where_i8":
         return _where_i8(qr)
+    if way == "apart":
+        return kv_quant.int8_query_parts(qr, grouped=False)
     if way == "fp8":
         return kv_quant.fp8_query_parts(qr)
     raise ValueError(f"unknown way {way!r}; choose from {WAYS}")

@@ -94,8 +94,7 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
 
 def rotate_queries(q: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
     """The queries in the frame of the cache: formats that store K and V rotated (kv_quant.ROTATED) need qH
-    (q.k = (qH).(kH)); every entry point here applies it (and `rotate_outputs`), and a caller of the kernels
-    directly must too."""
+    (q.k = (qH).(kH)); every entry point here applies it, and a caller of the kernels directly must too."""
     return rotate(q) if rotates(kv.kv_dtype) else q
 
 
@@ -116,7 +115,8 @@ def decode_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""
                      num_ctas: int | None = None, cache_frame_out: bool = False) -> Float[Array, "R H D"]:
     """Rows [0, R = min(S, T)); rows at or past num_decode are 0 (kernels) or don't-care (reference).
     `num_ctas`: the decode kernel's persistent CTA count (NanoFlow's resource share). `cache_frame_out`: the
-    outputs stay in the cache's frame (`rotate_outputs` left to the caller, once for a step's merged rows)."""
+    outputs stay in the cache's frame (the caller takes them on, once for a step's merged rows:
+    `outputs_for_o_proj`); otherwise they come back in the model's frame (`rotate_outputs`)."""
     out = _decode(rotate_queries(q, kv), kv, layer, meta, scale, use_kernels, interpret, num_ctas)
     return out if cache_frame_out else rotate_outputs(out, kv)
 

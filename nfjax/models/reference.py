@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from nfjax.kv.attention import outputs_for_o_proj
 from nfjax.models.llama import LAYER_OPS, LayerContext, LlamaModel
 from nfjax.models.rope import inv_frequencies
 from pallas_kernels import MASK_VALUE
-from pallas_kernels.kv_quant import rotate
 
 _ATTN = next(s for s in LAYER_OPS if s.name == "attn_prefill")
 assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op graph changed: update reference"
@@ -31,6 +31,7 @@ assert _ATTN.ins[:2] == ("q_rot", "kv") and _ATTN.outs == ("attn",), "decoder op
 
 class _DenseKV:
     """Stand-in for the paged cache inside `rope_append`: `write` just keeps this layer's (roped) K and V."""
+    kv_dtype = "bfloat16"           # exact K and V, in no rotated frame
 
     def __init__(self, k=None, v=None):
         self.k, self.v = k, v
@@ -78,10 +79,8 @@ def logits(model: LlamaModel, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"
                 continue            # no decode rows: attn_prefill covers every token
             if spec.name == _ATTN.name:
                 kv = env["kv"]
-                attn = causal_attention(env["q_rot"], kv.k, kv.v, b, scale)
-                if layer.v_rotation_folded:     # o_proj takes V's rotated frame (nfjax/models/rotation_fold.py)
-                    attn = rotate(attn.reshape(attn.shape[0], -1, cfg.head_dim)).reshape(attn.shape)
-                env["attn"] = attn
+                attn = causal_attention(env["q_rot"], kv.k, kv.v, b, scale).reshape(b * t, -1, cfg.head_dim)
+                env["attn"] = outputs_for_o_proj(attn, kv, layer.v_rotation_folded).reshape(b * t, -1)
             else:
                 env.update(spec(layer, ctx, env))
         return (env["out"], i + 1), None

@@ -84,10 +84,20 @@ def dense_attention(q: Float[Array, "BT H D"], kv: BatchKV, positions: Int[Array
     return out.reshape(b * t, h * d).astype(q.dtype)
 
 
+def _unfolded_layer(layer_gd, cfg, weights):
+    """The layer from its (decompressed) weights. Attention here hands o_proj rows in o_proj's own frame
+    (`dense_attention` and `cpu_attention` rotate them back), so a layer whose o_proj took V's rotation (the Runner's
+    serving transform, nfjax/models/rotation_fold.py) is refused rather than computed wrong."""
+    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    if layer.v_rotation_folded:
+        raise ValueError("the offload engine runs layers with o_proj unfolded (nfjax/models/rotation_fold.py)")
+    return layer
+
+
 def _layer(layer_gd, cfg, topk: float, rows: bool, weights, x, cache: tuple, positions):
     """x [B, T, D], the batch's cache arrays (`BatchKV`), positions [B, T] -> (x out, and the whole cache, or with
     `rows` only the rows this call wrote [B, T, ...], for a cache that lives off the GPU)."""
-    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    layer = _unfolded_layer(layer_gd, cfg, weights)
     b, t, d = x.shape
     s = cache[0].shape[1]
     slots = (jnp.arange(b, dtype=jnp.int32)[:, None] * s + positions).reshape(-1)
@@ -115,7 +125,7 @@ _CARRY = tuple(sorted({i for sp in _POST for i in sp.ins} - {o for sp in _POST f
 def _pre_attention(layer_gd, cfg, weights, x, rows: tuple, positions):
     """CPU attention's first half: x [B, T, D] -> (q_rot [B*T, H, D], the new K/V rows in the cache's format
     (`rows`: zero arrays [B, T, ...] to write them into), what the second half needs of the layer's values)."""
-    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    layer = _unfolded_layer(layer_gd, cfg, weights)
     b, t, d = x.shape
     ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
     env = {"x": x.reshape(b * t, d), "kv": BatchKV(tuple(rows)), "positions": positions.reshape(-1),
@@ -128,7 +138,7 @@ def _pre_attention(layer_gd, cfg, weights, x, rows: tuple, positions):
 def _post_attention(layer_gd, cfg, weights, carry: dict, attn):
     """CPU attention's second half: the attention output [B, T, H*D] (back from the CPU) -> the layer's out
     [B, T, D]."""
-    layer = nnx.merge(layer_gd, decompress_tree(weights, jnp.dtype(cfg.dtype)))
+    layer = _unfolded_layer(layer_gd, cfg, weights)
     ctx = LayerContext(layer=jnp.int32(0), meta=None, inv_freq=jnp.asarray(inv_frequencies(cfg), jnp.float32))
     b, t, _ = attn.shape
     env = {**carry, "attn": attn.reshape(b * t, -1).astype(jnp.dtype(cfg.dtype))}

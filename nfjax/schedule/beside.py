@@ -52,7 +52,7 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
         gate, up = outs[0], jnp.zeros((h2.shape[0], 0), h2.dtype)
     else:
         gate, up = joined.split(outs[0]) if joined is not None else outs
-    attn = attn.reshape(attn.shape[0], -1)      # in the cache's frame, as `attn_decode`'s (attn_prefill rotates)
+    attn = attn.reshape(attn.shape[0], -1)      # in the cache's frame, as `attn_decode`'s (attn_prefill: o_proj's)
     if attn.shape[0] != t:
         attn = jnp.pad(attn, ((0, t - attn.shape[0]), (0, 0)))
     return [(attn,), (gate, up)]

@@ -407,5 +407,5 @@ def test_query_parts_probe_ways_build_the_shipped_operand_and_the_smoke_reports_
     query_parts.main(["--smoke", "--out", str(tmp_path)])
     (f,) = tmp_path.glob("query_parts-*.json")
     d = json.loads(f.read_text())
-    assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8") for s in ("", "_rot")}
-                                 | {"us_r16_fp8"})
+    assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8", "apart")
+                                  for s in ("", "_rot")} | {"us_r16_fp8"})

@@ -53,25 +53,43 @@ def test_folded_o_proj_takes_rotated_rows(head_dim, tp):
     assert not np.allclose(np.asarray(folded), w, atol=1e-2)        # the weight did change
 
 
-def _engine(fold: bool, tp: int = 1):
-    model = random_model(CFG, seed=3, std=0.2)
-    return Engine(model, ByteTokenizer(), EngineConfig(CFG, CACHE, SCHED, parallel=ParallelConfig(tp),
+def _engine(fold: bool, tp: int = 1, cfg=CFG, cache=CACHE, sched=SCHED):
+    model = random_model(cfg, seed=3, std=0.2)
+    return Engine(model, ByteTokenizer(), EngineConfig(cfg, cache, sched, parallel=ParallelConfig(tp),
                                                        execution=ExecutionConfig(fold_v_rotation=fold)))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_folded_engine_computes_what_per_step_rotation_does(tp):
+KIVI = (CacheConfig(page_size=64, num_pages=8, max_pages_per_seq=2, kv_dtype="kivi64"),
+        BatcherConfig(token_buckets=(64,), max_seqs=4))
+
+
+@pytest.mark.parametrize("tp,fmt", [(1, "int4"), (2, "int4"), (1, "kivi64")])
+def test_folded_engine_computes_what_per_step_rotation_does(tp, fmt):
+    """int4 and kivi64 (both store V rotated) with f32 weights: the fold changes nothing but rounding."""
     if jax.device_count() < tp:
         pytest.skip(f"needs {tp} devices")
+    cache, sched = KIVI if fmt == "kivi64" else (CACHE, SCHED)
     sp = SamplingParams.greedy(max_tokens=10, ignore_eos=True)
     out = {}
     for fold in (True, False):
-        eng = _engine(fold, tp)
+        eng = _engine(fold, tp, cache=cache, sched=sched)
         layer = eng.runner.model().layers
         assert layer.v_rotation_folded == fold
-        out[fold] = (prompt_logits(eng, PROMPTS, 32), [o.token_ids for o in eng.generate(PROMPTS, sp)],
+        out[fold] = (prompt_logits(eng, PROMPTS, sched.token_buckets[-1]),
+                     [o.token_ids for o in eng.generate(PROMPTS, sp)],
                      reference.greedy(eng.runner.model(), PROMPTS[0], 10))
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-4, atol=1e-4)
     assert out[True][1] == out[False][1]
     # the reference forward (no cache) honours the fold: the folded engine's model gives the unfolded one's tokens
     assert out[True][2] == out[False][2]
+
+
+def test_folded_bfloat16_weights_stay_within_their_rounding():
+    """The serving dtype: the folded o_proj rounded to bfloat16 once, against the rows rotated in bfloat16 every
+    step. The two differ by bfloat16 rounding only (a missing or doubled rotation would be off by the logits' own
+    size)."""
+    cfg = CFG.replace(dtype="bfloat16")
+    logits = [prompt_logits(_engine(fold, cfg=cfg), PROMPTS, 32) for fold in (True, False)]
+    scale = np.abs(logits[1]).max()
+    assert np.abs(logits[0] - logits[1]).max() <= 0.03 * scale
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()

@@ -95,6 +95,20 @@ def test_int8_query_parts_carry_the_query():
     assert np.abs(back - np.asarray(q)).max() <= 2e-5 * np.abs(np.asarray(q)).max()
 
 
+def test_int4_groups_apart_score_exactly_as_grouped(paged_case):
+    """group_accs changes how the integer dots are laid out, not their values: the same output bit for bit in
+    interpret mode (a swapped hi / lo or group would not be)."""
+    lens = [3, 2 * 64 + 5, 47]
+    c = paged_case(kv_heads=2, group=4, head_dim=128, page_size=16, seq_lens=lens, kv_dtype="int4")
+    args = (c.queries(len(lens)), c.k, c.v, c.layer, c.page_table, jnp.asarray(c.seq_lens))
+    outs = [np.asarray(paged_decode_attention_swapped(*args, scale=c.scale, num_ctas=3, num_splits=2, block_kv=64,
+                                                      num_stages=4, interpret=True, aux_cache=c.aux, dequant_wgs=2,
+                                                      int8_mma=True, group_accs=apart), np.float32)
+            for apart in (True, False)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert np.abs(outs[0]).max() > 0
+
+
 def test_int8_query_parts_apart_carry_the_query_in_half_the_bytes():
     """grouped=False (the kernel's group_accs): [hi; lo] over all of D, no zero blocks, the same values as the
     grouped layout's blocks put together."""
