@@ -65,7 +65,9 @@ KIVI = (CacheConfig(page_size=64, num_pages=8, max_pages_per_seq=2, kv_dtype="ki
 
 @pytest.mark.parametrize("tp,fmt", [(1, "int4"), (2, "int4"), (1, "kivi64")])
 def test_folded_engine_computes_what_per_step_rotation_does(tp, fmt):
-    """int4 and kivi64 (both store V rotated) with f32 weights: the fold changes nothing but rounding."""
+    """int4 and kivi64 (both store V rotated) with f32 weights: the fold changes nothing but rounding (kivi64 keeps
+    the filling group's K in a bfloat16 tail row, so an f32 difference of 1e-7 can move a K value by bfloat16's
+    step there: its logits are held to that)."""
     if jax.device_count() < tp:
         pytest.skip(f"needs {tp} devices")
     cache, sched = KIVI if fmt == "kivi64" else (CACHE, SCHED)
@@ -78,18 +80,28 @@ def test_folded_engine_computes_what_per_step_rotation_does(tp, fmt):
         out[fold] = (prompt_logits(eng, PROMPTS, sched.token_buckets[-1]),
                      [o.token_ids for o in eng.generate(PROMPTS, sp)],
                      reference.greedy(eng.runner.model(), PROMPTS[0], 10))
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-4, atol=1e-4)
+    tol = 1e-2 * np.abs(out[False][0]).max() if fmt == "kivi64" else 1e-4
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-4, atol=tol)
     assert out[True][1] == out[False][1]
     # the reference forward (no cache) honours the fold: the folded engine's model gives the unfolded one's tokens
     assert out[True][2] == out[False][2]
 
 
-def test_folded_bfloat16_weights_stay_within_their_rounding():
-    """The serving dtype: the folded o_proj rounded to bfloat16 once, against the rows rotated in bfloat16 every
-    step. The two differ by bfloat16 rounding only (a missing or doubled rotation would be off by the logits' own
-    size)."""
+def test_folded_bfloat16_weights_stay_within_their_rounding(monkeypatch):
+    """The serving dtype: o_proj folded and rounded to bfloat16 once, against the rows rotated in bfloat16 every
+    step. With int4's discontinuous rounding of the next layer's K and V the logits move by a few percent of their
+    range (measured 5%) and the argmax holds; a wrong frame (the weight folded, the layer not told) moves them by
+    several times more."""
+    import nfjax.engine.runner as runner_mod
     cfg = CFG.replace(dtype="bfloat16")
-    logits = [prompt_logits(_engine(fold, cfg=cfg), PROMPTS, 32) for fold in (True, False)]
-    scale = np.abs(logits[1]).max()
-    assert np.abs(logits[0] - logits[1]).max() <= 0.03 * scale
-    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
+    folded, unfolded = (prompt_logits(_engine(fold, cfg=cfg), PROMPTS, 32) for fold in (True, False))
+    scale = np.abs(unfolded).max()
+    err = np.abs(folded - unfolded).max()
+    assert err <= 0.1 * scale and (folded.argmax(-1) == unfolded.argmax(-1)).all()
+
+    def fold_unmarked(layer, mesh, head_dim):
+        fold_v_rotation(layer, mesh, head_dim)
+        layer.v_rotation_folded = False
+    monkeypatch.setattr(runner_mod, "fold_v_rotation", fold_unmarked)
+    wrong = prompt_logits(_engine(True, cfg=cfg), PROMPTS, 32)
+    assert np.abs(wrong - unfolded).max() > 3 * err
