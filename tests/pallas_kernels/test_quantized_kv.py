@@ -54,11 +54,11 @@ def test_swapped_decode_with_k_codes_read_by_int8_wgmma(paged_case, fmt, ps, g, 
     _check_swapped(paged_case, fmt, ps, g, d, 64, 2, 3, stages, nd, int8_mma=True)
 
 
-@pytest.mark.parametrize("ps,g,stages,nd,pipeline", [(16, 4, 4, 2, False), (64, 1, 2, 1, False),
-                                                    (64, 4, 4, 2, True)])
+@pytest.mark.parametrize("ps,g,stages,nd,pipeline", [(64, 1, 2, 1, False), (64, 4, 4, 2, True)])
 def test_swapped_decode_with_int4_groups_in_their_own_accumulators(paged_case, ps, g, stages, nd, pipeline):
     """group_accs: int4's two halves of D (a group each) meet the query's hi / lo parts (no zero blocks) in a wgmma
-    and an accumulator each; also behind the block before's P V^T (pipeline), where the scores arrive as a tuple."""
+    and an accumulator each; also behind the block before's P V^T (pipeline), where the scores arrive as a tuple
+    (pages of 16: `test_int4_groups_apart_score_exactly_as_grouped`)."""
     _check_swapped(paged_case, "int4", ps, g, 128, 64, 2, 3, stages, nd, int8_mma=True, group_accs=True,
                    pipeline=pipeline)
 
