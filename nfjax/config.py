@@ -430,9 +430,9 @@ class ExecutionConfig:
     # row, however few pages are live: ~16 MB of bfloat16 a layer for an 8B model at a
     # 1,536-token context, ~0.55 GB at 128k (one sequence's whole table is in it), and it is not in the KV sizing.
     prefill_dequant_first: bool = False
-    # On a cache storing V Hadamard-rotated (int4, kivi64), the rotation folded into o_proj's weight at load instead
-    # of rotating attention's rows back every layer of every step (nfjax/models/rotation_fold.py; docs/design.md
-    # section 14). False: the per-step rotation (A/B measurement).
+    # On an int4 cache (V stored Hadamard-rotated), the rotation folded into o_proj's weight at load instead of
+    # rotating attention's rows back every layer of every step (nfjax/models/rotation_fold.py, which says why not
+    # kivi64; docs/design.md section 14). False: the per-step rotation (A/B measurement).
     fold_v_rotation: bool = True
 
     def __post_init__(self):

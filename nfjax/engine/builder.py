@@ -119,8 +119,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                       "prefill rows read into a bfloat16 copy and run the bfloat16 prefill kernel "
                                       "over it (off by default: faster at kernel level, not yet timed end to end)")
     g.add_argument("--no-fold-v-rotation", dest="fold_v_rotation", action="store_const", const=False, default=None,
-                   help="on int4 / kivi64 KV, rotate attention's outputs back every step instead of folding V's "
-                        "rotation into o_proj's weight at load (for comparison; folded by default)")
+                   help="on int4 KV, rotate attention's outputs back every step instead of folding V's rotation "
+                        "into o_proj's weight at load (for comparison; folded by default)")
     g.add_argument("--fresh-inputs", dest="stable_inputs", action="store_const", const=False, default=None,
                    help="each step's inputs in new device buffers (for comparison)")
     g.add_argument("--compile-cache", dest="compile_cache_dir", metavar="DIR", default=None,

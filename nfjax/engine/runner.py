@@ -38,10 +38,9 @@ from nfjax.kv.tail_slots import TailCopies, TailSlots, tail_rows
 from nfjax.kv.prefix_cache import TierCopies
 from nfjax.models.fused import join_projections
 from nfjax.models.llama import ForwardOptions, LlamaModel, sequential_layer_fn
-from nfjax.models.rotation_fold import fold_v_rotation
+from nfjax.models.rotation_fold import fold_v_rotation, folds
 from nfjax.models.rope import inv_frequencies
 from nfjax.parallel import TP_AXIS, kv_spec, state_specs, unstack_layers
-from pallas_kernels.kv_quant import rotates_v
 from nfjax.engine.step_programs import (HEAD_MODES, embed_step, full_head_step, head_mode, head_step, layer_groups,
                                        layers_step, on_leaves, seed_slot, split_layers)
 
@@ -85,7 +84,7 @@ class Runner:
         if config.execution.join_projections:      # q/k/v and gate/up one weight each (nfjax/models/fused.py)
             self._transform_layers(partial(join_projections, mesh=mesh,
                                            swiglu_epilogue=config.execution.swiglu_epilogue), tp)
-        if config.execution.fold_v_rotation and rotates_v(config.cache.kv_dtype):
+        if config.execution.fold_v_rotation and folds(config.cache.kv_dtype):
             self._transform_layers(partial(fold_v_rotation, mesh=mesh, head_dim=model.cfg.head_dim), tp)
         # the free memory read below counts a deleted weight only once the copies reading it are done
         jax.block_until_ready(self.layer_states)

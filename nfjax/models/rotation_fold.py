@@ -20,6 +20,18 @@ from nfjax.parallel import TP_AXIS
 from pallas_kernels.kv_quant import rotate
 
 
+# The formats folded at load: int4, where the per-step rotation cost GPU time (docs/design.md section 14). kivi64
+# also stores V rotated but has no GPU kernel, and its figure of merit is accuracy: on SmolLM2 the fold's bfloat16
+# rounding of o_proj moved it from +1.16% / 93.06% top-1 to +1.65% / 92.38% (int4: +4.76% / 87.34% -> +4.42% /
+# 87.06%, no direction), so it keeps the per-step rotation.
+FOLDED = ("int4",)
+
+
+def folds(kv_dtype: str) -> bool:
+    """The Runner folds V's rotation into o_proj for this KV format (`FOLDED`)."""
+    return kv_dtype in FOLDED
+
+
 def _fold_rows(w: Float[Array, "R N"], head_dim: int) -> Float[Array, "R N"]:
     """Each head's [D, N] block of rows times H (from the left; H symmetric), in f32, rounded once."""
     r, n = w.shape
