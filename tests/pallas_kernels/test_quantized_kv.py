@@ -224,7 +224,9 @@ def test_heads_decode_on_quantized_cache(paged_case, fmt, ps, g, d, bkv, ns, pro
     out = paged_decode_attention(*args, scale=c.scale, num_ctas=progs, num_splits=ns, block_kv=bkv, num_stages=2,
                                  interpret=True, aux_cache=c.aux)
     ref = paged_decode_attention_ref(*args, c.scale, aux_cache=c.aux)
-    assert c.rel_err(np.asarray(out, np.float32), ref) < 1e-2, f"seed {c.seed}"
+    # int8 with one query head: 0.0029-0.0057 over seeds 1-7, and 0.0102 at seed 1189164980 (the 16-bit tiles and
+    # P, against a reference over the same dequantized cache), so 1e-2 failed a run now and then
+    assert c.rel_err(np.asarray(out, np.float32), ref) < 1.5e-2, f"seed {c.seed}"
 
 
 # (format, page_size, group, head_dim, programs, first_seq)
