@@ -26,6 +26,15 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def parse_choices(spec: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """A comma-separated flag value as its entries, each one of `allowed` (else a SystemExit naming the flag)."""
+    picked = [x for x in spec.split(",") if x]
+    for x in picked:
+        if x not in allowed:
+            raise SystemExit(f"{flag}: unknown {x!r}; choose from {', '.join(allowed)}")
+    return picked
+
+
 def device_name() -> str:
     import jax
     d = jax.devices()[0]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import device_info, print_table, write_results
+from bench.common import device_info, parse_choices, print_table, write_results
 from bench.step_bench import kernel_us
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import GROUP, groups, rotate
@@ -79,10 +79,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     heads, kv_heads, hd = (8, 2, 128) if args.smoke else (32, 8, 128)
     rows_list = [16] if args.smoke else [int(r) for r in args.rows.split(",")]
-    ways = [w for w in args.ways.split(",") if w]
-    for w in ways:
-        if w not in WAYS:
-            raise SystemExit(f"--ways: unknown {w!r}; choose from {', '.join(WAYS)}")
+    ways = parse_choices(args.ways, WAYS, "--ways")
     copies = 1 if args.smoke else args.copies
     rows, summary = [], {}
     for r in rows_list:

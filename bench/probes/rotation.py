@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench.common import device_info, print_table, write_results
+from bench.common import device_info, parse_choices, print_table, write_results
 from bench.step_bench import kernel_us
 from nfjax.models.rope import apply_rope
 from pallas_kernels.kv_quant import hadamard, rotate
@@ -92,10 +92,7 @@ def main(argv=None):
     heads, kv_heads, hd = (4, 1, 64) if args.smoke else (32, 8, 128)
     hidden = 256 if args.smoke else 4096
     tokens = [64] if args.smoke else [int(t) for t in args.tokens.split(",")]
-    ways = [w for w in args.ways.split(",") if w]
-    for w in ways:
-        if w not in WAYS:
-            raise SystemExit(f"--ways: unknown {w!r}; choose from {', '.join(WAYS)}")
+    ways = parse_choices(args.ways, WAYS, "--ways")
     copies = 1 if args.smoke else args.copies
     inv_freq = jnp.asarray(1.0 / (500000.0 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
     h = np.asarray(hadamard(hd), np.float64)

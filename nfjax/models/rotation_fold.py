@@ -1,5 +1,5 @@
-"""V's Hadamard rotation folded into o_proj when the Runner loads the weights (formats storing V rotated:
-`kv_quant.V_ROTATED`).
+"""V's Hadamard rotation folded into o_proj when the Runner loads the weights (int4: `FOLDED` below; kivi64 also
+stores V rotated and keeps the per-step rotation).
 
 Attention over V stored as V H gives each head's rows as o H, and o_proj wants o = (o H) H (H symmetric, H H = I):
 a [T x heads, D] x [D, D] dot a layer, every step. Folded, o_proj's rows of head h become H W_o[h], and
