@@ -203,19 +203,19 @@ class CacheConfig:
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float | None = None    # automatic num_pages: this share of device memory left after the
                                                # weights (None: by model, nfjax/device_memory.py: 0.9, MoE 0.97)
-    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype) | fp8 | int8 | int4 | kivi64 (kv_quant.py)
+    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype) | fp8 | int8 | int4 | kivi64 | fp8r (kv_quant.py)
     prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
     host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)
     disk_cache_dir: str | None = None      # disk tier below the host tier (nfjax/kv/tiers.py; None: none)
     disk_cache_gb: float = 0.0             # the disk tier's size
 
     def __post_init__(self):
-        from pallas_kernels.kv_quant import ALL_KV_DTYPES, KV_DTYPES
+        from pallas_kernels.kv_quant import ALL_KV_DTYPES, KV_DTYPES, has_tail
         if self.kv_dtype not in ALL_KV_DTYPES:
             raise ConfigError(f"cache.kv_dtype (--kv-dtype) {self.kv_dtype!r} is not a KV format; choices: "
                               f"{', '.join(KV_DTYPES)}")
-        if self.kv_dtype == "kivi64" and self.page_size != 64:
-            raise ConfigError(f"--kv-dtype kivi64 needs pages of 64 positions (a page is one of its K groups): "
+        if has_tail(self.kv_dtype) and self.page_size != 64:
+            raise ConfigError(f"--kv-dtype {self.kv_dtype} needs pages of 64 positions (a page is one of its K groups): "
                               f"cache.page_size (--page-size) is {self.page_size}; choices: {', '.join(KV_DTYPES)}")
         for f in ("page_size", "num_pages", "max_pages_per_seq", "max_model_len"):
             v = getattr(self, f)
@@ -293,11 +293,13 @@ def prefill_copy_pages(config: "EngineConfig", budget: int) -> int:
     """KV pages the prefill rows of one step may read when the step is formed under a token `budget` (the largest
     token bucket, or the prefill bucket): the size of `execution.prefill_dequant_first`'s bfloat16 copy, and the
     batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end; 0 where there is no
-    copy (the option off, or a cache the kernels read as it is). One sequence's whole table fits, so every chunk can
+    copy (the option off, or a cache the kernels read as it is). fp8r always reads its prefill through the copy
+    (its K tail rows spliced in, nfjax/kv/tail_attention.py). One sequence's whole table fits, so every chunk can
     be scheduled alone; the rest is room for the budget's other chunks. After `resolve`."""
     from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
     cache, sched = config.cache, config.batcher
-    if not (config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS):
+    if not ((config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS)
+            or cache.kv_dtype == "fp8r"):
         return 0
     return cache.max_pages_per_seq + pages_for(budget, cache.page_size) + sched.prefill_seqs_for(budget)
 

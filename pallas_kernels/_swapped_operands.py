@@ -71,6 +71,13 @@ def out_types(q, kvh: int, ns: int):
             jax.ShapeDtypeStruct((b * kvh * ns, gp), jnp.float32))
 
 
-def finish(o_t, lse, q_shape, kvh: int, ns: int):
-    b, h, _ = q_shape
-    return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, h // kvh)
+def finish(o_t, lse, q_shape, kvh: int, ns: int, extra=None):
+    """The kernel's splits merged (and `extra`, (o [B, KH, GP, D], lse [B, KH, GP]), as one split more)."""
+    b, h, d = q_shape
+    o = o_t.transpose(0, 2, 1)
+    if extra is not None:
+        gp = lse.shape[-1]
+        o = jnp.concatenate([o.reshape(b, kvh, ns, gp, d), extra[0][:, :, None].astype(o.dtype)], 2)
+        lse = jnp.concatenate([lse.reshape(b, kvh, ns, gp), extra[1][:, :, None].astype(lse.dtype)], 2)
+        o, lse, ns = o.reshape(-1, gp, d), lse.reshape(-1, gp), ns + 1
+    return combine_splits(o, lse, b, kvh, ns, h // kvh)

@@ -43,8 +43,9 @@ INT8_MMA = True
 INT4_MMA = True
 INT8_MMA_FORMATS = ("int8", "int4")
 # int4's two score wgmmas (one a half of D, a group each) into two accumulators against the query's parts without
-# zero blocks (`attention_kernel`'s `group_accs`): half the query's int8 bytes (the parts array was 1.5 ms of a
-# 2,048-token mixed step on the H200, docs/design.md section 14) and half the score wgmmas' columns. Not timed yet.
+# zero blocks (`attention_kernel`'s `group_accs`): half the query's int8 bytes and half the score wgmmas' columns,
+# but slower: H200, 4k context, pages of 16, kernel ms 0.748 -> 1.00 at batch 256, 0.199 -> 0.260 at batch 64
+# (three repeats alike; bench/results/dequant_sass-group_accs-20261130.json). Kept for comparison, off.
 GROUP_ACCS = False
 # Each block's score wgmmas issued behind the block before's P V^T (`attention_kernel`'s `pipeline`), off: H200,
 # batch 256, 4k context, kernel ms shipped -> pipelined, pages of 16: int4 0.755 -> 1.01, int8 0.779 -> 0.777, fp8

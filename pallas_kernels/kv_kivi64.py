@@ -61,12 +61,18 @@ def dequantize_v(packed: UInt8[Array, "*T KH D2"], aux: Float[Array, "*T KH W"])
 def read_pages(k: UInt8[Array, "S P 64 KH D2"], v: UInt8[Array, "S P 64 KH D2"], aux: Float[Array, "S P 64 KH W"],
                tail: Float[Array, "S 64 KH D"], seq_lens, start=0) -> tuple[Float[Array, "S L KH D"],
                                                                             Float[Array, "S L KH D"]]:
-    """Gathered pages of S sequences (positions start, start + 1, ...; start a multiple of 64) -> K and V [S,
-    P * 64, KH, D] f32: K of complete groups dequantized, of the group filling (positions >= 64 * floor(len /
-    64)) taken from the sequence's `tail` rows; V (rotated) from its codes. Positions past a length: don't-care."""
+    """Gathered pages of S sequences (positions start, start + 1, ...; start a multiple of 64) of a format with a
+    tail -> K and V [S, P * 64, KH, D] f32: K of complete groups dequantized, of the group filling (positions >=
+    64 * floor(len / 64)) taken from the sequence's `tail` rows; V from its codes. kivi64's pages (uint8 codes: K
+    per channel, V rotated int4) or fp8r's (fp8 values, kv_quant's per-token rows). Positions past a length:
+    don't-care."""
     s, p = k.shape[:2]
-    kk = dequantize_k_group(k, aux).reshape(s, p * GROUP, *k.shape[3:-1], -1)
-    vv = dequantize_v(v, aux).reshape(s, p * GROUP, *v.shape[3:-1], -1)
+    if k.dtype == jnp.uint8:
+        kk = dequantize_k_group(k, aux).reshape(s, p * GROUP, *k.shape[3:-1], -1)
+        vv = dequantize_v(v, aux).reshape(s, p * GROUP, *v.shape[3:-1], -1)
+    else:
+        flat = [a.reshape(s, p * GROUP, *a.shape[3:]) for a in (k, v, aux)]
+        kk, vv = kv_quant.dequantize_kv(*flat)
     j = start + jnp.arange(p * GROUP)
     full = (seq_lens // GROUP) * GROUP
     in_tail = (j[None, :] >= full[:, None])[:, :, None, None]

@@ -356,7 +356,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    int8_mma: bool | None = None, deq_tiles: int = 2,
                                    live_rows: Int[Array, ""] | None = None,
                                    pipeline: bool | None = None,
-                                   group_accs: bool | None = None) -> Float[Array, "B H D"]:
+                                   group_accs: bool | None = None, extra_split=None) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at most 60%
     of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json). `row_sums=None`: "wgmma"
     on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster on 33 H100 SMs), else
@@ -375,7 +375,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks, the dequantizer then waiting for the
     consumer's release of each tile). `pipeline` (None: `PIPELINE` where it applies): each block's score wgmmas
     issued behind the block before's P V^T (`attention_kernel`). `group_accs` (int4 with int8_mma; None:
-    `GROUP_ACCS`): a score wgmma and accumulator a group, the query's parts without zero blocks."""
+    `GROUP_ACCS`): a score wgmma and accumulator a group, the query's parts without zero blocks. `extra_split`:
+    (o [B, KH, GP, D] normalised, lse [B, KH, GP] base 2) of positions the kernel did not read, merged with the
+    kernel's splits as one more (a format's K tail rows, nfjax/kv/tail_attention.py); an empty one has o = 0 and a
+    finite lse far below any score's."""
     o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
                        dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
                        fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline, group_accs=group_accs)
@@ -399,7 +402,7 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)), *extra)
-    out = finish(o_t, lse, q.shape, kvh, ns)
+    out = finish(o_t, lse, q.shape, kvh, ns, extra_split)
     if live_rows is None:
         return out
     return jnp.where((jnp.arange(q.shape[0]) < params[1])[:, None, None], out, 0).astype(out.dtype)   # unwritten

@@ -20,7 +20,8 @@ def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "
                                seq_lens: Int[Array, "S"], scale: float, aux_pages=None,
                                k_tail=None) -> Float[Array, "T H D"]:
     """`aux_pages` [N, PS, KH, W]: the pages are in a quantized format (kv_quant.py), dequantized here;
-    `k_tail` [S, 64, KH, D]: they are kivi64's, each sequence's filling K group in its row (kv_kivi64.py)."""
+    `k_tail` [S, 64, KH, D]: a format with a tail (kivi64, fp8r), each sequence's filling K group in its row
+    (kv_kivi64.read_pages)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape

@@ -25,8 +25,8 @@ full, written by a launched step, and its tokens are known on the host (prompt c
 tokens at finish or preemption). The last prompt token is always computed, and a request writes only from its
 first uncached position on, in pages of its own, so shared pages are never written (no copy-on-write).
 
-kivi64 (K quantized per channel over groups of 64 positions, a group a page; docs/design.md section 14.1): a
-query sees a group its own step completes as quantized, so a prefill chunk that does not end its prompt ends at
+kivi64 and fp8r (formats keeping each sequence's filling group of 64 K positions in bfloat16, a group a page;
+docs/design.md sections 14.1 and 14.3): a query sees a group its own step completes as quantized, so a prefill chunk that does not end its prompt ends at
 a multiple of 64 (`_add_chunk`, `_shorten_chunks`), and what a query sees depends on its position and its
 prompt's length only: tokens do not depend on the batch. When the step's decodes leave the first prefill in line
 less than a group (where another format's prefill would still get a few tokens), enough decodes sit this step
@@ -49,13 +49,15 @@ from nfjax.kv.allocator import PageAllocator
 from nfjax.kv.prefix_cache import page_hash, prompt_hashes
 from nfjax.kv.tiers import PrefixStats
 from pallas_kernels.kv_kivi64 import GROUP as KIVI_GROUP
+from pallas_kernels.kv_quant import has_tail
 
 
 def check_chunk_budget(kv_dtype: str, token_buckets: tuple[int, ...]) -> None:
-    """kivi64's prefill chunks that do not end their prompt end at a multiple of 64 positions: a token budget
-    below that could never start a longer prompt, so it is refused at start (a ConfigError naming the flags)."""
-    if kv_dtype == "kivi64" and max(token_buckets) < KIVI_GROUP:
-        raise ConfigError(f"--kv-dtype kivi64 needs a token budget (the largest of --token-buckets / "
+    """The prefill chunks of a format with a tail (kivi64, fp8r) that do not end their prompt end at a multiple of
+    64 positions: a token budget below that could never start a longer prompt, so it is refused at start (a
+    ConfigError naming the flags)."""
+    if has_tail(kv_dtype) and max(token_buckets) < KIVI_GROUP:
+        raise ConfigError(f"--kv-dtype {kv_dtype} needs a token budget (the largest of --token-buckets / "
                           f"batcher.token_buckets) of at least {KIVI_GROUP}, got {max(token_buckets)}: a prefill "
                           f"chunk that does not end its prompt ends at a multiple of {KIVI_GROUP} positions "
                           f"(docs/design.md section 14.1), so a longer prompt could never start")
@@ -113,8 +115,9 @@ class Batcher(BucketFit):
         self._burst: list[Request] = []            # added since the last step, not yet ordered in `waiting`
         self._deferred: set[int] = set()           # id() of the decodes left out of the last step
         self._missed = 0                           # decodes the step being formed could not take
-        # kivi64: non-final prefill chunks end at multiples of this (0: anywhere); see the module docstring
-        self.group = KIVI_GROUP if cache.kv_dtype == "kivi64" else 0
+        # kivi64, fp8r (a filling K group in a tail row): non-final prefill chunks end at multiples of this (0:
+        # anywhere); see the module docstring
+        self.group = KIVI_GROUP if has_tail(cache.kv_dtype) else 0
         # execution.prefill_dequant_first: a step's prefill rows read at most this many pages a formation budget
         # (the runner's bfloat16 copy of them, `config.prefill_copy_pages`); {} without it
         self._copy_limits = {b: n for b in (self.budget, self.prefill_budget) if b
@@ -225,7 +228,7 @@ class Batcher(BucketFit):
         a, ps = self.allocator, self.cache.page_size
         if not a.prefix:
             return
-        # kivi64: only pages wholly inside the prompt (module docstring)
+        # kivi64, fp8r: only pages wholly inside the prompt (module docstring)
         done = min(req.num_computed, req.prompt_len) if self.group else req.num_computed
         while req.num_registered < len(req.pages) and (req.num_registered + 1) * ps <= done:
             h = page_hash(req, req.num_registered, ps)
@@ -368,7 +371,7 @@ class Batcher(BucketFit):
             if self._copy_cap and (self._copy_used + self.cache.pages_for(self._first_chunk_end(req, left))
                                    > self._copy_cap):
                 break           # the copy holds it in a later step (checked before `_reuse_prefix` takes pages)
-            # kivi64: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
+            # kivi64, fp8r: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
             if self._blocked(req, left, req.prompt_len):
                 if not self._make_room(batch, req, left):
                     break
@@ -455,12 +458,12 @@ class Batcher(BucketFit):
         return n
 
     def _blocked(self, req: Request, left: int, rest: int) -> bool:
-        """kivi64: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,
+        """A format with a tail: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,
         so its chunk would wait (where another format's would take them)."""
         return bool(self.group) and left < min(rest, self.group)
 
     def _make_room(self, batch: Batch, req: Request, left: int) -> bool:
-        """kivi64: leave out enough decodes (newest first, none left out by the last step) that the first
+        """A format with a tail: leave out enough decodes (newest first, none left out by the last step) that the first
         prefill in line gets one group this step, if pages hold it. False (nothing changed) when the step
         already has a prefill chunk, or too few decodes may sit out: then the prefill waits a step."""
         need = self.group - left

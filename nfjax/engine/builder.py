@@ -65,7 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="KV cache format: bfloat16 (unquantized, the default), fp8 (e4m3, a scale per token and kv "
                         "head), int8 (groups of 64 with a scale and center each: fp8's bytes, closer to bfloat16), "
-                        "int4 (the same groups, two values a byte) or kivi64 (K per channel, pages of 64)")
+                        "int4 (the same groups, two values a byte), kivi64 (K per channel, pages of 64) or fp8r (fp8 "
+                        "with each sequence's newest group of 64 keys kept in bfloat16, pages of 64)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
                    help="do not reuse the KV pages of equal prompt prefixes (the prefix cache is on by default)")
     g.add_argument("--host-cache-gb", type=float, default=None,
@@ -235,13 +236,14 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     from nfjax.kv import kivi64
     from nfjax.kv.cache import bytes_per_token
     from nfjax.kv.tail_slots import tail_rows
+    from pallas_kernels.kv_quant import has_tail
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
     moe = is_moe(m)
     buckets = b.token_buckets or ((GPU_MOE_BUCKETS if moe else GPU_BUCKETS) if on_gpu else CPU_BUCKETS)
     seqs_bound = b.max_seqs or min(MAX_AUTO_SEQS, max(buckets))        # max_seqs before the pages bound it
     check_kv_format(m, c.kv_dtype, on_gpu)          # a format no kernel here serves: an error before any array
-    check_chunk_budget(c.kv_dtype, buckets)         # kivi64's chunks end at its groups (nfjax/engine/batcher.py)
+    check_chunk_budget(c.kv_dtype, buckets)         # kivi64's, fp8r's chunks end at groups (nfjax/engine/batcher.py)
     c = dataclasses.replace(c, kv_memory_fraction=c.kv_memory_fraction or kv_memory_fraction(m))
     num_pages = c.num_pages
     if num_pages is None:
@@ -253,7 +255,7 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
             # the penalty slots' token counts (nfjax/engine/penalties.py, on every device) come out of the KV share
             kv_bytes = int(free_bytes * c.kv_memory_fraction) - state_bytes(num_penalty_slots(seqs_bound),
                                                                              m.vocab_size)
-            if c.kv_dtype == "kivi64":      # its K tail rows (nfjax/kv/kivi64.py) come out of the KV share too
+            if has_tail(c.kv_dtype):        # its K tail rows (nfjax/kv/kivi64.py) come out of the KV share too
                 kv_bytes -= kivi64.tail_bytes(m.num_layers, tail_rows(seqs_bound), local.num_kv_heads, m.head_dim)
             num_pages = max(2, int(kv_bytes // per_page))
     max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)

@@ -29,14 +29,18 @@ from nfjax.kv.cache import KVCache, check_format
 from nfjax.kv.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-from pallas_kernels.kv_quant import KV_DTYPES, dequantize_kv, is_quantized, rotate, rotates, rotates_v
+from nfjax.kv.tail_attention import decode_tail_split, splice_tail
+from pallas_kernels.kv_kivi64 import GROUP as TAIL_GROUP
+from pallas_kernels.kv_quant import (KV_DTYPES, dequantize_kv, has_tail, is_quantized, rotate, rotates,
+                                     rotates_v)
 from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS, kernel_refusal
 from pallas_kernels.ragged_paged_attention_ref import ragged_paged_attention_ref
 
 
 # KV formats the Pallas kernels read (dequantizing in the kernel: pallas_kernels/_kv_dequant.py); the references
-# read every format.
-KERNEL_KV_DTYPES = ("bfloat16",) + QUANT_KERNEL_FORMATS
+# read every format. fp8r's pages are fp8's, its K tail rows read beside the kernels (nfjax/kv/tail_attention.py).
+KERNEL_KV_DTYPES = ("bfloat16",) + QUANT_KERNEL_FORMATS + ("fp8r",)
+PAGE_FORMAT = {"fp8r": "fp8"}           # the format the kernels read a cache's pages as
 
 
 def kernels_support(q, kv: KVCache) -> bool:
@@ -47,7 +51,7 @@ def kernels_support(q, kv: KVCache) -> bool:
     if not (d % 64 == 0 and h % kvh == 0 and h // kvh <= 64):
         return False
     if kv.aux is not None:                      # quantized: bf16 queries; int4 / int8 take one or two groups
-        return q.dtype == jnp.bfloat16 and kernel_refusal(kv.kv_dtype, d) is None
+        return q.dtype == jnp.bfloat16 and kernel_refusal(PAGE_FORMAT.get(kv.kv_dtype, kv.kv_dtype), d) is None
     return jnp.dtype(kv.k.dtype).itemsize == 2 and q.dtype == kv.k.dtype
 
 
@@ -72,7 +76,7 @@ def _gpu_refusal(model: ModelConfig, kv_dtype: str) -> str | None:
     if model.head_dim % 64 or model.num_heads // model.num_kv_heads > 64 or model.dtype != "bfloat16":
         return (f"the kernels need head_dim % 64 == 0, at most 64 query heads a kv head and bfloat16 activations "
                 f"(head_dim {model.head_dim}, {model.num_heads}/{model.num_kv_heads} heads, {model.dtype})")
-    return kernel_refusal(kv_dtype, model.head_dim)
+    return kernel_refusal(PAGE_FORMAT.get(kv_dtype, kv_dtype), model.head_dim)
 
 
 def _use_kernels(use_kernels, q, kv) -> bool:
@@ -127,10 +131,14 @@ def _decode(q, kv, layer, meta, scale, use_kernels, interpret, num_ctas):
         lens = jnp.where(jnp.arange(s) < meta.num_decode, meta.seq_lens, 0)
         return _reference(q[:min(s, q.shape[0])], kv, layer, dataclasses.replace(meta, seq_lens=lens), scale)
     q_r, pt, lens = decode_rows(q, meta)
+    tail = None
+    if has_tail(kv.kv_dtype):         # the kernel reads the complete groups, the tail rows the rest
+        tail = decode_tail_split(q_r, kv, layer, pt, lens, meta.kv_tail[:q_r.shape[0]], scale)
+        lens = (lens // TAIL_GROUP) * TAIL_GROUP
     # the decodes are rows [0, num_decode): the kernel visits no other row (a mixed step's call runs over max_seqs)
     return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
                                           num_ctas=num_ctas or num_sms(), interpret=interpret, aux_cache=kv.aux,
-                                          live_rows=meta.num_decode)
+                                          live_rows=meta.num_decode, extra_split=tail)
 
 
 def decode_rows(q: Float[Array, "T H D"], meta: AttentionMetadata):
@@ -177,21 +185,26 @@ def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs
         return _reference(q, kv, layer, meta, scale)
     s = meta.seq_lens.shape[0]
     nd = meta.num_decode
-    pt, lens, qs = meta.page_table, meta.seq_lens, meta.query_start
+    pt, lens, qs, tails = meta.page_table, meta.seq_lens, meta.query_start, meta.kv_tail
     if max_prefill_seqs is not None and max_prefill_seqs < s:
         # Prefill sequences sit right after the decodes: take the window [nd, nd + max_prefill_seqs).
         w = max_prefill_seqs
         idx = nd + jnp.arange(w)
-        pt = pt[jnp.clip(idx, 0, s - 1)]
+        pt, tails = pt[jnp.clip(idx, 0, s - 1)], tails[jnp.clip(idx, 0, s - 1)]
         lens = jnp.where(idx < s, lens[jnp.clip(idx, 0, s - 1)], 0)
         qs = qs[jnp.clip(nd + jnp.arange(w + 1), 0, s)]      # window ends where sequence nd + w starts
         first = jnp.int32(0)
     else:
         first = nd
-    if copy_pages and kv.kv_dtype in QUANT_KERNEL_FORMATS:
+    if has_tail(kv.kv_dtype) and not copy_pages:
+        raise ValueError(f"{kv.kv_dtype}'s prefill reads a bfloat16 copy of its pages (copy_pages > 0)")
+    if copy_pages and kv.kv_dtype in QUANT_KERNEL_FORMATS + tuple(PAGE_FORMAT):
         # rows before `first` (the decodes, without a window) read nothing: their lengths count no page
         rows = jnp.arange(lens.shape[0])
-        k, v, table = dequantized_pages(kv, layer, pt, jnp.where(rows >= first, lens, 0), copy_pages)
+        read = jnp.where(rows >= first, lens, 0)
+        k, v, table = dequantized_pages(kv, layer, pt, read, copy_pages)
+        if has_tail(kv.kv_dtype):
+            k = splice_tail(k, table, read, kv, layer, tails)
         return paged_prefill_attention(q, k, v, jnp.int32(0), table, lens, qs, first, scale=scale,
                                        interpret=interpret)
     return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret,
@@ -210,5 +223,5 @@ def paged_attention(q: Float[Array, "T H D"], kv: KVCache, layer: Int[Array, ""]
     t = q.shape[0]
     dec = _decode(q, kv, layer, meta, scale, True, interpret, num_ctas)
     pre = _prefill(q, kv, layer, meta, scale, True, interpret, max_prefill_seqs, copy_pages)
-    dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec)
+    dec_full = jnp.zeros_like(q).at[:dec.shape[0]].set(dec.astype(q.dtype))
     return rotate_outputs(jnp.where((jnp.arange(t) < meta.num_decode)[:, None, None], dec_full, pre), kv)

@@ -1,8 +1,8 @@
 """Device KV arrays for all layers, stacked so the layer loop can carry them and update in place.
 
 The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int8 /
-int4 values with one bfloat16 `aux` row of scales (and int8 / int4 centers) per token and kv head; kivi64 also
-keeps each sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
+int4 values with one bfloat16 `aux` row of scales (and int8 / int4 centers) per token and kv head; kivi64 and fp8r
+also keep each sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
 enter the cache (`write`); attention dequantizes what it reads.
 """
 from __future__ import annotations
@@ -27,13 +27,14 @@ class KVCache:
     v: Float[Array, "L N PS KH D"]
     aux: Float[Array, "L N PS KH W"] | None = None      # quantized formats: scales (and centers), bfloat16
     kv_dtype: str = field(default="bfloat16", metadata=dict(static=True))
-    # kivi64: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a page
+    # kivi64, fp8r: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a page
     # array, so not in `arrays()` (swapping moves a sequence's row beside its pages: nfjax/kv/tail_slots.py)
     k_tail: Float[Array, "L R G KH D"] | None = None
 
     @staticmethod
     def create(model: ModelConfig, cache: CacheConfig, dtype=None, sharding=None, tail_rows: int = 0) -> "KVCache":
-        """`tail_rows`: kivi64's K tail rows (sequences that may hold a filling group at once; >= 1 for it)."""
+        """`tail_rows`: the K tail rows of a format with a tail (kv_quant.TAIL_FORMATS: sequences that may hold a
+        filling group at once; >= 1 for it)."""
         fmt = cache.kv_dtype
         check_format(model, fmt)
         lead = (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads)
@@ -45,9 +46,9 @@ class KVCache:
             w = kv_quant.aux_width(fmt, model.head_dim)
             aux = jax.jit(lambda: jnp.zeros(lead + (w,), kv_quant.AUX_DTYPE), out_shardings=sharding)()
         tail = None
-        if fmt == "kivi64":
+        if kv_quant.has_tail(fmt):
             if tail_rows < 1:
-                raise ValueError("a kivi64 cache needs tail_rows >= 1 (its sequences' filling K groups)")
+                raise ValueError(f"a {fmt} cache needs tail_rows >= 1 (its sequences' filling K groups)")
             shape = (model.num_layers, tail_rows, kivi64.GROUP, model.num_kv_heads, model.head_dim)
             tail = jax.jit(lambda: jnp.zeros(shape, jnp.bfloat16), out_shardings=sharding)()
         return KVCache(mk(), mk(), aux, fmt, tail)
@@ -82,10 +83,11 @@ class KVCache:
     def write(self, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
               v: Float[Array, "T KH D"], meta: AttentionMetadata | None = None) -> "KVCache":
         """Slots past the cache (padding tokens, see `build_metadata`) are dropped; all slots are distinct.
-        `meta`: the step's (or nano-batch's) metadata, which kivi64 needs (its K groups follow the sequences)."""
+        `meta`: the step's (or nano-batch's) metadata, which a format with a tail needs (its K groups follow the
+        sequences)."""
+        if kv_quant.has_tail(self.kv_dtype) and meta is None:
+            raise ValueError(f"a {self.kv_dtype} cache write needs the step's AttentionMetadata")
         if self.kv_dtype == "kivi64":
-            if meta is None:
-                raise ValueError("a kivi64 cache write needs the step's AttentionMetadata")
             return kivi64.write(self, layer, slots, k, v, meta)
         ps = self.page_size
         page, off = slots // ps, slots % ps
@@ -96,8 +98,9 @@ class KVCache:
         if self.kv_dtype == "fp8_page":
             return self._write_page_scaled(layer, page, off, k, v)
         kq, vq, aux = kv_quant.quantize_kv(self.kv_dtype, k, v)
+        tail = self.k_tail if self.k_tail is None else kivi64.write_tail(self, layer, slots, k, meta)
         return KVCache(self.k.at[layer, page, off].set(kq, **put), self.v.at[layer, page, off].set(vq, **put),
-                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype, self.k_tail)
+                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype, tail)
 
     def _write_page_scaled(self, layer, page, off, k, v) -> "KVCache":
         """fp8 with one scale per page and kv head (accuracy comparison only): the layer is dequantized, the
@@ -127,7 +130,7 @@ class KVCache:
         return self.k[layer], self.v[layer], None if self.aux is None else self.aux[layer]
 
     def tail_rows(self, layer, rows: Int[Array, "S"]) -> Float[Array, "S G KH D"] | None:
-        """kivi64: the K tail rows `rows` of one layer (None for the other formats)."""
+        """A format with a tail: its K tail rows `rows` of one layer (None for the other formats)."""
         return None if self.k_tail is None else self.k_tail[layer][rows]
 
 

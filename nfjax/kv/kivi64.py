@@ -1,4 +1,4 @@
-"""kivi64's write (docs/design.md section 14.1): K enters a bfloat16 tail row of its sequence and is quantized per
+"""kivi64's write (docs/design.md section 14.1), and the tail rows every format with one writes (`write_tail`): K enters a bfloat16 tail row of its sequence and is quantized per
 channel when its group of 64 positions completes; V is quantized per token as int4 at once.
 
 State after a step's writes, for a sequence of length n (`AttentionMetadata.seq_lens`): groups below
@@ -25,7 +25,6 @@ def write(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, 
     """`KVCache.write` of the kivi64 format (returns the new KVCache)."""
     t = k.shape[0]
     n, ps = cache.k.shape[1], cache.k.shape[2]
-    r = cache.k_tail.shape[1]
     g2 = 2 * (k.shape[-1] // GROUP)                      # K's (and V's) aux columns
     put = dict(mode="drop", unique_indices=True)
     page, off = slots // ps, slots % ps
@@ -34,7 +33,6 @@ def write(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, 
     pos = meta.positions[:t]
     qs = meta.query_start[seq]
     row = meta.kv_tail[seq]
-    full = (meta.seq_lens[seq] // GROUP) * GROUP
 
     # V: per token, int4 as the int4 format's (K's aux columns of the row are left to the group's completion)
     vq, vaux = kv_kivi64.quantize_v(v)
@@ -57,10 +55,21 @@ def write(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, 
     vals_k = cache.k.at[layer, gpage].set(codes, **put)
     aux = aux.at[layer, gpage, :, :, :g2].set(kaux, **put)
 
-    # the group still filling: its rows into the sequence's tail
-    tail_row = jnp.where(valid & (pos >= full), row, r + jnp.arange(t))     # the rest: distinct, dropped
-    k_tail = cache.k_tail.at[layer, tail_row, pos % GROUP].set(k.astype(cache.k_tail.dtype), **put)
-    return type(cache)(vals_k, vals_v, aux, cache.kv_dtype, k_tail)
+    return type(cache)(vals_k, vals_v, aux, cache.kv_dtype, write_tail(cache, layer, slots, k, meta))
+
+
+def write_tail(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
+               meta: AttentionMetadata):
+    """The new `k_tail`: the rows of each sequence's group still filling (positions >= 64 floor(len / 64)) into
+    its tail row; every format with a tail (kivi64, fp8r) writes it so."""
+    t = k.shape[0]
+    r = cache.k_tail.shape[1]
+    seq, pos = meta.token_seq[:t], meta.positions[:t]
+    full = (meta.seq_lens[seq] // GROUP) * GROUP
+    valid = slots < cache.k.shape[1] * cache.k.shape[2]
+    tail_row = jnp.where(valid & (pos >= full), meta.kv_tail[seq], r + jnp.arange(t))   # the rest: distinct, dropped
+    return cache.k_tail.at[layer, tail_row, pos % GROUP].set(k.astype(cache.k_tail.dtype), mode="drop",
+                                                              unique_indices=True)
 
 
 def tail_bytes(num_layers: int, rows: int, kv_heads: int, head_dim: int) -> int:

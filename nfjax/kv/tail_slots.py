@@ -1,5 +1,5 @@
-"""Host side of kivi64's K tail rows (nfjax/kv/kivi64.py): which row of `KVCache.k_tail` holds each sequence's
-filling group, keyed by that group's page (docs/design.md section 14.1).
+"""Host side of the K tail rows of the formats with one (kivi64, fp8r; nfjax/kv/kivi64.py): which row of
+`KVCache.k_tail` holds each sequence's filling group, keyed by that group's page (docs/design.md section 14.1).
 
 A group is a page of 64 positions. A step that writes positions [start, end) of a sequence uses one row: the row
 of page start // 64 when start is inside a group (its rows [.., start) were written by earlier steps), else a
@@ -46,7 +46,7 @@ class TailSlots:
         if start % GROUP:
             row = self._by_page.pop(page, None)
             if row is None:
-                raise RuntimeError(f"kivi64: no K tail row for a sequence continuing its group at position {start}")
+                raise RuntimeError(f"no K tail row for a sequence continuing its group at position {start}")
         else:
             stale = self._by_page.pop(page, None)            # the page's earlier owner left mid-group
             if stale is not None:
@@ -96,7 +96,7 @@ class TailSlots:
             self._reclaim()
         if not self._free:
             raise TailRowsExhausted(
-                f"kivi64: all {self.rows} K tail rows are held (more running sequences with a filling group than "
+                f"all {self.rows} K tail rows are held (more running sequences with a filling group than "
                 f"the cache's tail rows; lower --max-seqs or use another --kv-dtype)")
         return self._free.pop()
 

@@ -16,6 +16,7 @@ from nfjax.compat import num_sms, on_gpu
 from nfjax.kv.attention import decode_rows, kernels_support, rotate_queries
 from nfjax.models.dense import swiglu_epilogue_fits
 from nfjax.schedule.api import Kernel
+from pallas_kernels.kv_quant import has_tail
 
 DEFAULT_ATTN_SHARE = 0.25       # 33 of 132 H100 SMs: bench/results/decode_share-fused-20261123.json
 
@@ -35,7 +36,9 @@ def _decode_beside_up_gate(layer, ctxs, ins, parts):
     joined = getattr(layer, "gate_up_proj", None)           # nfjax/models/fused.py
     lins = (joined,) if joined is not None else (layer.gate_proj, layer.up_proj)
     ws = tuple(lin.kernel[...] for lin in lins)
-    fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and h2.dtype == ws[0].dtype
+    # a format with a K tail (fp8r) reads it beside the decode kernel (nfjax/kv/tail_attention.py), not this one
+    fits = (on_gpu() and ctx_a.meta is not None and kernels_support(q, kv) and not has_tail(kv.kv_dtype)
+            and h2.dtype == ws[0].dtype
             and gemm_fits(h2.shape, [w.shape for w in ws], TILE_CONFIGS[DEFAULT_CONFIG])
             and all(lin.bias is None for lin in lins))
     if not fits:

@@ -398,14 +398,17 @@ def test_query_parts_probe_ways_build_the_shipped_operand_and_the_smoke_reports_
     import numpy as np
     from bench.probes import query_parts
     q = jax.random.normal(jax.random.key(1), (6, 8, 128), jnp.bfloat16)
-    want = query_parts.parts_by("concat", q, kv_heads=2, rotated=True)
-    for way in ("stacked", "where_i8"):
+    want = query_parts.parts_by("packed", q, kv_heads=2, rotated=True)
+    for way in ("concat", "stacked", "where_i8"):
         got = query_parts.parts_by(way, q, kv_heads=2, rotated=True)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert np.count_nonzero(np.asarray(want[0])) > 0
+    want8 = query_parts.parts_by("fp8", q, kv_heads=2, rotated=False)
+    got8 = query_parts.parts_by("fp8_packed", q, kv_heads=2, rotated=False)
+    np.testing.assert_array_equal(np.asarray(got8[0]).view(np.uint8), np.asarray(want8[0]).view(np.uint8))
     query_parts.main(["--smoke", "--out", str(tmp_path)])
     (f,) = tmp_path.glob("query_parts-*.json")
     d = json.loads(f.read_text())
-    assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8", "apart")
-                                  for s in ("", "_rot")} | {"us_r16_fp8"})
+    assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8", "apart", "packed")
+                                  for s in ("", "_rot")} | {"us_r16_fp8", "us_r16_fp8_packed"})

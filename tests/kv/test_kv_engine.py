@@ -127,14 +127,15 @@ def test_logits_close_to_the_unquantized_cache():
         assert (logits[f].argmax(-1) == ref.argmax(-1)).all(), f
 
 
-def test_kivi64_batch_invariance_under_budget_chunking():
-    """kivi64 (K groups of 64 positions, the filling group in a tail row by sequence; docs/design.md section 14.1):
+@pytest.mark.parametrize("fmt", ["kivi64", "fp8r"])
+def test_tail_formats_batch_invariance_under_budget_chunking(fmt):
+    """kivi64 and fp8r (the filling group of 64 K positions in a tail row by sequence; docs/design.md 14.1, 14.3):
     a budget of 68 chunks the prompts, decodes crowd the prefills (some decodes sit a step out so a prefill gets a
     whole group), pages tight enough to swap sequences (tail rows with them), and the prefix cache on; every
     non-final chunk ends at a multiple of 64, and each prompt's greedy tokens equal its own run alone on the same
     engine (then with prefix hits). A page holding generated positions is not shared: decodes wrote it seeing
     their group unquantized, which a prefill of the same tokens does not."""
-    cache = CacheConfig(page_size=64, num_pages=9, max_pages_per_seq=4, kv_dtype="kivi64")
+    cache = CacheConfig(page_size=64, num_pages=9, max_pages_per_seq=4, kv_dtype=fmt)
     engine = make_engine(cache, BatcherConfig(token_buckets=(68,), max_seqs=8, predict_memory=False), cfg=CFG)
     b = engine.batcher
     b.LONGEST_FIRST = False                 # the short prompts first: their decodes crowd the long ones' chunks
