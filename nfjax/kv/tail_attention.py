@@ -37,17 +37,20 @@ def decode_tail_split(q: Float[Array, "R H D"], kv, layer: Int[Array, ""], page_
     g = h // kh
     gp = -(-g // 8) * 8
     full = (lens // GROUP) * GROUP
-    kt = kv.k_tail[layer][tail_rows].astype(jnp.float32)                       # [R, 64, KH, D]
+    kt = kv.k_tail[layer][tail_rows]                                            # [R, 64, KH, D] bfloat16
     page = _group_page(page_table, lens)
-    _, vt = dequantize_kv(kv.k[layer, page], kv.v[layer, page], kv.aux[layer, page])   # [R, 64, KH, D] f32
-    s = jnp.einsum("rkgd,rjkd->rkgj", q.reshape(r, kh, g, d).astype(jnp.float32), kt) * scale
+    _, vt = dequantize_kv(kv.k[layer, page], kv.v[layer, page], kv.aux[layer, page], kt.dtype)    # [R, 64, KH, D]
+    # 16-bit operands, f32 sums (batched GEMMs on the GPU; the f32 copies of K and V would double the bytes)
+    s = jnp.einsum("rkgd,rjkd->rkgj", q.reshape(r, kh, g, d).astype(kt.dtype), kt,
+                   preferred_element_type=jnp.float32) * scale
     ok = (jnp.arange(GROUP)[None, :] < (lens - full)[:, None])[:, None, None, :]
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(ok, jnp.exp(s - m_safe[..., None]), 0.0)
     l = p.sum(-1)
-    o = jnp.einsum("rkgj,rjkd->rkgd", p, vt) / jnp.maximum(l, 1e-30)[..., None]
+    o = jnp.einsum("rkgj,rjkd->rkgd", p.astype(vt.dtype), vt, preferred_element_type=jnp.float32) \
+        / jnp.maximum(l, 1e-30)[..., None]
     lse = jnp.where(l > 0, (m_safe + jnp.log(jnp.maximum(l, 1e-30))) * LOG2E, EMPTY_LSE)
     pad = gp - g
     return (jnp.pad(o, ((0, 0), (0, 0), (0, pad), (0, 0))),

@@ -64,7 +64,7 @@ def test_formats_the_device_cannot_serve_fail_at_start():
                 on_gpu=True)
     for f in ("int4", "int8"):
         with pytest.raises(ConfigError, match=rf"'{f}' cannot be served.*head_dim 64 or 128.*choices here: bfloat16, "
-                                              r"fp8 \(all: bfloat16, fp8, int8, int4, kivi64\)"):
+                                              r"fp8, fp8r \(all: bfloat16, fp8, int8, int4, kivi64, fp8r\)"):
             resolve(engine_config(CFG.replace(head_dim=256), {"cache": {"kv_dtype": f}}), free_bytes=1 << 30,
                     on_gpu=True)
     with pytest.raises(ConfigError, match=r"'kivi64' cannot be served on this GPU: no attention kernel reads it yet"):
@@ -77,6 +77,7 @@ def test_formats_the_device_cannot_serve_fail_at_start():
                                     "batcher": {"token_buckets": [16, 48]}}), free_bytes=None, on_gpu=False)
     for f in ("fp8", "int8", "int4"):          # the kernels serve them on a GPU
         resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
+    resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8r", "page_size": 64}}), free_bytes=1 << 30, on_gpu=True)
 
 
 def _engine(fmt, tight):
