@@ -71,13 +71,28 @@ def out_types(q, kvh: int, ns: int):
             jax.ShapeDtypeStruct((b * kvh * ns, gp), jnp.float32))
 
 
+def split_parts(o_t, lse, q_shape, kvh: int, ns: int, live=None):
+    """The kernel's outputs as (o [B, KH, ns, GP, D], lse [B, KH, ns, GP]), each split normalised with its base-2
+    log-sum-exp; rows at or past `live` (unwritten by the kernel) empty: o 0, lse EMPTY_LSE."""
+    b, _, d = q_shape
+    gp = lse.shape[-1]
+    o, lse = o_t.transpose(0, 2, 1).reshape(b, kvh, ns, gp, d), lse.reshape(b, kvh, ns, gp)
+    if live is not None:
+        on = jnp.arange(b) < live
+        o, lse = jnp.where(on[:, None, None, None, None], o, 0), jnp.where(on[:, None, None, None], lse, EMPTY_LSE)
+    return o, lse
+
+
 def finish(o_t, lse, q_shape, kvh: int, ns: int, extra=None):
-    """The kernel's splits merged (and `extra`, (o [B, KH, GP, D], lse [B, KH, GP]), as one split more)."""
+    """The kernel's splits merged (and `extra`'s, `split_parts`' of another call over other positions)."""
     b, h, d = q_shape
     o = o_t.transpose(0, 2, 1)
     if extra is not None:
-        gp = lse.shape[-1]
-        o = jnp.concatenate([o.reshape(b, kvh, ns, gp, d), extra[0][:, :, None].astype(o.dtype)], 2)
-        lse = jnp.concatenate([lse.reshape(b, kvh, ns, gp), extra[1][:, :, None].astype(lse.dtype)], 2)
-        o, lse, ns = o.reshape(-1, gp, d), lse.reshape(-1, gp), ns + 1
+        o, lse = split_parts(o_t, lse, q_shape, kvh, ns)
+        o, lse = jnp.concatenate([o, extra[0].astype(o.dtype)], 2), jnp.concatenate([lse, extra[1]], 2)
+        ns = o.shape[2]
+        o, lse = o.reshape(-1, *o.shape[3:]), lse.reshape(-1, lse.shape[-1])
     return combine_splits(o, lse, b, kvh, ns, h // kvh)
+
+
+EMPTY_LSE = -1e30       # an empty split's log-sum-exp: no weight in the merge, and never -inf - -inf

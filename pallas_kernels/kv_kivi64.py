@@ -59,13 +59,13 @@ def dequantize_v(packed: UInt8[Array, "*T KH D2"], aux: Float[Array, "*T KH W"])
 
 
 def read_pages(k: UInt8[Array, "S P 64 KH D2"], v: UInt8[Array, "S P 64 KH D2"], aux: Float[Array, "S P 64 KH W"],
-               tail: Float[Array, "S 64 KH D"], seq_lens, start=0) -> tuple[Float[Array, "S L KH D"],
-                                                                            Float[Array, "S L KH D"]]:
+               tail: Float[Array, "S 64 KH D"], seq_lens, start=0, v_tail=None) -> tuple[Float[Array, "S L KH D"],
+                                                                                          Float[Array, "S L KH D"]]:
     """Gathered pages of S sequences (positions start, start + 1, ...; start a multiple of 64) of a format with a
     tail -> K and V [S, P * 64, KH, D] f32: K of complete groups dequantized, of the group filling (positions >=
-    64 * floor(len / 64)) taken from the sequence's `tail` rows; V from its codes. kivi64's pages (uint8 codes: K
-    per channel, V rotated int4) or fp8r's (fp8 values, kv_quant's per-token rows). Positions past a length:
-    don't-care."""
+    64 * floor(len / 64)) taken from the sequence's `tail` rows; V from its codes, or for those positions from
+    `v_tail` [S, 64, KH, D] where given. kivi64's pages (uint8 codes: K per channel, V rotated int4) or fp8r's
+    (fp8 values, kv_quant's per-token rows, and a V tail). Positions past a length: don't-care."""
     s, p = k.shape[:2]
     if k.dtype == jnp.uint8:
         kk = dequantize_k_group(k, aux).reshape(s, p * GROUP, *k.shape[3:-1], -1)
@@ -77,4 +77,6 @@ def read_pages(k: UInt8[Array, "S P 64 KH D2"], v: UInt8[Array, "S P 64 KH D2"],
     full = (seq_lens // GROUP) * GROUP
     in_tail = (j[None, :] >= full[:, None])[:, :, None, None]
     tk = tail.astype(jnp.float32)[:, j % GROUP]                              # [S, P * 64, KH, D]
+    if v_tail is not None:
+        vv = jnp.where(in_tail, v_tail.astype(jnp.float32)[:, j % GROUP], vv)
     return jnp.where(in_tail, tk, kk), vv

@@ -21,10 +21,10 @@ Formats (`CacheConfig.kv_dtype`, `--kv-dtype`):
   * "kivi64": K per channel over groups of 64 positions (the group still filling kept in bfloat16 beside the
     pages), V as int4; pages of 64 (pallas_kernels/kv_kivi64.py, docs/design.md section 14.1). Served by the
     references only so far: no kernel reads it, and a GPU refuses it at start.
-  * "fp8r": fp8's pages, plus each sequence's newest K group (the positions past the last multiple of 64) kept in
-    bfloat16 beside them, as kivi64 keeps its filling group (KIVI's full-precision residual, for K only: the
-    recent keys are where fp8 cost SmolLM2 its top-1 agreement); pages of 64. Attention reads K of
-    positions below 64 floor(len / 64) from the pages and the rest from the tail row (docs/design.md section 14.3).
+  * "fp8r": fp8's pages, plus each sequence's newest group of K and V (the positions past the last multiple of 64)
+    kept in bfloat16 beside them, as kivi64 keeps its filling K group (KIVI's full-precision residual: the recent
+    keys are where fp8 cost SmolLM2 its top-1 agreement); pages of 64. Attention reads K and V of
+    positions below 64 floor(len / 64) from the pages, the rest from the tail rows (docs/design.md section 14.3).
   * "fp8_page": float8 with one scale per page and kv head, for the accuracy comparison only (docs/design.md
     section 10): a write that raises a page's maximum rescales the page's earlier rows. Its write rewrites the
     whole layer (the reference path on a CPU); no kernel serves it.
@@ -52,6 +52,7 @@ INT4_CODES = ("int4", "kivi64")               # formats whose values are packed 
 GROUPED = ("int8", "int4", "kivi64")          # formats with a scale and a center per GROUP values of head_dim
 FP8_VALUES = ("fp8", "fp8_page", "fp8r")      # formats whose values are e4m3 with a scale per row
 TAIL_FORMATS = ("kivi64", "fp8r")               # formats keeping each sequence's filling K group in bfloat16
+V_TAIL_FORMATS = ("fp8r",)                      # ... and its V (read with K by the bfloat16 kernel on the GPU)
 MEASURE_ONLY = ("fp8_page",)                    # accepted by the config, served by the references only
 ALL_KV_DTYPES = KV_DTYPES + MEASURE_ONLY
 

@@ -39,7 +39,7 @@ from pallas_kernels._mgpu import LOG2E, Ops, bcast_rows, compiler_params, block_
 from pallas_kernels._kv_dequant import Dequant, aux_columns, dequant_block, dequant_values, load_rows, \
     pair_columns
 from pallas_kernels.paged_decode_attention import item_coords, store_partial
-from pallas_kernels._swapped_operands import finish, out_types, prepare
+from pallas_kernels._swapped_operands import finish, out_types, prepare, split_parts
 from pallas_kernels._swapped_options import INT8_MMA_FORMATS, kernel_options
 
 ROW_SUMS = ("wgmma", "reduce")
@@ -343,7 +343,7 @@ def attention_kernel(params_hbm, lens_hbm, pt_hbm, q_hbm, k_hbm, v_hbm, o_hbm, l
 @functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "num_splits", "block_kv", "num_stages",
                                              "row_sums", "interpret", "dequant_wgs", "prefetch_pages",
                                              "k_in_consumer", "fp8_mma", "int8_mma", "deq_tiles", "pipeline",
-                                             "group_accs"),
+                                             "group_accs", "parts"),
                    inline=True)
 def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Array, "L N PS KH D"],
                                    v_cache: Float[Array, "L N PS KH D"], layer: Int[Array, ""],
@@ -356,7 +356,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
                                    int8_mma: bool | None = None, deq_tiles: int = 2,
                                    live_rows: Int[Array, ""] | None = None,
                                    pipeline: bool | None = None,
-                                   group_accs: bool | None = None, extra_split=None) -> Float[Array, "B H D"]:
+                                   group_accs: bool | None = None, extra_split=None,
+                                   parts: bool = False) -> Float[Array, "B H D"]:
     """Same contract as `paged_decode_attention` (positions-as-rows formulation). `num_stages=None`: 3 on at most 60%
     of the SMs, else 2 (measured best on H100, bench/results/decode_share-20261123.json). `row_sums=None`: "wgmma"
     on at most 60% of the SMs, where the consumer's chain bounds the rate (5-15% faster on 33 H100 SMs), else
@@ -375,10 +376,10 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
     buffers (2: double-buffered; 1 leaves SMEM for 256-position blocks, the dequantizer then waiting for the
     consumer's release of each tile). `pipeline` (None: `PIPELINE` where it applies): each block's score wgmmas
     issued behind the block before's P V^T (`attention_kernel`). `group_accs` (int4 with int8_mma; None:
-    `GROUP_ACCS`): a score wgmma and accumulator a group, the query's parts without zero blocks. `extra_split`:
-    (o [B, KH, GP, D] normalised, lse [B, KH, GP] base 2) of positions the kernel did not read, merged with the
-    kernel's splits as one more (a format's K tail rows, nfjax/kv/tail_attention.py); an empty one has o = 0 and a
-    finite lse far below any score's."""
+    `GROUP_ACCS`): a score wgmma and accumulator a group, the query's parts without zero blocks. `parts`: return
+    the splits unmerged, (o [B, KH, ns, GP, D], lse [B, KH, ns, GP]) (`_swapped_operands.split_parts`), for
+    another call's `extra_split`, which merges them with its own (positions one call does not read, such as a
+    format's K tail rows, nfjax/kv/tail_attention.py)."""
     o = kernel_options(q, k_cache, aux_cache, num_ctas=num_ctas, num_stages=num_stages, row_sums=row_sums,
                        dequant_wgs=dequant_wgs, prefetch_pages=prefetch_pages, k_in_consumer=k_in_consumer,
                        fp8_mma=fp8_mma, int8_mma=int8_mma, pipeline=pipeline, group_accs=group_accs)
@@ -402,6 +403,8 @@ def paged_decode_attention_swapped(q: Float[Array, "B H D"], k_cache: Float[Arra
         interpret=mosaic_gpu_interpret_params() if interpret else None,
     )(params, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_cache, v_cache,
       *(() if aux_cache is None else (aux_cache,)), *extra)
+    if parts:
+        return split_parts(o_t, lse, q.shape, kvh, ns, None if live_rows is None else params[1])
     out = finish(o_t, lse, q.shape, kvh, ns, extra_split)
     if live_rows is None:
         return out

@@ -18,15 +18,16 @@ def ragged_paged_attention_ref(q: Float[Array, "T H D"], k_pages: Float[Array, "
                                v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                                token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
                                seq_lens: Int[Array, "S"], scale: float, aux_pages=None,
-                               k_tail=None) -> Float[Array, "T H D"]:
+                               k_tail=None, v_tail=None) -> Float[Array, "T H D"]:
     """`aux_pages` [N, PS, KH, W]: the pages are in a quantized format (kv_quant.py), dequantized here;
-    `k_tail` [S, 64, KH, D]: a format with a tail (kivi64, fp8r), each sequence's filling K group in its row
-    (kv_kivi64.read_pages)."""
+    `k_tail` [S, 64, KH, D]: a format with a tail (kivi64, fp8r), each sequence's filling K group in its row,
+    and its V in `v_tail` (fp8r; kv_kivi64.read_pages)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
     if k_tail is not None:
-        k_seq, v_seq = read_pages(k_pages[page_table], v_pages[page_table], aux_pages[page_table], k_tail, seq_lens)
+        k_seq, v_seq = read_pages(k_pages[page_table], v_pages[page_table], aux_pages[page_table], k_tail, seq_lens,
+                                  v_tail=v_tail)
     else:
         aux = None if aux_pages is None else aux_pages[page_table].reshape(s, p * ps, kh, -1)
         k_seq, v_seq = dequantize_kv(k_pages[page_table].reshape(s, p * ps, kh, -1),    # [S, L, KH, D] f32

@@ -236,7 +236,7 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
     from nfjax.kv import kivi64
     from nfjax.kv.cache import bytes_per_token
     from nfjax.kv.tail_slots import tail_rows
-    from pallas_kernels.kv_quant import has_tail
+    from pallas_kernels.kv_quant import V_TAIL_FORMATS, has_tail
     m, c, b = config.model, config.cache, config.batcher
     tp = config.parallel.tp
     moe = is_moe(m)
@@ -255,8 +255,9 @@ def resolve(config: EngineConfig, free_bytes: int | None, on_gpu: bool) -> Engin
             # the penalty slots' token counts (nfjax/engine/penalties.py, on every device) come out of the KV share
             kv_bytes = int(free_bytes * c.kv_memory_fraction) - state_bytes(num_penalty_slots(seqs_bound),
                                                                              m.vocab_size)
-            if has_tail(c.kv_dtype):        # its K tail rows (nfjax/kv/kivi64.py) come out of the KV share too
-                kv_bytes -= kivi64.tail_bytes(m.num_layers, tail_rows(seqs_bound), local.num_kv_heads, m.head_dim)
+            if has_tail(c.kv_dtype):        # its tail rows (nfjax/kv/kivi64.py) come out of the KV share too
+                kv_bytes -= kivi64.tail_bytes(m.num_layers, tail_rows(seqs_bound), local.num_kv_heads, m.head_dim) \
+                    * (2 if c.kv_dtype in V_TAIL_FORMATS else 1)                 # K's, and fp8r's V too
             num_pages = max(2, int(kv_bytes // per_page))
     max_len = min(c.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     per_seq = c.max_pages_per_seq or c.pages_for(max_len)

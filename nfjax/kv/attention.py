@@ -93,7 +93,8 @@ def _reference(q, kv: KVCache, layer, meta: AttentionMetadata, scale):
     attend = ragged_paged_attention_ref if on_gpu() else blocked_paged_attention
     k, v, aux = kv.layer_pages(layer)
     return attend(q, k, v, meta.positions[:t], meta.token_seq[:t], meta.page_table, meta.seq_lens, scale,
-                  aux_pages=aux, k_tail=kv.tail_rows(layer, meta.kv_tail))
+                  aux_pages=aux, k_tail=kv.tail_rows(layer, meta.kv_tail),
+                  v_tail=kv.v_tail_rows(layer, meta.kv_tail))
 
 
 def rotate_queries(q: Float[Array, "T H D"], kv: KVCache) -> Float[Array, "T H D"]:
@@ -133,7 +134,8 @@ def _decode(q, kv, layer, meta, scale, use_kernels, interpret, num_ctas):
     q_r, pt, lens = decode_rows(q, meta)
     tail = None
     if has_tail(kv.kv_dtype):         # the kernel reads the complete groups, the tail rows the rest
-        tail = decode_tail_split(q_r, kv, layer, pt, lens, meta.kv_tail[:q_r.shape[0]], scale)
+        tail = decode_tail_split(q_r, kv, layer, lens, meta.kv_tail[:q_r.shape[0]], scale, meta.num_decode,
+                                 num_ctas=num_ctas or num_sms(), interpret=interpret)
         lens = (lens // TAIL_GROUP) * TAIL_GROUP
     # the decodes are rows [0, num_decode): the kernel visits no other row (a mixed step's call runs over max_seqs)
     return paged_decode_attention_swapped(q_r, kv.k, kv.v, layer, pt, lens, scale=scale,
@@ -204,7 +206,7 @@ def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs
         read = jnp.where(rows >= first, lens, 0)
         k, v, table = dequantized_pages(kv, layer, pt, read, copy_pages)
         if has_tail(kv.kv_dtype):
-            k = splice_tail(k, table, read, kv, layer, tails)
+            k, v = splice_tail(k, v, table, read, kv, layer, tails)
         return paged_prefill_attention(q, k, v, jnp.int32(0), table, lens, qs, first, scale=scale,
                                        interpret=interpret)
     return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret,

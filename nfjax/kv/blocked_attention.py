@@ -23,11 +23,11 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
                             v_pages: Float[Array, "N PS KH D"], positions: Int[Array, "T"],
                             token_seq: Int[Array, "T"], page_table: Int[Array, "S P"],
                             seq_lens: Int[Array, "S"], scale: float, aux_pages=None,
-                            read_block=None, k_tail=None) -> Float[Array, "T H D"]:
+                            read_block=None, k_tail=None, v_tail=None) -> Float[Array, "T H D"]:
     """Same contract as `ragged_paged_attention_ref` (quantized pages with their `aux_pages` are dequantized
     block by block); rows whose sequence is empty come back 0. `read_block(pages [S, bp], start)`: the block's K
     and V [S, bp x PS, KH, D] in f32, `start` its first position (default: the pages as stored, dequantized; the
-    KV probes read them through other formats). `k_tail` [S, 64, KH, D]: pages of a format with a tail (kv_kivi64.read_pages)."""
+    KV probes read them through other formats). `k_tail` (and `v_tail`) [S, 64, KH, D]: pages of a format with a tail (kv_kivi64.read_pages)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape
@@ -41,7 +41,7 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
 
     def stored(pages, start):
         if k_tail is not None:
-            return read_pages(k_pages[pages], v_pages[pages], aux_pages[pages], k_tail, seq_lens, start)
+            return read_pages(k_pages[pages], v_pages[pages], aux_pages[pages], k_tail, seq_lens, start, v_tail)
         ab = None if aux_pages is None else aux_pages[pages].reshape(s, width, kh, -1)
         return dequantize_kv(k_pages[pages].reshape(s, width, kh, -1), v_pages[pages].reshape(s, width, kh, -1), ab)
     read = read_block or stored

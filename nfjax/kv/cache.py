@@ -30,6 +30,7 @@ class KVCache:
     # kivi64, fp8r: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a page
     # array, so not in `arrays()` (swapping moves a sequence's row beside its pages: nfjax/kv/tail_slots.py)
     k_tail: Float[Array, "L R G KH D"] | None = None
+    v_tail: Float[Array, "L R G KH D"] | None = None        # fp8r: V of the same positions, bfloat16 (kivi64: none)
 
     @staticmethod
     def create(model: ModelConfig, cache: CacheConfig, dtype=None, sharding=None, tail_rows: int = 0) -> "KVCache":
@@ -45,13 +46,15 @@ class KVCache:
         if kv_quant.is_quantized(fmt):
             w = kv_quant.aux_width(fmt, model.head_dim)
             aux = jax.jit(lambda: jnp.zeros(lead + (w,), kv_quant.AUX_DTYPE), out_shardings=sharding)()
-        tail = None
+        tail = v_tail = None
         if kv_quant.has_tail(fmt):
             if tail_rows < 1:
                 raise ValueError(f"a {fmt} cache needs tail_rows >= 1 (its sequences' filling K groups)")
             shape = (model.num_layers, tail_rows, kivi64.GROUP, model.num_kv_heads, model.head_dim)
-            tail = jax.jit(lambda: jnp.zeros(shape, jnp.bfloat16), out_shardings=sharding)()
-        return KVCache(mk(), mk(), aux, fmt, tail)
+            mk_tail = jax.jit(lambda: jnp.zeros(shape, jnp.bfloat16), out_shardings=sharding)
+            tail = mk_tail()
+            v_tail = mk_tail() if fmt in kv_quant.V_TAIL_FORMATS else None
+        return KVCache(mk(), mk(), aux, fmt, tail, v_tail)
 
     @property
     def page_size(self) -> int:
@@ -63,12 +66,15 @@ class KVCache:
 
     def with_arrays(self, arrays) -> "KVCache":
         arrays = tuple(arrays)
-        return KVCache(arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None, self.kv_dtype, self.k_tail)
+        return KVCache(arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None, self.kv_dtype, self.k_tail,
+                       self.v_tail)
 
     def like(self, leaf) -> "KVCache":
         """This cache's structure with `leaf` (a sharding, a PartitionSpec) in place of every array."""
         out = self.with_arrays([leaf] * len(self.arrays()))
-        return out if self.k_tail is None else dataclasses.replace(out, k_tail=leaf)
+        if self.k_tail is None:
+            return out
+        return dataclasses.replace(out, k_tail=leaf, v_tail=None if self.v_tail is None else leaf)
 
     def take_pages(self, pages: Int[Array, "P"]) -> tuple:
         """Every array's rows of `pages` (all layers), as stored: swapping moves compressed pages and their
@@ -98,9 +104,9 @@ class KVCache:
         if self.kv_dtype == "fp8_page":
             return self._write_page_scaled(layer, page, off, k, v)
         kq, vq, aux = kv_quant.quantize_kv(self.kv_dtype, k, v)
-        tail = self.k_tail if self.k_tail is None else kivi64.write_tail(self, layer, slots, k, meta)
+        tails = (self.k_tail, self.v_tail) if self.k_tail is None else kivi64.write_tail(self, layer, slots, k, meta, v)
         return KVCache(self.k.at[layer, page, off].set(kq, **put), self.v.at[layer, page, off].set(vq, **put),
-                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype, tail)
+                       self.aux.at[layer, page, off].set(aux, **put), self.kv_dtype, *tails)
 
     def _write_page_scaled(self, layer, page, off, k, v) -> "KVCache":
         """fp8 with one scale per page and kv head (accuracy comparison only): the layer is dequantized, the
@@ -132,6 +138,10 @@ class KVCache:
     def tail_rows(self, layer, rows: Int[Array, "S"]) -> Float[Array, "S G KH D"] | None:
         """A format with a tail: its K tail rows `rows` of one layer (None for the other formats)."""
         return None if self.k_tail is None else self.k_tail[layer][rows]
+
+    def v_tail_rows(self, layer, rows: Int[Array, "S"]) -> Float[Array, "S G KH D"] | None:
+        """fp8r: its V tail rows `rows` of one layer (None for the other formats)."""
+        return None if self.v_tail is None else self.v_tail[layer][rows]
 
 
 def check_format(model: ModelConfig, kv_dtype: str) -> None:

@@ -1,5 +1,6 @@
-"""kivi64's write (docs/design.md section 14.1), and the tail rows every format with one writes (`write_tail`): K enters a bfloat16 tail row of its sequence and is quantized per
-channel when its group of 64 positions completes; V is quantized per token as int4 at once.
+"""kivi64's write (docs/design.md section 14.1): K enters a bfloat16 tail row of its sequence and is quantized per
+channel when its group of 64 positions completes; V is quantized per token as int4 at once. `write_tail` writes
+the tail rows of every format with one (kivi64's K; fp8r's K and V, section 14.3).
 
 State after a step's writes, for a sequence of length n (`AttentionMetadata.seq_lens`): groups below
 f = 64 * floor(n / 64) are quantized in their pages (a group is a page); positions [f, n) are in
@@ -55,21 +56,24 @@ def write(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, 
     vals_k = cache.k.at[layer, gpage].set(codes, **put)
     aux = aux.at[layer, gpage, :, :, :g2].set(kaux, **put)
 
-    return type(cache)(vals_k, vals_v, aux, cache.kv_dtype, write_tail(cache, layer, slots, k, meta))
+    return type(cache)(vals_k, vals_v, aux, cache.kv_dtype, *write_tail(cache, layer, slots, k, meta))
 
 
 def write_tail(cache, layer: Int[Array, ""], slots: Int[Array, "T"], k: Float[Array, "T KH D"],
-               meta: AttentionMetadata):
-    """The new `k_tail`: the rows of each sequence's group still filling (positions >= 64 floor(len / 64)) into
-    its tail row; every format with a tail (kivi64, fp8r) writes it so."""
+               meta: AttentionMetadata, v: Float[Array, "T KH D"] | None = None):
+    """The new (`k_tail`, `v_tail`): the rows of each sequence's group still filling (positions >= 64 floor(len /
+    64)) into its tail row, K's, and V's where the cache keeps a V tail (fp8r)."""
     t = k.shape[0]
     r = cache.k_tail.shape[1]
     seq, pos = meta.token_seq[:t], meta.positions[:t]
     full = (meta.seq_lens[seq] // GROUP) * GROUP
     valid = slots < cache.k.shape[1] * cache.k.shape[2]
     tail_row = jnp.where(valid & (pos >= full), meta.kv_tail[seq], r + jnp.arange(t))   # the rest: distinct, dropped
-    return cache.k_tail.at[layer, tail_row, pos % GROUP].set(k.astype(cache.k_tail.dtype), mode="drop",
-                                                              unique_indices=True)
+    put = dict(mode="drop", unique_indices=True)
+    k_tail = cache.k_tail.at[layer, tail_row, pos % GROUP].set(k.astype(cache.k_tail.dtype), **put)
+    if cache.v_tail is None:
+        return k_tail, None
+    return k_tail, cache.v_tail.at[layer, tail_row, pos % GROUP].set(v.astype(cache.v_tail.dtype), **put)
 
 
 def tail_bytes(num_layers: int, rows: int, kv_heads: int, head_dim: int) -> int:

@@ -114,18 +114,24 @@ def tail_rows(max_seqs: int) -> int:
 
 
 def tail_row(kv, row):
-    """Tail row `row` of every layer, [L, 1, 64, KH, D] (kv heads on axis 3, as a page block's)."""
-    return lax.dynamic_slice_in_dim(kv.k_tail, row, 1, axis=1)
+    """Tail row `row` of every layer, [L, 1, 64, KH, D] (kv heads on axis 3, as a page block's); with a V tail
+    (fp8r) K's and V's layers one after the other, [2 L, 1, 64, KH, D]."""
+    k = lax.dynamic_slice_in_dim(kv.k_tail, row, 1, axis=1)
+    return k if kv.v_tail is None else jnp.concatenate([k, lax.dynamic_slice_in_dim(kv.v_tail, row, 1, axis=1)])
 
 
 def put_tail_row(kv, row, x):
     """`tail_row`'s block written back at `row`."""
-    return dataclasses.replace(kv, k_tail=lax.dynamic_update_slice_in_dim(kv.k_tail, x.astype(kv.k_tail.dtype),
-                                                                          row, axis=1))
+    def put(a, blk):
+        return lax.dynamic_update_slice_in_dim(a, blk.astype(a.dtype), row, axis=1)
+    if kv.v_tail is None:
+        return dataclasses.replace(kv, k_tail=put(kv.k_tail, x))
+    n = kv.k_tail.shape[0]
+    return dataclasses.replace(kv, k_tail=put(kv.k_tail, x[:n]), v_tail=put(kv.v_tail, x[n:]))
 
 
 class TailCopies:
-    """Swapping's part for kivi64: a sequence's tail row leaves and comes back with its pages (compiled at
+    """Swapping's part for the formats with a tail: a sequence's tail row leaves and comes back with its pages (compiled at
     start, as the page copies)."""
 
     def __init__(self, slots: TailSlots, kv, kv_sharding, block_sharding, replicated):

@@ -1,7 +1,7 @@
-"""fp8r (docs/design.md section 14.3): fp8 pages and each sequence's filling K group in a bfloat16 tail row. The
-write keeps both; the CPU's reference paths read K past the last complete group from the tail; the kernel path
-(Mosaic GPU interpret mode) reads the complete groups with the fp8 kernels and the tail beside them
-(nfjax/kv/tail_attention.py), and matches the reference on a mixed step."""
+"""fp8r (docs/design.md section 14.3): fp8 pages and each sequence's filling group of K and V in bfloat16 tail rows.
+The write keeps both; the CPU's reference paths read K and V past the last complete group from the tails; the
+kernel path (Mosaic GPU interpret mode) reads the complete groups with the fp8 kernels and the tails with the
+bfloat16 one (nfjax/kv/tail_attention.py), and matches the reference on a mixed step."""
 import dataclasses
 
 import jax
@@ -33,8 +33,9 @@ def _written(plans):
 def test_pages_hold_fp8_and_the_tail_the_filling_group_exact():
     _, ks, vs, lens, kv = _written(PLANS)
     pt = jnp.asarray(PAGES)
-    k_out, v_out = (np.asarray(a) for a in kk.read_pages(kv.k[1][pt], kv.v[1][pt], kv.aux[1][pt],
-                                                         kv.k_tail[1][jnp.arange(1, 4)], jnp.asarray(lens)))
+    rows = jnp.arange(1, 4)
+    k_out, v_out = (np.asarray(a) for a in kk.read_pages(kv.k[1][pt], kv.v[1][pt], kv.aux[1][pt], kv.k_tail[1][rows],
+                                                         jnp.asarray(lens), v_tail=kv.v_tail[1][rows]))
     flat = [a[1][pt].reshape(3, P * 64, 2, -1) for a in (kv.k, kv.v, kv.aux)]
     k_fp8, v_fp8 = (np.asarray(a) for a in kq.dequantize_kv(*flat))
     for i, n in enumerate(lens):
@@ -42,9 +43,10 @@ def test_pages_hold_fp8_and_the_tail_the_filling_group_exact():
         assert np.array_equal(k_out[i, :f], k_fp8[i, :f]), i                   # complete groups: the fp8 pages
         assert np.array_equal(k_out[i, f:n], ks[i][f:n]), i                     # the filling group: exact
         assert not np.array_equal(k_fp8[i, f:n], ks[i][f:n]), i                 # (which fp8 is not)
-        assert np.array_equal(v_out[i, :n], v_fp8[i, :n]), i                    # V: the fp8 pages everywhere
+        assert np.array_equal(v_out[i, :f], v_fp8[i, :f]), i                    # V likewise
+        assert np.array_equal(v_out[i, f:n], np.asarray(jnp.asarray(vs[i][f:n], jnp.bfloat16), np.float32)), i
         assert np.abs(v_fp8[i, :n] - vs[i][:n]).max() < 0.07 * np.abs(vs[i][:n]).max(), i
-    assert np.all(np.asarray(kv.k_tail[0]) == 0)                                 # other layers untouched
+    assert np.all(np.asarray(kv.k_tail[0]) == 0) and np.all(np.asarray(kv.v_tail[0]) == 0)   # other layers untouched
 
 
 @pytest.mark.parametrize("window", [None, 2])
@@ -62,7 +64,7 @@ def test_kernel_path_reads_the_tail_as_the_reference_does(window):
     out = np.asarray(run(kv), np.float64)
     err = np.linalg.norm(out[:live] - ref[:live]) / np.linalg.norm(ref[:live])
     assert np.isfinite(out).all() and err < 1e-2, err
-    # the tail is read: with its rows zeroed, the rows that see a filling group's position move, no other does
+    # the tail is read: with its K rows zeroed, the rows that see a filling group's position move, no other does
     zeroed = np.asarray(run(dataclasses.replace(kv, k_tail=jnp.zeros_like(kv.k_tail))), np.float64)
     moved = np.linalg.norm(zeroed[:live] - out[:live], axis=(1, 2)) / np.linalg.norm(out[:live], axis=(1, 2))
     pos, seq = np.asarray(meta.positions)[:live], np.asarray(meta.token_seq)[:live]
