@@ -412,3 +412,14 @@ def test_query_parts_probe_ways_build_the_shipped_operand_and_the_smoke_reports_
     d = json.loads(f.read_text())
     assert set(d["summary"]) == ({f"us_r16_{w}{s}" for w in ("concat", "stacked", "where_i8", "apart", "packed")
                                   for s in ("", "_rot")} | {"us_r16_fp8", "us_r16_fp8_packed"})
+
+
+def test_tail_check_probe_reads_fp8r_as_the_reference_does_in_interpret_mode(tmp_path):
+    """The fp8r probe's check (the kernels over the pages and the tail rows against the reference) passes in
+    interpret mode at head_dim 64 and 128 and writes its errors; it exits non-zero on a difference."""
+    import json
+    from bench.probes import tail_check
+    tail_check.main(["--interpret", "--out", str(tmp_path)])
+    (f,) = tmp_path.glob("tail_check-*.json")
+    summary = json.loads(f.read_text())["summary"]
+    assert set(summary) == {"rel_err_d64", "rel_err_d128"} and all(0 < e < 1e-2 for e in summary.values())
