@@ -16,7 +16,8 @@ from typing import Any
 from nfjax.config import (BatcherConfig, CacheConfig, ConfigError, EngineConfig, ExecutionConfig, ModelConfig,
                           ParallelConfig, StrategyConfig, read_json)
 from nfjax.device_memory import KV_MEMORY_FRACTION, is_moe, kv_memory_fraction
-from pallas_kernels.kv_quant import KV_DTYPES
+from pallas_kernels.kv_kivi64 import GROUP as TAIL_GROUP
+from pallas_kernels.kv_quant import KV_DTYPES, has_tail
 
 SECTIONS: dict[str, type] = {"cache": CacheConfig, "batcher": BatcherConfig, "execution": ExecutionConfig,
                              "parallel": ParallelConfig}
@@ -59,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="JSON with sections cache, batcher, execution, parallel (flags override it)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights and activations")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (devices)")
-    g.add_argument("--page-size", type=int, default=None, help="positions per KV page (default 16)")
+    g.add_argument("--page-size", type=int, default=None, help="positions per KV page (default 16; 64 for kivi64 and fp8r, whose groups are pages)")
     g.add_argument("--num-pages", type=int, default=None,
                    help="KV pages (default: what fits in --kv-memory-fraction of free GPU memory; 512 on CPU)")
     g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
@@ -212,6 +213,8 @@ def engine_config(model: ModelConfig, overrides: dict | None = None) -> EngineCo
         unknown = sorted(set(vals) - known)
         if unknown:
             raise ConfigError(f"engine config: unknown field {name}.{unknown[0]}; fields are {', '.join(sorted(known))}")
+        if name == "cache" and vals.get("page_size") is None and has_tail(vals.get("kv_dtype", "")):
+            vals["page_size"] = TAIL_GROUP      # kivi64's and fp8r's groups are pages: the page size they take
         if "strategies" in vals:
             vals["strategies"] = tuple(_strategy(v) for v in vals["strategies"])
         if vals.get("token_buckets") is not None:

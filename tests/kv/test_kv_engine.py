@@ -70,14 +70,18 @@ def test_formats_the_device_cannot_serve_fail_at_start():
     with pytest.raises(ConfigError, match=r"'kivi64' cannot be served on this GPU: no attention kernel reads it yet"):
         resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64}}), free_bytes=1 << 30,
                 on_gpu=True)
-    with pytest.raises(ConfigError, match=r"kivi64 needs pages of 64.*--page-size"):
-        engine_config(CFG, {"cache": {"kv_dtype": "kivi64"}})
+    with pytest.raises(ConfigError, match=r"kivi64 needs pages of 64.*--page-size\) is 16"):
+        engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 16}})
+    for f in ("kivi64", "fp8r"):                # pages of 64 where the page size is not given
+        assert engine_config(CFG, {"cache": {"kv_dtype": f}}).cache.page_size == 64
+        assert engine_config(CFG, {"cache": {"kv_dtype": f, "page_size": None}}).cache.page_size == 64
+    assert engine_config(CFG, {"cache": {"kv_dtype": "fp8"}}).cache.page_size == 16
     with pytest.raises(ConfigError, match=r"kivi64 needs a token budget \(the largest of --token-buckets.*got 48"):
         resolve(engine_config(CFG, {"cache": {"kv_dtype": "kivi64", "page_size": 64},
                                     "batcher": {"token_buckets": [16, 48]}}), free_bytes=None, on_gpu=False)
     for f in ("fp8", "int8", "int4"):          # the kernels serve them on a GPU
         resolve(engine_config(CFG, {"cache": {"kv_dtype": f}}), free_bytes=1 << 30, on_gpu=True)
-    resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8r", "page_size": 64}}), free_bytes=1 << 30, on_gpu=True)
+    resolve(engine_config(CFG, {"cache": {"kv_dtype": "fp8r"}}), free_bytes=1 << 30, on_gpu=True)
 
 
 def _engine(fmt, tight):
