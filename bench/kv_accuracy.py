@@ -71,8 +71,9 @@ def make_forward(runner):
         model = nnx.merge(runner.rest_gd, rest_state)
         x = model.embed(tokens)
         for i0, n in runner.groups:
-            x, kv = layers_step(runner.layer_gd, runner.layer_specs, runner.mesh, sequential_layer_fn, runner.opts,
-                            runner.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))
+            x, kv = layers_step(runner.layer_gd, runner.layer_specs, runner.mesh, sequential_layer_fn,
+                                runner.whole_table_opts(meta), runner.inv_freq, tuple(layer_states[i0:i0 + n]), kv,
+                                x, meta, jnp.int32(i0))
         return model.logits(model.norm(x)), kv
     return lambda kv, tokens, meta: fwd(runner.rest_state, runner.layer_states, kv, tokens, meta)
 

@@ -147,6 +147,14 @@ class Runner:
         self.xla_options = ({} if sc.command_buffers else dict(NO_COMMAND_BUFFERS)) | (
             {} if sc.xla_remat else dict(NO_REMAT))                                  # every step program's
 
+    def whole_table_opts(self, meta: AttentionMetadata) -> ForwardOptions:
+        """`opts` for a forward outside the step programs (inspection, the accuracy bench): where prefill reads a
+        bfloat16 copy of its pages (fp8r always), one that holds every row's whole page table, since no batcher
+        bounded these rows' pages."""
+        if not prefill_copy_pages(self.config, max(self.config.batcher.token_buckets)):
+            return self.opts
+        return dataclasses.replace(self.opts, prefill_copy_pages=int(np.prod(meta.page_table.shape)))
+
     def prefill_copy_pages(self, bucket: int) -> int:
         """The bfloat16 copy's pages of `bucket`'s prefill attention (`execution.prefill_dequant_first` on a
         quantized cache the kernels read), else 0: the kernel reads the cache in place."""
@@ -526,8 +534,9 @@ class Runner:
             model = nnx.merge(self.rest_gd, rest_state)
             x = model.embed_input(tokens, meta.positions)
             for i0, n in self.groups:
-                x, kv = layers_step(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn, self.opts,
-                                self.inv_freq, tuple(layer_states[i0:i0 + n]), kv, x, meta, jnp.int32(i0))
+                x, kv = layers_step(self.layer_gd, self.layer_specs, self.mesh, sequential_layer_fn,
+                                    self.whole_table_opts(meta), self.inv_freq, tuple(layer_states[i0:i0 + n]), kv,
+                                    x, meta, jnp.int32(i0))
             return model.logits(model.norm(x[meta.logits_index]))
         put = partial(jax.device_put, device=self.replicated)
         return f(self.rest_state, self.layer_states, self.kv, put(tokens), put(meta))

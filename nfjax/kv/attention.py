@@ -171,15 +171,22 @@ def dequantized_pages(kv: KVCache, layer: Int[Array, ""], page_table: Int[Array,
     past `capacity` are dropped (read as entry 0): the caller keeps the rows' pages within it (the batcher's limit).
     Unused entries of the copy hold page 0 (the scratch page); the table's entries past each row's length point at
     entry 0."""
-    ps, p = kv.k.shape[2], page_table.shape[1]
-    live = jnp.arange(p)[None, :] < ((seq_lens + ps - 1) // ps)[:, None]             # [W, P]
+    idx, table, _ = copy_table(page_table, seq_lens, kv.k.shape[2], capacity)
+    k, v = dequantize_kv(kv.k[layer, idx], kv.v[layer, idx], kv.aux[layer, idx], jnp.bfloat16)
+    return k[None], v[None], table
+
+
+def copy_table(page_table: Int[Array, "W P"], seq_lens: Int[Array, "W"], page_size: int, capacity: int):
+    """`dequantized_pages`' layout: (the cache's page id of each copy entry [capacity], the table renumbered into
+    the copy [W, P], which table entries the copy holds [W, P]). A page past the copy reads entry 0 (wrong values,
+    but never an index past the copy: a kernel reading past it hangs in interpret mode)."""
+    p = page_table.shape[1]
+    live = jnp.arange(p)[None, :] < ((seq_lens + page_size - 1) // page_size)[:, None]    # [W, P]
     slot = (jnp.cumsum(live.reshape(-1)) - 1).reshape(live.shape)
     idx = jnp.zeros((capacity,), jnp.int32).at[jnp.where(live, slot, capacity).reshape(-1)].set(
         page_table.reshape(-1), mode="drop")
-    k, v = dequantize_kv(kv.k[layer, idx], kv.v[layer, idx], kv.aux[layer, idx], jnp.bfloat16)
-    # a page past the copy reads entry 0 (wrong values, but never an index past the copy: a kernel reading past it
-    # hangs in interpret mode)
-    return k[None], v[None], jnp.where(live & (slot < capacity), slot, 0).astype(jnp.int32)
+    kept = live & (slot < capacity)
+    return idx, jnp.where(kept, slot, 0).astype(jnp.int32), kept
 
 
 def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs, copy_pages=0):
@@ -206,7 +213,8 @@ def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs
         read = jnp.where(rows >= first, lens, 0)
         k, v, table = dequantized_pages(kv, layer, pt, read, copy_pages)
         if has_tail(kv.kv_dtype):
-            k, v = splice_tail(k, v, table, read, kv, layer, tails)
+            kept = copy_table(pt, read, kv.k.shape[2], copy_pages)[2]
+            k, v = splice_tail(k, v, table, kept, read, kv, layer, tails)
         return paged_prefill_attention(q, k, v, jnp.int32(0), table, lens, qs, first, scale=scale,
                                        interpret=interpret)
     return paged_prefill_attention(q, kv.k, kv.v, layer, pt, lens, qs, first, scale=scale, interpret=interpret,

@@ -13,7 +13,7 @@ A group is a page (the format needs pages of 64), so the filling group is the on
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.kv_kivi64 import GROUP
 from pallas_kernels.paged_decode_swapped import paged_decode_attention_swapped
@@ -27,19 +27,20 @@ def decode_tail_split(q: Float[Array, "R H D"], kv, layer: Int[Array, ""], lens:
     64 positions, a row's table its tail row. Rows at or past `live_rows`, and rows with no such position, are
     empty."""
     return paged_decode_attention_swapped(q, kv.k_tail, kv.v_tail, layer, tail_rows[:, None], lens % GROUP,
-                                          scale=scale, num_ctas=num_ctas, block_kv=GROUP, interpret=interpret,
-                                          live_rows=live_rows, parts=True)
+                                          scale=scale, num_ctas=num_ctas, num_splits=1, block_kv=GROUP,
+                                          interpret=interpret, live_rows=live_rows, parts=True)
 
 
 def splice_tail(k_copy: Float[Array, "1 C PS KH D"], v_copy: Float[Array, "1 C PS KH D"], table: Int[Array, "W P"],
-                lens: Int[Array, "W"], kv, layer: Int[Array, ""], tail_rows: Int[Array, "W"]):
+                kept: Bool[Array, "W P"], lens: Int[Array, "W"], kv, layer: Int[Array, ""], tail_rows: Int[Array, "W"]):
     """The copy's K and V with each row's filling group (positions [64 floor(len / 64), len), len not a multiple
-    of 64) taken from its tail rows. `table` indexes the copy (`dequantized_pages`); rows of length 0 take
-    nothing."""
+    of 64) taken from its tail rows. `table` indexes the copy and `kept` says which of its entries the copy holds
+    (`attention.copy_table`); rows of length 0, and a page the copy could not hold, take nothing."""
     c = k_copy.shape[1]
-    idx = jnp.minimum(lens // GROUP, table.shape[1] - 1)
-    page = jnp.take_along_axis(table, idx[:, None], axis=1)[:, 0]
-    slot = jnp.where(lens % GROUP > 0, page, c)                                 # the rest: past the copy, dropped
+    idx = jnp.minimum(lens // GROUP, table.shape[1] - 1)[:, None]
+    page = jnp.take_along_axis(table, idx, axis=1)[:, 0]
+    ok = (lens % GROUP > 0) & jnp.take_along_axis(kept, idx, axis=1)[:, 0]
+    slot = jnp.where(ok, page, c)                                               # the rest: past the copy, dropped
     put = dict(mode="drop", unique_indices=False)
     return (k_copy.at[0, slot].set(kv.k_tail[layer][tail_rows].astype(k_copy.dtype), **put),
             v_copy.at[0, slot].set(kv.v_tail[layer][tail_rows].astype(v_copy.dtype), **put))

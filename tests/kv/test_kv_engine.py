@@ -172,3 +172,7 @@ def test_tail_formats_batch_invariance_under_budget_chunking(fmt):
     first = engine.generate([x], sp)[0].token_ids
     assert b.stats.hit_tokens_gpu == hits              # its first page holds generated positions: not shared
     assert engine.generate([x], sp)[0].token_ids == first and b.stats.hit_tokens_gpu == hits + 64
+    # a forward outside the step programs (Runner.logits, the accuracy bench): fp8r's prefill copy holds every
+    # row's whole table, since no batcher bounded its pages (kivi64 reads no copy)
+    meta = build_metadata([([1], 0, 3)], 16, 2, 4, 64)
+    assert engine.runner.whole_table_opts(meta).prefill_copy_pages == (2 * 4 if fmt == "fp8r" else 0)
