@@ -293,13 +293,14 @@ def prefill_copy_pages(config: "EngineConfig", budget: int) -> int:
     """KV pages the prefill rows of one step may read when the step is formed under a token `budget` (the largest
     token bucket, or the prefill bucket): the size of `execution.prefill_dequant_first`'s bfloat16 copy, and the
     batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end; 0 where there is no
-    copy (the option off, or a cache the kernels read as it is). fp8r always reads its prefill through the copy
-    (its K tail rows spliced in, nfjax/kv/tail_attention.py). One sequence's whole table fits, so every chunk can
+    copy (the option off, or a cache the kernels read as it is). fp8r (`V_TAIL_FORMATS`) always reads its prefill
+    through the copy (its tail rows spliced in, nfjax/kv/tail_attention.py). One sequence's whole table fits, so every chunk can
     be scheduled alone; the rest is room for the budget's other chunks. After `resolve`."""
     from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
+    from pallas_kernels.kv_quant import V_TAIL_FORMATS
     cache, sched = config.cache, config.batcher
     if not ((config.execution.prefill_dequant_first and cache.kv_dtype in QUANT_KERNEL_FORMATS)
-            or cache.kv_dtype == "fp8r"):
+            or cache.kv_dtype in V_TAIL_FORMATS):
         return 0
     return cache.max_pages_per_seq + pages_for(budget, cache.page_size) + sched.prefill_seqs_for(budget)
 

@@ -86,13 +86,11 @@ def split_parts(o_t, lse, q_shape, kvh: int, ns: int, live=None):
 def finish(o_t, lse, q_shape, kvh: int, ns: int, extra=None):
     """The kernel's splits merged (and `extra`'s, `split_parts`' of another call over other positions)."""
     b, h, d = q_shape
-    o = o_t.transpose(0, 2, 1)
-    if extra is not None:
-        o, lse = split_parts(o_t, lse, q_shape, kvh, ns)
-        o, lse = jnp.concatenate([o, extra[0].astype(o.dtype)], 2), jnp.concatenate([lse, extra[1]], 2)
-        ns = o.shape[2]
-        o, lse = o.reshape(-1, *o.shape[3:]), lse.reshape(-1, lse.shape[-1])
-    return combine_splits(o, lse, b, kvh, ns, h // kvh)
+    if extra is None:
+        return combine_splits(o_t.transpose(0, 2, 1), lse, b, kvh, ns, h // kvh)
+    o, lse = split_parts(o_t, lse, q_shape, kvh, ns)
+    o, lse = jnp.concatenate([o, extra[0].astype(o.dtype)], 2), jnp.concatenate([lse, extra[1]], 2)
+    return combine_splits(o.reshape(-1, *o.shape[3:]), lse.reshape(-1, lse.shape[-1]), b, kvh, o.shape[2], h // kvh)
 
 
 EMPTY_LSE = -1e30       # an empty split's log-sum-exp: no weight in the merge, and never -inf - -inf

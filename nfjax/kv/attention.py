@@ -172,8 +172,13 @@ def dequantized_pages(kv: KVCache, layer: Int[Array, ""], page_table: Int[Array,
     Unused entries of the copy hold page 0 (the scratch page); the table's entries past each row's length point at
     entry 0."""
     idx, table, _ = copy_table(page_table, seq_lens, kv.k.shape[2], capacity)
+    return (*_copy_of(kv, layer, idx), table)
+
+
+def _copy_of(kv: KVCache, layer: Int[Array, ""], idx: Int[Array, "C"]):
+    """K and V [1, C, PS, KH, D] bfloat16: the cache's pages `idx` of one layer, dequantized."""
     k, v = dequantize_kv(kv.k[layer, idx], kv.v[layer, idx], kv.aux[layer, idx], jnp.bfloat16)
-    return k[None], v[None], table
+    return k[None], v[None]
 
 
 def copy_table(page_table: Int[Array, "W P"], seq_lens: Int[Array, "W"], page_size: int, capacity: int):
@@ -211,9 +216,9 @@ def _prefill(q, kv, layer, meta, scale, use_kernels, interpret, max_prefill_seqs
         # rows before `first` (the decodes, without a window) read nothing: their lengths count no page
         rows = jnp.arange(lens.shape[0])
         read = jnp.where(rows >= first, lens, 0)
-        k, v, table = dequantized_pages(kv, layer, pt, read, copy_pages)
+        idx, table, kept = copy_table(pt, read, kv.k.shape[2], copy_pages)        # `dequantized_pages`' copy
+        k, v = _copy_of(kv, layer, idx)
         if has_tail(kv.kv_dtype):
-            kept = copy_table(pt, read, kv.k.shape[2], copy_pages)[2]
             k, v = splice_tail(k, v, table, kept, read, kv, layer, tails)
         return paged_prefill_attention(q, k, v, jnp.int32(0), table, lens, qs, first, scale=scale,
                                        interpret=interpret)

@@ -41,6 +41,5 @@ def splice_tail(k_copy: Float[Array, "1 C PS KH D"], v_copy: Float[Array, "1 C P
     page = jnp.take_along_axis(table, idx, axis=1)[:, 0]
     ok = (lens % GROUP > 0) & jnp.take_along_axis(kept, idx, axis=1)[:, 0]
     slot = jnp.where(ok, page, c)                                               # the rest: past the copy, dropped
-    put = dict(mode="drop", unique_indices=False)
-    return (k_copy.at[0, slot].set(kv.k_tail[layer][tail_rows].astype(k_copy.dtype), **put),
-            v_copy.at[0, slot].set(kv.v_tail[layer][tail_rows].astype(v_copy.dtype), **put))
+    return (k_copy.at[0, slot].set(kv.k_tail[layer][tail_rows].astype(k_copy.dtype), mode="drop"),
+            v_copy.at[0, slot].set(kv.v_tail[layer][tail_rows].astype(v_copy.dtype), mode="drop"))
