@@ -203,7 +203,7 @@ class CacheConfig:
     max_model_len: int | None = None       # longest sequence, prompt + output (None: the model's maximum)
     kv_memory_fraction: float | None = None    # automatic num_pages: this share of device memory left after the
                                                # weights (None: by model, nfjax/device_memory.py: 0.9, MoE 0.97)
-    kv_dtype: str = "bfloat16"             # bfloat16 (the model's dtype) | fp8 | int8 | int4 | kivi64 | fp8r (kv_quant.py)
+    kv_dtype: str = "bfloat16"             # bfloat16 (model dtype) | fp8 | int8 | int4 | kivi64 | fp8r (kv_quant.py)
     prefix_cache: bool = True              # reuse cached full pages of equal prefixes (nfjax/kv/allocator.py)
     host_cache_gb: float = 0.0             # host-memory tier for pages evicted from the GPU prefix cache (0: none)
     disk_cache_dir: str | None = None      # disk tier below the host tier (nfjax/kv/tiers.py; None: none)
@@ -215,8 +215,9 @@ class CacheConfig:
             raise ConfigError(f"cache.kv_dtype (--kv-dtype) {self.kv_dtype!r} is not a KV format; choices: "
                               f"{', '.join(KV_DTYPES)}")
         if has_tail(self.kv_dtype) and self.page_size != 64:
-            raise ConfigError(f"--kv-dtype {self.kv_dtype} needs pages of 64 positions (a page is one of its K groups): "
-                              f"cache.page_size (--page-size) is {self.page_size}; choices: {', '.join(KV_DTYPES)}")
+            raise ConfigError(f"--kv-dtype {self.kv_dtype} needs pages of 64 positions (a page is one of its K "
+                              f"groups): cache.page_size (--page-size) is {self.page_size}; choices: "
+                              f"{', '.join(KV_DTYPES)}")
         for f in ("page_size", "num_pages", "max_pages_per_seq", "max_model_len"):
             v = getattr(self, f)
             if v is not None and v < (2 if f == "num_pages" else 1):
@@ -294,8 +295,8 @@ def prefill_copy_pages(config: "EngineConfig", budget: int) -> int:
     token bucket, or the prefill bucket): the size of `execution.prefill_dequant_first`'s bfloat16 copy, and the
     batcher's limit on the sum over a step's prefill rows of the pages up to each chunk's end; 0 where there is no
     copy (the option off, or a cache the kernels read as it is). fp8r (`V_TAIL_FORMATS`) always reads its prefill
-    through the copy (its tail rows spliced in, nfjax/kv/tail_attention.py). One sequence's whole table fits, so every chunk can
-    be scheduled alone; the rest is room for the budget's other chunks. After `resolve`."""
+    through the copy (its tail rows spliced in, nfjax/kv/tail_attention.py). One sequence's whole table fits, so
+    every chunk can be scheduled alone; the rest is room for the budget's other chunks. After `resolve`."""
     from pallas_kernels._kv_dequant import QUANT_KERNEL_FORMATS
     from pallas_kernels.kv_quant import V_TAIL_FORMATS
     cache, sched = config.cache, config.batcher

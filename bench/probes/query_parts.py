@@ -123,7 +123,8 @@ def main(argv=None):
                     same = bool(np.array_equal(np.asarray(got[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
                                 and np.array_equal(np.asarray(got[1]), np.asarray(want[1])))
                     if not same:
-                        raise SystemExit(f"{w} differs from {'fp8' if w == 'fp8_packed' else 'the shipped parts'} at rows {r}")
+                        what = "fp8" if w == "fp8_packed" else "the shipped parts"
+                        raise SystemExit(f"{w} differs from {what} at rows {r}")
                 row = {"rows": r, "way": w, "rotated": rotated, "us": us, "equal_to_shipped": same}
                 rows.append(row)
                 summary[f"us_r{r}_{w}{'_rot' if rotated else ''}"] = round(us, 2)

@@ -26,13 +26,13 @@ tokens at finish or preemption). The last prompt token is always computed, and a
 first uncached position on, in pages of its own, so shared pages are never written (no copy-on-write).
 
 kivi64 and fp8r (formats keeping each sequence's filling group of 64 K positions in bfloat16, a group a page;
-docs/design.md sections 14.1 and 14.3): a query sees a group its own step completes as quantized, so a prefill chunk that does not end its prompt ends at
-a multiple of 64 (`_add_chunk`, `_shorten_chunks`), and what a query sees depends on its position and its
-prompt's length only: tokens do not depend on the batch. When the step's decodes leave the first prefill in line
-less than a group (where another format's prefill would still get a few tokens), enough decodes sit this step
-out to give it one (`_make_room`; never the same decode two steps in a row). Only pages wholly inside a prompt
-are offered to the prefix cache: a page holding generated positions was written by decodes, which saw their
-group unquantized, and is not what a prefill of the same tokens writes.
+docs/design.md sections 14.1 and 14.3): a query sees a group its own step completes as quantized, so a prefill
+chunk that does not end its prompt ends at a multiple of 64 (`_add_chunk`, `_shorten_chunks`), and what a query
+sees depends on its position and its prompt's length only: tokens do not depend on the batch. When the step's
+decodes leave the first prefill in line less than a group (where another format's prefill would still get a few
+tokens), enough decodes sit this step out to give it one (`_make_room`; never the same decode two steps in a
+row). Only pages wholly inside a prompt are offered to the prefix cache: a page holding generated positions was
+written by decodes, which saw their group unquantized, and is not what a prefill of the same tokens writes.
 """
 from __future__ import annotations
 
@@ -371,7 +371,7 @@ class Batcher(BucketFit):
             if self._copy_cap and (self._copy_used + self.cache.pages_for(self._first_chunk_end(req, left))
                                    > self._copy_cap):
                 break           # the copy holds it in a later step (checked before `_reuse_prefix` takes pages)
-            # kivi64, fp8r: the prompt, less any prefix it may reuse, counts whole here (no page is taken before this)
+            # kivi64, fp8r: the prompt, less any prefix it may reuse, counts whole here (no page taken before this)
             if self._blocked(req, left, req.prompt_len):
                 if not self._make_room(batch, req, left):
                     break
@@ -458,13 +458,13 @@ class Batcher(BucketFit):
         return n
 
     def _blocked(self, req: Request, left: int, rest: int) -> bool:
-        """A format with a tail: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group boundary,
-        so its chunk would wait (where another format's would take them)."""
+        """A format with a tail: `left` tokens reach neither the end of `req`'s prompt (`rest` to go) nor a group
+        boundary, so its chunk would wait (where another format's would take them)."""
         return bool(self.group) and left < min(rest, self.group)
 
     def _make_room(self, batch: Batch, req: Request, left: int) -> bool:
-        """A format with a tail: leave out enough decodes (newest first, none left out by the last step) that the first
-        prefill in line gets one group this step, if pages hold it. False (nothing changed) when the step
+        """A format with a tail: leave out enough decodes (newest first, none left out by the last step) that the
+        first prefill in line gets one group this step, if pages hold it. False (nothing changed) when the step
         already has a prefill chunk, or too few decodes may sit out: then the prefill waits a step."""
         need = self.group - left
         if len(batch.seqs) > batch.num_decode or self._made_room:

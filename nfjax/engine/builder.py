@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="JSON with sections cache, batcher, execution, parallel (flags override it)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights and activations")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (devices)")
-    g.add_argument("--page-size", type=int, default=None, help="positions per KV page (default 16; 64 for kivi64 and fp8r, whose groups are pages)")
+    g.add_argument("--page-size", type=int, default=None,
+                   help="positions per KV page (default 16; 64 for kivi64 and fp8r, whose groups are pages)")
     g.add_argument("--num-pages", type=int, default=None,
                    help="KV pages (default: what fits in --kv-memory-fraction of free GPU memory; 512 on CPU)")
     g.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,

@@ -27,7 +27,8 @@ def blocked_paged_attention(q: Float[Array, "T H D"], k_pages: Float[Array, "N P
     """Same contract as `ragged_paged_attention_ref` (quantized pages with their `aux_pages` are dequantized
     block by block); rows whose sequence is empty come back 0. `read_block(pages [S, bp], start)`: the block's K
     and V [S, bp x PS, KH, D] in f32, `start` its first position (default: the pages as stored, dequantized; the
-    KV probes read them through other formats). `k_tail` (and `v_tail`) [S, 64, KH, D]: pages of a format with a tail (kv_kivi64.read_pages)."""
+    KV probes read them through other formats). `k_tail` (and `v_tail`) [S, 64, KH, D]: pages of a format with a
+    tail (kv_kivi64.read_pages)."""
     t, h, d = q.shape
     _, ps, kh, _ = k_pages.shape
     s, p = page_table.shape

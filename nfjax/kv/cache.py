@@ -2,8 +2,8 @@
 
 The cache's format is `CacheConfig.kv_dtype` (pallas_kernels/kv_quant.py): unquantized values, or fp8 / int8 /
 int4 values with one bfloat16 `aux` row of scales (and int8 / int4 centers) per token and kv head; kivi64 and fp8r
-also keep each sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py). K and V are quantized here, where they
-enter the cache (`write`); attention dequantizes what it reads.
+also keep each sequence's filling group of K in bfloat16 (`k_tail`, nfjax/kv/kivi64.py; fp8r's V too, `v_tail`).
+K and V are quantized here, where they enter the cache (`write`); attention dequantizes what it reads.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ class KVCache:
     v: Float[Array, "L N PS KH D"]
     aux: Float[Array, "L N PS KH W"] | None = None      # quantized formats: scales (and centers), bfloat16
     kv_dtype: str = field(default="bfloat16", metadata=dict(static=True))
-    # kivi64, fp8r: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a page
-    # array, so not in `arrays()` (swapping moves a sequence's row beside its pages: nfjax/kv/tail_slots.py)
+    # kivi64, fp8r: the K group each sequence is filling, bfloat16, by tail row (AttentionMetadata.kv_tail); not a
+    # page array, so not in `arrays()` (swapping moves a sequence's row beside its pages: nfjax/kv/tail_slots.py)
     k_tail: Float[Array, "L R G KH D"] | None = None
     v_tail: Float[Array, "L R G KH D"] | None = None        # fp8r: V of the same positions, bfloat16 (kivi64: none)
 

@@ -131,8 +131,8 @@ def put_tail_row(kv, row, x):
 
 
 class TailCopies:
-    """Swapping's part for the formats with a tail: a sequence's tail row leaves and comes back with its pages (compiled at
-    start, as the page copies)."""
+    """Swapping's part for the formats with a tail: a sequence's tail row leaves and comes back with its pages
+    (compiled at start, as the page copies)."""
 
     def __init__(self, slots: TailSlots, kv, kv_sharding, block_sharding, replicated):
         self.slots, self.replicated, self.block_sharding = slots, replicated, block_sharding
